@@ -1,0 +1,1 @@
+//! gradwire benchmarks live in `benches/`.

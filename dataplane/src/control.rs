@@ -1,0 +1,1 @@
+//! Control messages (in progress).

@@ -1,0 +1,15 @@
+//! gradwire: a bounded-loss-tolerant transport for distributed DNN training traffic.
+//!
+//! The crate is layered so that every layer can be tested without the one below it:
+//!
+//! - [`wire`]: byte-exact packet views and `Repr` parse/emit for Ethernet, IPv4, IPv6, UDP and
+//!   the gradwire data header. No I/O.
+//! - [`control`]: the control-channel messages (flow start/stop/finish, retransmission
+//!   requests, rate reports) and their length-prefixed framing. No I/O.
+//! - [`rate`]: the DLCP rate-control state machine (Figure 7), a pacer and a rate meter, all
+//!   pure functions of their inputs (time is an argument).
+#![doc(html_no_source)]
+
+pub mod control;
+pub mod rate;
+pub mod wire;

@@ -1,0 +1,1 @@
+//! Rate control (in progress).
