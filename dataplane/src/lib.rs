@@ -10,6 +10,12 @@
 //!   pure functions of their inputs (time is an argument).
 #![doc(html_no_source)]
 
+pub mod bitmap;
+pub mod channel;
 pub mod control;
+pub mod datapath;
+pub mod proto;
 pub mod rate;
+pub mod tensor;
+pub mod transport;
 pub mod wire;

@@ -1,0 +1,147 @@
+//! Datapaths: the one small trait through which the protocol moves data packets.
+//!
+//! A datapath sends a batch of datagrams (gradwire header + payload; the datapath owns any
+//! encapsulation below it) and receives a batch, handing each datagram to a callback as a
+//! borrowed slice so the caller can copy the payload once, straight into the tensor. The
+//! callback style lets a kernel-bypass datapath (AF_XDP, a later issue) lend its UMEM frames
+//! without an intermediate copy, and lets the transmit side write payloads directly into the
+//! datapath's own buffers.
+//!
+//! Implementations:
+//! - [`loopback::Loopback`]: an in-memory pair, for deterministic tests and demos.
+//! - [`udp::UdpDatapath`]: kernel UDP sockets with `sendmmsg`/`recvmmsg`, the portable path
+//!   and the baseline kernel bypass has to beat.
+//! - [`fault::FaultInjector`]: wraps any datapath and drops, duplicates, reorders or delays
+//!   what it receives, seeded, so loss tests do not need netem.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+pub mod fault;
+pub mod loopback;
+pub mod udp;
+
+/// Metadata of a datagram to send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TxMeta {
+    /// Destination.
+    pub dst: SocketAddr,
+    /// IP TOS / traffic class byte: DSCP in the top six bits, ECN in the low two.
+    pub tos: u8,
+}
+
+/// Metadata of a received datagram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RxMeta {
+    /// Source.
+    pub src: SocketAddr,
+    /// IP TOS / traffic class byte as received (0 where the datapath cannot see it).
+    pub tos: u8,
+}
+
+impl RxMeta {
+    /// True when the packet arrived marked Congestion Experienced.
+    pub fn is_ce(&self) -> bool {
+        self.tos & 0b11 == 0b11
+    }
+}
+
+/// Build a TOS byte from a DSCP (0..=63) and an ECN codepoint (0..=3).
+pub const fn tos(dscp: u8, ecn: u8) -> u8 {
+    (dscp << 2) | (ecn & 0b11)
+}
+
+/// Counters every datapath keeps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DatapathStats {
+    /// Datagrams handed to the network.
+    pub tx_packets: u64,
+    /// Bytes handed to the network (datagram bytes).
+    pub tx_bytes: u64,
+    /// Datagrams the datapath could not send (local queue full, ENOBUFS) and dropped.
+    pub tx_dropped: u64,
+    /// Datagrams delivered to the caller.
+    pub rx_packets: u64,
+    /// Bytes delivered to the caller.
+    pub rx_bytes: u64,
+    /// Datagrams dropped on receive (e.g. by fault injection or a full queue).
+    pub rx_dropped: u64,
+}
+
+/// Per-packet-path error of a datapath: the OS error, nothing allocated.
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    /// The operating system refused an operation.
+    #[error("{op}: {source}")]
+    Io {
+        /// The operation (e.g. "sendmmsg").
+        op: &'static str,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The other end of an in-memory datapath is gone.
+    #[error("datapath peer closed")]
+    Closed,
+}
+
+/// Filler for one transmit slot: write a datagram into the buffer, return its length and
+/// metadata, or `None` when there is nothing more to send in this batch.
+pub type Fill<'a> = dyn FnMut(&mut [u8]) -> Option<(usize, TxMeta)> + 'a;
+
+/// Consumer of one received datagram.
+pub type Deliver<'a> = dyn FnMut(&RxMeta, &[u8]) + 'a;
+
+/// A datapath moves datagrams; the protocol core drives it.
+pub trait Datapath {
+    /// Short name for reports ("loopback", "udp", "afxdp").
+    fn name(&self) -> &'static str;
+
+    /// The address peers send to.
+    fn local_addr(&self) -> SocketAddr;
+
+    /// Largest datagram (gradwire header + payload) this datapath carries.
+    fn max_datagram(&self) -> usize;
+
+    /// Send up to `max` datagrams. `fill` is called for consecutive slots until it returns
+    /// `None` or `max` is reached; every filled datagram is either sent or counted in
+    /// `tx_dropped`. Returns how many were filled.
+    fn send(&mut self, max: usize, fill: &mut Fill<'_>) -> Result<usize, DatapathError>;
+
+    /// Receive up to `max` datagrams, waiting at most `timeout` for the first one. Each is
+    /// handed to `deliver`. Returns how many were delivered (0 on timeout).
+    fn recv(
+        &mut self,
+        max: usize,
+        timeout: Duration,
+        deliver: &mut Deliver<'_>,
+    ) -> Result<usize, DatapathError>;
+
+    /// Counters so far.
+    fn stats(&self) -> DatapathStats;
+}
+
+impl<D: Datapath + ?Sized> Datapath for Box<D> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn local_addr(&self) -> SocketAddr {
+        (**self).local_addr()
+    }
+    fn max_datagram(&self) -> usize {
+        (**self).max_datagram()
+    }
+    fn send(&mut self, max: usize, fill: &mut Fill<'_>) -> Result<usize, DatapathError> {
+        (**self).send(max, fill)
+    }
+    fn recv(
+        &mut self,
+        max: usize,
+        timeout: Duration,
+        deliver: &mut Deliver<'_>,
+    ) -> Result<usize, DatapathError> {
+        (**self).recv(max, timeout, deliver)
+    }
+    fn stats(&self) -> DatapathStats {
+        (**self).stats()
+    }
+}

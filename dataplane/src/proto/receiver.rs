@@ -1,0 +1,386 @@
+//! The receiver's half of the bounded-loss protocol.
+//!
+//! States: `Receiving` -> `FinishSent` (bound met, FlowFinish sent, still placing late
+//! packets) -> `Done` (FinishConfirm received). Data placement is the per-packet hot path:
+//! three integer compares to find the flow, [`SegmentLayout::locate`] to bound-check, one
+//! copy, one bitmap bit.
+
+use crate::bitmap::SegmentBitmap;
+use crate::control::{CtrlMsg, FlowStart, LossBound, RejectCode, MAX_RANGES};
+use crate::rate::RateMeter;
+use crate::tensor::{DType, PlaceError, SegmentLayout};
+use crate::wire::header;
+
+use super::{msg_name, FlowId, ProtoError};
+
+/// What the receiver expects: the registered tensor this flow may write into.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecvSpec {
+    /// Job.
+    pub job: u32,
+    /// Tensor id.
+    pub tensor: u32,
+    /// Required round, or any.
+    pub round: Option<u32>,
+    /// Element type of the registered buffer.
+    pub dtype: DType,
+    /// Size of the registered buffer.
+    pub size_bytes: u64,
+    /// Largest payload this receiver accepts (from its MTU).
+    pub max_payload: usize,
+    /// Loss bound to enforce; `None` takes the sender's.
+    pub loss_bound: Option<LossBound>,
+}
+
+/// Where the receiver is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReceiverPhase {
+    /// Placing data; bound not yet met.
+    Receiving,
+    /// FlowFinish sent; still placing in-flight packets until FinishConfirm.
+    FinishSent,
+    /// FinishConfirm received.
+    Done,
+}
+
+impl ReceiverPhase {
+    fn name(self) -> &'static str {
+        match self {
+            ReceiverPhase::Receiving => "receiving",
+            ReceiverPhase::FinishSent => "waiting for FinishConfirm",
+            ReceiverPhase::Done => "done",
+        }
+    }
+}
+
+/// Packets refused by the receiver, by reason (none of them touched the tensor).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RejectCounts {
+    /// Not a parsable gradwire datagram (truncated, bad version, unknown kind, ...).
+    pub malformed: u64,
+    /// Unknown job.
+    pub unknown_job: u64,
+    /// Unknown tensor.
+    pub unknown_tensor: u64,
+    /// Other round of the tensor.
+    pub stale_round: u64,
+    /// offset+length outside the tensor.
+    pub out_of_bounds: u64,
+    /// Length not a whole number of elements.
+    pub not_element_multiple: u64,
+    /// Payload longer than the MTU allows.
+    pub too_long: u64,
+    /// Not exactly one segment.
+    pub misaligned: u64,
+}
+
+impl RejectCounts {
+    /// Count one refusal.
+    pub fn count(&mut self, e: PlaceError) {
+        let c = match e {
+            PlaceError::UnknownJob => &mut self.unknown_job,
+            PlaceError::UnknownTensor => &mut self.unknown_tensor,
+            PlaceError::StaleRound => &mut self.stale_round,
+            PlaceError::OutOfBounds => &mut self.out_of_bounds,
+            PlaceError::NotElementMultiple => &mut self.not_element_multiple,
+            PlaceError::TooLong => &mut self.too_long,
+            PlaceError::Misaligned => &mut self.misaligned,
+        };
+        *c += 1;
+    }
+
+    /// Total refusals.
+    pub fn total(&self) -> u64 {
+        self.malformed
+            + self.unknown_job
+            + self.unknown_tensor
+            + self.stale_round
+            + self.out_of_bounds
+            + self.not_element_multiple
+            + self.too_long
+            + self.misaligned
+    }
+}
+
+/// Counters and timestamps of one receive (nanoseconds on the driver's clock).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ReceiverStats {
+    /// Data packets placed (first copies).
+    pub placed: u64,
+    /// Duplicate data packets (already had the segment; harmless).
+    pub duplicates: u64,
+    /// Payload bytes placed.
+    pub bytes: u64,
+    /// CE-marked data packets.
+    pub ce_packets: u64,
+    /// Retransmission requests sent.
+    pub retransmit_requests: u32,
+    /// Segments asked for again, over all requests.
+    pub segments_requested: u64,
+    /// When FlowStart was accepted.
+    pub start_ns: u64,
+    /// When the first data packet was placed.
+    pub first_data_ns: Option<u64>,
+    /// When the loss bound was met.
+    pub bound_met_ns: Option<u64>,
+    /// When FinishConfirm arrived.
+    pub done_ns: Option<u64>,
+}
+
+/// One tensor being received.
+#[derive(Debug)]
+pub struct ReceiverFlow {
+    id: FlowId,
+    layout: SegmentLayout,
+    loss_bound: LossBound,
+    bitmap: SegmentBitmap,
+    phase: ReceiverPhase,
+    finish_pending: bool,
+    meter: RateMeter,
+    stats: ReceiverStats,
+}
+
+impl ReceiverFlow {
+    /// Validate a FlowStart against what is registered. On success returns the flow and the
+    /// FlowAccept to send; on failure the FlowReject to send.
+    pub fn accept(
+        start: &FlowStart,
+        spec: &RecvSpec,
+        data_port: u16,
+        period_ns: u64,
+        now_ns: u64,
+    ) -> Result<(ReceiverFlow, CtrlMsg), CtrlMsg> {
+        let id = FlowId {
+            job: start.job_id,
+            tensor: start.tensor_id,
+            round: start.round,
+        };
+        let reject = |code, reason: String| CtrlMsg::FlowReject {
+            job_id: id.job,
+            tensor_id: id.tensor,
+            round: id.round,
+            code,
+            reason,
+        };
+        if start.job_id != spec.job || start.tensor_id != spec.tensor {
+            return Err(reject(
+                RejectCode::UnknownTensor,
+                format!(
+                    "no tensor registered for job {} tensor {} (expecting job {} tensor {})",
+                    start.job_id, start.tensor_id, spec.job, spec.tensor
+                ),
+            ));
+        }
+        if spec.round.is_some_and(|r| r != start.round) {
+            return Err(reject(
+                RejectCode::Other,
+                format!(
+                    "round {} offered, round {:?} expected",
+                    start.round, spec.round
+                ),
+            ));
+        }
+        if DType::from_code(start.dtype_code) != Some(spec.dtype) {
+            return Err(reject(
+                RejectCode::DtypeMismatch,
+                format!(
+                    "dtype code {} offered, {} registered",
+                    start.dtype_code, spec.dtype
+                ),
+            ));
+        }
+        if start.size_bytes != spec.size_bytes {
+            return Err(reject(
+                RejectCode::SizeMismatch,
+                format!(
+                    "{} bytes offered, {} bytes registered",
+                    start.size_bytes, spec.size_bytes
+                ),
+            ));
+        }
+        let layout = match SegmentLayout::new(
+            start.size_bytes,
+            spec.dtype.elem_size(),
+            start.segment_payload as usize,
+        ) {
+            Ok(l) if l.count() == start.segment_count && l.segment_payload() <= spec.max_payload => l,
+            Ok(l) => {
+                return Err(reject(
+                    RejectCode::BadSegmentLayout,
+                    format!(
+                        "{} segments of {} B offered; this receiver computes {} and accepts at most {} B per segment",
+                        start.segment_count,
+                        start.segment_payload,
+                        l.count(),
+                        spec.max_payload
+                    ),
+                ))
+            }
+            Err(e) => return Err(reject(RejectCode::BadSegmentLayout, e.to_string())),
+        };
+        let loss_bound = spec.loss_bound.unwrap_or(start.loss_bound);
+        let flow = ReceiverFlow {
+            id,
+            bitmap: SegmentBitmap::new(layout.count()),
+            layout,
+            loss_bound,
+            phase: ReceiverPhase::Receiving,
+            finish_pending: false,
+            meter: RateMeter::new(period_ns, now_ns),
+            stats: ReceiverStats {
+                start_ns: now_ns,
+                ..ReceiverStats::default()
+            },
+        };
+        let accept = CtrlMsg::FlowAccept {
+            job_id: id.job,
+            tensor_id: id.tensor,
+            round: id.round,
+            data_port,
+        };
+        let mut flow = flow;
+        flow.check_bound(now_ns);
+        Ok((flow, accept))
+    }
+
+    /// The flow.
+    pub fn id(&self) -> FlowId {
+        self.id
+    }
+
+    /// Current phase.
+    pub fn phase(&self) -> ReceiverPhase {
+        self.phase
+    }
+
+    /// True once FinishConfirm arrived.
+    pub fn is_done(&self) -> bool {
+        self.phase == ReceiverPhase::Done
+    }
+
+    /// The loss bound in force.
+    pub fn loss_bound(&self) -> LossBound {
+        self.loss_bound
+    }
+
+    /// Segment layout.
+    pub fn layout(&self) -> &SegmentLayout {
+        &self.layout
+    }
+
+    /// Which segments arrived.
+    pub fn bitmap(&self) -> &SegmentBitmap {
+        &self.bitmap
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> ReceiverStats {
+        self.stats
+    }
+
+    fn check_bound(&mut self, now_ns: u64) {
+        if self.phase == ReceiverPhase::Receiving
+            && self
+                .loss_bound
+                .is_met(self.bitmap.count_ones(), self.layout.count())
+        {
+            self.phase = ReceiverPhase::FinishSent;
+            self.finish_pending = true;
+            self.stats.bound_met_ns = Some(now_ns);
+        }
+    }
+
+    /// Place one data packet into `tensor` (the registered buffer). Returns whether the
+    /// segment was new. Nothing is written unless every check passed.
+    #[inline]
+    pub fn on_data(
+        &mut self,
+        hdr: &header::Repr,
+        payload: &[u8],
+        tensor: &mut [u8],
+        ce: bool,
+        now_ns: u64,
+    ) -> Result<bool, PlaceError> {
+        if hdr.job_id != self.id.job {
+            return Err(PlaceError::UnknownJob);
+        }
+        if hdr.tensor_id != self.id.tensor {
+            return Err(PlaceError::UnknownTensor);
+        }
+        if hdr.round != self.id.round || self.phase == ReceiverPhase::Done {
+            return Err(PlaceError::StaleRound);
+        }
+        let index = self.layout.locate(hdr.offset, payload.len())?;
+        let start = hdr.offset as usize;
+        let dst = tensor
+            .get_mut(start..start + payload.len())
+            .ok_or(PlaceError::OutOfBounds)?;
+        self.meter
+            .record(payload.len() as u64 + header::HEADER_LEN as u64, ce);
+        self.stats.ce_packets += u64::from(ce);
+        if !self.bitmap.set(index) {
+            self.stats.duplicates += 1;
+            return Ok(false);
+        }
+        dst.copy_from_slice(payload);
+        self.stats.placed += 1;
+        self.stats.bytes += payload.len() as u64;
+        self.stats.first_data_ns.get_or_insert(now_ns);
+        self.check_bound(now_ns);
+        Ok(true)
+    }
+
+    /// Messages due now: FlowFinish once the bound is met, and a RateReport every period
+    /// while data flows.
+    pub fn poll(&mut self, now_ns: u64) -> Option<CtrlMsg> {
+        if self.finish_pending {
+            self.finish_pending = false;
+            return Some(CtrlMsg::FlowFinish {
+                received_segments: self.bitmap.count_ones(),
+            });
+        }
+        if self.phase != ReceiverPhase::Receiving {
+            // The sender stops on FlowFinish: further reports would inform nobody.
+            return None;
+        }
+        self.meter.poll(now_ns).map(|s| CtrlMsg::RateReport {
+            period_ns: s.period_ns,
+            bytes: s.bytes,
+            packets: s.packets,
+            ce_packets: s.ce_packets,
+        })
+    }
+
+    /// Handle a control message; returns a reply to send, if any.
+    pub fn on_ctrl(&mut self, msg: CtrlMsg, now_ns: u64) -> Result<Option<CtrlMsg>, ProtoError> {
+        match msg {
+            CtrlMsg::FlowStop { pass, .. } => match self.phase {
+                // FlowFinish is already on its way; the sender will confirm.
+                ReceiverPhase::FinishSent | ReceiverPhase::Done => Ok(None),
+                ReceiverPhase::Receiving => {
+                    let ranges = self.bitmap.missing_ranges(MAX_RANGES);
+                    self.stats.retransmit_requests += 1;
+                    self.stats.segments_requested +=
+                        ranges.iter().map(|r| u64::from(r.len)).sum::<u64>();
+                    Ok(Some(CtrlMsg::RetransmitRequest { pass, ranges }))
+                }
+            },
+            CtrlMsg::FinishConfirm => match self.phase {
+                ReceiverPhase::FinishSent => {
+                    self.phase = ReceiverPhase::Done;
+                    self.stats.done_ns = Some(now_ns);
+                    Ok(None)
+                }
+                p => Err(ProtoError::Unexpected {
+                    what: "FinishConfirm",
+                    state: p.name(),
+                }),
+            },
+            CtrlMsg::Abort { code, reason } => Err(ProtoError::Aborted { code, reason }),
+            other => Err(ProtoError::Unexpected {
+                what: msg_name(&other),
+                state: self.phase.name(),
+            }),
+        }
+    }
+}

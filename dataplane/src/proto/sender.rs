@@ -1,0 +1,397 @@
+//! The sender's half of the bounded-loss protocol.
+//!
+//! States: `AwaitAccept` -> `Sending` -> `AwaitVerdict` -> (`Sending` again for a
+//! retransmission pass | `Done`). A `FlowFinish` in any state after acceptance ends the flow:
+//! the receiver has enough, so the sender stops mid-pass (this is where the tail is cut).
+
+use crate::control::{CtrlMsg, FlowStart, LossBound, SegRange, Stage};
+use crate::rate::{Pacer, RateConfig, RateController, RateEvent, RateState};
+use crate::tensor::{DType, SegmentLayout};
+use crate::wire::header;
+
+use super::{msg_name, segment_flags, FlowId, ProtoError};
+
+/// Sender tuning.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SenderConfig {
+    /// Rate control parameters (line rate, Δ, period, additive increase).
+    pub rate: RateConfig,
+    /// Token-bucket depth in bytes: how far ahead of the paced rate a burst may go.
+    pub burst_bytes: u64,
+}
+
+impl SenderConfig {
+    /// Paper defaults at `line_rate_bps`, with a burst of 64 full-size packets.
+    pub fn new(line_rate_bps: u64) -> SenderConfig {
+        SenderConfig {
+            rate: RateConfig::new(line_rate_bps),
+            burst_bytes: 64 * 1538,
+        }
+    }
+}
+
+/// Where the sender is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SenderPhase {
+    /// FlowStart sent, waiting for FlowAccept.
+    AwaitAccept,
+    /// Sending the segments of the current pass.
+    Sending,
+    /// FlowStop sent, waiting for FlowFinish or a retransmission request.
+    AwaitVerdict,
+    /// FlowFinish received and confirmed.
+    Done,
+}
+
+impl SenderPhase {
+    fn name(self) -> &'static str {
+        match self {
+            SenderPhase::AwaitAccept => "awaiting FlowAccept",
+            SenderPhase::Sending => "sending",
+            SenderPhase::AwaitVerdict => "awaiting the receiver's verdict",
+            SenderPhase::Done => "done",
+        }
+    }
+}
+
+/// Counters of one send.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SenderStats {
+    /// Data packets sent (all passes).
+    pub packets: u64,
+    /// Payload bytes sent (all passes).
+    pub payload_bytes: u64,
+    /// Passes started (1 + retransmission passes).
+    pub passes: u32,
+    /// Segments sent in retransmission passes.
+    pub retransmitted: u64,
+    /// Rate reports received.
+    pub rate_reports: u64,
+    /// Times rate control halved the rate.
+    pub halvings: u64,
+    /// Times rate control increased the rate.
+    pub increases: u64,
+    /// Lowest paced rate reached, bit/s.
+    pub min_rate_bps: u64,
+    /// CE-marked packets the receiver reported.
+    pub ce_reported: u64,
+}
+
+/// One tensor being sent.
+#[derive(Debug)]
+pub struct SenderFlow {
+    id: FlowId,
+    layout: SegmentLayout,
+    layer: u16,
+    phase: SenderPhase,
+    pass: u32,
+    /// Segments of the current pass, and the position in them.
+    queue: Vec<SegRange>,
+    queue_pos: usize,
+    next_in_range: u32,
+    sent_this_pass: u32,
+    seq: u32,
+    data_port: Option<u16>,
+    rate: RateController,
+    pacer: Pacer,
+    last_report_ns: u64,
+    sent_since_report: u64,
+    stats: SenderStats,
+}
+
+impl SenderFlow {
+    /// Start a flow; returns the flow and the FlowStart (rendezvous) to send.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: FlowId,
+        layout: SegmentLayout,
+        dtype: DType,
+        layer: u16,
+        loss_bound: LossBound,
+        stage: Stage,
+        src_port: u16,
+        cfg: &SenderConfig,
+        now_ns: u64,
+    ) -> (SenderFlow, CtrlMsg) {
+        let rate = RateController::new(cfg.rate);
+        let line = rate.rate_bps();
+        let start = CtrlMsg::FlowStart(FlowStart {
+            job_id: id.job,
+            tensor_id: id.tensor,
+            round: id.round,
+            layer,
+            dtype_code: dtype.code(),
+            size_bytes: layout.size_bytes(),
+            segment_payload: layout.segment_payload() as u32,
+            segment_count: layout.count(),
+            loss_bound,
+            data_port: src_port,
+            stage,
+        });
+        let flow = SenderFlow {
+            id,
+            layout,
+            layer,
+            phase: SenderPhase::AwaitAccept,
+            pass: 0,
+            queue: Vec::new(),
+            queue_pos: 0,
+            next_in_range: 0,
+            sent_this_pass: 0,
+            seq: 0,
+            data_port: None,
+            rate,
+            pacer: Pacer::new(line, cfg.burst_bytes),
+            last_report_ns: now_ns,
+            sent_since_report: 0,
+            stats: SenderStats {
+                min_rate_bps: line,
+                ..SenderStats::default()
+            },
+        };
+        (flow, start)
+    }
+
+    /// The flow.
+    pub fn id(&self) -> FlowId {
+        self.id
+    }
+
+    /// Current phase.
+    pub fn phase(&self) -> SenderPhase {
+        self.phase
+    }
+
+    /// The receiver's data port, once accepted.
+    pub fn data_port(&self) -> Option<u16> {
+        self.data_port
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> SenderStats {
+        self.stats
+    }
+
+    /// Current paced rate, bit/s.
+    pub fn rate_bps(&self) -> u64 {
+        self.rate.rate_bps()
+    }
+
+    /// Rate-control state.
+    pub fn rate_state(&self) -> RateState {
+        self.rate.state()
+    }
+
+    /// The segment layout.
+    pub fn layout(&self) -> &SegmentLayout {
+        &self.layout
+    }
+
+    fn start_pass(&mut self, ranges: Vec<SegRange>) {
+        self.queue = ranges;
+        self.queue_pos = 0;
+        self.next_in_range = self.queue.first().map_or(0, |r| r.start);
+        self.sent_this_pass = 0;
+        self.stats.passes += 1;
+        self.phase = SenderPhase::Sending;
+    }
+
+    fn check_flow(
+        &self,
+        what: &'static str,
+        job: u32,
+        tensor: u32,
+        round: u32,
+    ) -> Result<(), ProtoError> {
+        let got = FlowId { job, tensor, round };
+        if got == self.id {
+            Ok(())
+        } else {
+            Err(ProtoError::WrongFlow {
+                what,
+                got,
+                expected: self.id,
+            })
+        }
+    }
+
+    /// Handle a control message; returns a reply to send, if any.
+    pub fn on_ctrl(&mut self, msg: CtrlMsg, now_ns: u64) -> Result<Option<CtrlMsg>, ProtoError> {
+        let unexpected = |what, phase: SenderPhase| ProtoError::Unexpected {
+            what,
+            state: phase.name(),
+        };
+        match msg {
+            CtrlMsg::FlowAccept {
+                job_id,
+                tensor_id,
+                round,
+                data_port,
+            } => {
+                self.check_flow("FlowAccept", job_id, tensor_id, round)?;
+                if self.phase != SenderPhase::AwaitAccept {
+                    return Err(unexpected("FlowAccept", self.phase));
+                }
+                self.data_port = Some(data_port);
+                let all = if self.layout.count() == 0 {
+                    Vec::new()
+                } else {
+                    vec![SegRange {
+                        start: 0,
+                        len: self.layout.count(),
+                    }]
+                };
+                self.start_pass(all);
+                Ok(None)
+            }
+            CtrlMsg::FlowReject {
+                job_id,
+                tensor_id,
+                round,
+                code,
+                reason,
+            } => Err(ProtoError::Rejected {
+                flow: FlowId {
+                    job: job_id,
+                    tensor: tensor_id,
+                    round,
+                },
+                code,
+                reason,
+            }),
+            CtrlMsg::RateReport {
+                period_ns,
+                bytes,
+                ce_packets,
+                ..
+            } => {
+                self.stats.rate_reports += 1;
+                self.stats.ce_reported += ce_packets;
+                // Our own send rate since the previous report (0 if we were idle), measured
+                // over the actual elapsed time so report jitter does not skip decisions.
+                let elapsed = now_ns.saturating_sub(self.last_report_ns);
+                let send_bps = crate::rate::rate_bps(self.sent_since_report, elapsed);
+                self.last_report_ns = now_ns;
+                self.sent_since_report = 0;
+                let recv_bps = if period_ns == 0 {
+                    0.0
+                } else {
+                    bytes as f64 * 8e9 / period_ns as f64
+                };
+                if self.phase == SenderPhase::Sending {
+                    match self.rate.on_report(send_bps, recv_bps) {
+                        RateEvent::Halved => self.stats.halvings += 1,
+                        RateEvent::Increased => self.stats.increases += 1,
+                        RateEvent::Hold => {}
+                    }
+                    self.pacer.set_rate(self.rate.rate_bps());
+                    self.stats.min_rate_bps = self.stats.min_rate_bps.min(self.rate.rate_bps());
+                }
+                Ok(None)
+            }
+            CtrlMsg::RetransmitRequest { pass, ranges } => {
+                match self.phase {
+                    SenderPhase::AwaitVerdict if pass == self.pass => {}
+                    // A request that crossed our FlowFinish handling or an older pass: stale.
+                    SenderPhase::Done => return Ok(None),
+                    SenderPhase::AwaitVerdict => return Ok(None),
+                    p => return Err(unexpected("RetransmitRequest", p)),
+                }
+                if let Some(bad) = ranges.iter().find(|r| r.end() > self.layout.count()) {
+                    return Err(ProtoError::BadRanges {
+                        start: bad.start,
+                        end: bad.end(),
+                        count: self.layout.count(),
+                    });
+                }
+                self.pass += 1;
+                // DLCP: a retransmission restarts at line rate.
+                self.rate.on_retransmit();
+                self.pacer.set_rate(self.rate.rate_bps());
+                self.start_pass(ranges);
+                Ok(None)
+            }
+            CtrlMsg::FlowFinish { .. } => match self.phase {
+                SenderPhase::Sending | SenderPhase::AwaitVerdict => {
+                    self.phase = SenderPhase::Done;
+                    Ok(Some(CtrlMsg::FinishConfirm))
+                }
+                p => Err(unexpected("FlowFinish", p)),
+            },
+            CtrlMsg::Abort { code, reason } => Err(ProtoError::Aborted { code, reason }),
+            other => Err(unexpected(msg_name(&other), self.phase)),
+        }
+    }
+
+    /// How many full-size segments the pacer allows now (0 when not sending).
+    pub fn budget(&mut self, now_ns: u64) -> usize {
+        if self.phase != SenderPhase::Sending {
+            return 0;
+        }
+        let seg = (self.layout.segment_payload() + header::HEADER_LEN) as u64;
+        (self.pacer.available(now_ns) / seg.max(1)) as usize
+    }
+
+    /// When the pacer will allow the next full-size segment.
+    pub fn next_send_at(&self, now_ns: u64) -> u64 {
+        let seg = (self.layout.segment_payload() + header::HEADER_LEN) as u64;
+        self.pacer.next_send_at(now_ns, seg)
+    }
+
+    /// The next segment of the current pass and its header, or `None` when the pass is done.
+    pub fn next_segment(&mut self) -> Option<(u32, header::Repr)> {
+        if self.phase != SenderPhase::Sending {
+            return None;
+        }
+        let range = *self.queue.get(self.queue_pos)?;
+        let index = self.next_in_range;
+        let (offset, len) = self.layout.segment(index)?;
+        if index + 1 >= range.end() {
+            self.queue_pos += 1;
+            self.next_in_range = self.queue.get(self.queue_pos).map_or(0, |r| r.start);
+        } else {
+            self.next_in_range = index + 1;
+        }
+        let repr = header::Repr {
+            kind: header::Kind::Data,
+            flags: segment_flags(self.pass > 0, index + 1 == self.layout.count(), false),
+            pass: self.pass as u8,
+            job_id: self.id.job,
+            tensor_id: self.id.tensor,
+            round: self.id.round,
+            offset,
+            seq: self.seq,
+            length: len as u16,
+            layer: self.layer,
+        };
+        self.seq = self.seq.wrapping_add(1);
+        self.sent_this_pass += 1;
+        Some((index, repr))
+    }
+
+    /// Account for `packets` segments of `bytes` payload handed to the datapath.
+    pub fn on_sent(&mut self, packets: u64, bytes: u64, now_ns: u64) {
+        let wire = bytes + packets * header::HEADER_LEN as u64;
+        self.pacer.available(now_ns);
+        self.pacer.consume(wire);
+        self.sent_since_report += wire;
+        self.stats.packets += packets;
+        self.stats.payload_bytes += bytes;
+        if self.pass > 0 {
+            self.stats.retransmitted += packets;
+        }
+    }
+
+    /// If the current pass has been sent completely, move to `AwaitVerdict` and return the
+    /// FlowStop to send.
+    pub fn poll_pass_end(&mut self) -> Option<CtrlMsg> {
+        if self.phase == SenderPhase::Sending && self.queue_pos >= self.queue.len() {
+            self.phase = SenderPhase::AwaitVerdict;
+            return Some(CtrlMsg::FlowStop {
+                pass: self.pass,
+                segments_sent: self.sent_this_pass,
+            });
+        }
+        None
+    }
+}

@@ -1,0 +1,768 @@
+//! Drivers that run the protocol cores over a [`Datapath`] and a [`CtrlChannel`], and the
+//! user-facing API mirroring DLCP's primitives: [`Sender::send`] (`dlcp_send(tensor,
+//! prio_func)`) and [`Receiver::recv`] (`dlcp_recv(tensor, loss_bound)`).
+//!
+//! One transfer runs on the calling thread: the sender alternates between pacing segments
+//! out and reading the control channel; the receiver alternates between a receive batch
+//! (waiting at most until the next rate report is due) and the control channel. Every wait is
+//! bounded, and no progress for `idle_timeout` is an error, never a hang.
+//!
+//! ```
+//! use std::net::SocketAddr;
+//! use gradwire::channel::MemCtrl;
+//! use gradwire::datapath::loopback::Loopback;
+//! use gradwire::proto::{fixed_priority, Tag};
+//! use gradwire::tensor::{DType, Tensor};
+//! use gradwire::transport::{recv_tensor, send_tensor, RecvOptions, SendOptions, TransferConfig};
+//!
+//! let a: SocketAddr = "127.0.0.1:9000".parse().unwrap();
+//! let b: SocketAddr = "127.0.0.1:9001".parse().unwrap();
+//! let (mut dp_a, mut dp_b) = Loopback::pair(a, b, 1472, 1 << 16);
+//! let (mut ctl_a, mut ctl_b) = MemCtrl::pair();
+//! let cfg = TransferConfig::default();
+//!
+//! let mut grads = Tensor::zeros(DType::F32, 100_000);
+//! grads.fill_pattern(7);
+//! let mut out = Tensor::zeros(DType::F32, 100_000);
+//! let opts = SendOptions::new(1, 42);
+//! let recv_opts = RecvOptions::new(1, 42);
+//! let prio = fixed_priority(Tag { dscp: 10, ect: true });
+//! let report = std::thread::scope(|s| {
+//!     let cfg2 = cfg.clone();
+//!     s.spawn(move || send_tensor(&mut dp_a, &mut ctl_a, b.ip(), &grads, &opts, &prio, &cfg2).unwrap());
+//!     recv_tensor(&mut dp_b, &mut ctl_b, &mut out, &recv_opts, &cfg).unwrap()
+//! });
+//! assert!(report.delivered_fraction >= 0.9);
+//! ```
+
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::time::{Duration, Instant};
+
+use crate::bitmap::SegmentBitmap;
+use crate::channel::{ChannelError, CtrlChannel, TcpCtrl, DEFAULT_CONTROL_DSCP};
+use crate::control::{CtrlMsg, LossBound, Stage};
+use crate::datapath::{Datapath, DatapathError, DatapathStats, RxMeta, TxMeta};
+use crate::proto::receiver::{ReceiverPhase, ReceiverStats};
+use crate::proto::sender::SenderPhase;
+use crate::proto::{
+    FlowId, LossDefaults, PriorityFn, ProtoError, ReceiverFlow, RecvSpec, RejectCounts,
+    SegmentInfo, SenderConfig, SenderFlow, SenderStats,
+};
+use crate::rate::RateConfig;
+use crate::tensor::{max_segment_payload, LayoutError, SegmentLayout, Tensor};
+use crate::wire::header;
+
+/// What to do with segments that were never received.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MissingFill {
+    /// Zero them (a missing gradient contributes nothing).
+    #[default]
+    Zero,
+    /// Leave the buffer's previous contents (e.g. last round's values).
+    Keep,
+}
+
+/// Transfer configuration shared by both ends.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransferConfig {
+    /// IP MTU: segments carry `mtu - IP - UDP - gradwire header` bytes, in whole elements.
+    pub mtu: usize,
+    /// Sender rate control and pacing.
+    pub sender: SenderConfig,
+    /// Data packets per datapath call.
+    pub batch: usize,
+    /// No progress (data or control) for this long is an error.
+    pub idle_timeout: Duration,
+    /// Longest wait for the peer to connect or to answer the rendezvous.
+    pub connect_timeout: Duration,
+    /// DSCP of the control channel (None: leave the socket's TOS alone).
+    pub control_dscp: Option<u8>,
+    /// Default loss bounds per stage.
+    pub loss_defaults: LossDefaults,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        TransferConfig {
+            mtu: 1500,
+            sender: SenderConfig::new(25_000_000_000),
+            batch: 32,
+            idle_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(10),
+            control_dscp: Some(DEFAULT_CONTROL_DSCP),
+            loss_defaults: LossDefaults::default(),
+        }
+    }
+}
+
+impl TransferConfig {
+    /// The rate-control parameters.
+    pub fn rate(&self) -> &RateConfig {
+        &self.sender.rate
+    }
+
+    /// Check every parameter.
+    pub fn validate(&self) -> Result<(), TransferError> {
+        if !(68..=65_535).contains(&self.mtu) {
+            return Err(TransferError::Config(format!(
+                "mtu {} is outside 68..=65535",
+                self.mtu
+            )));
+        }
+        if self.batch == 0 {
+            return Err(TransferError::Config("batch must be at least 1".into()));
+        }
+        if self.idle_timeout.is_zero() {
+            return Err(TransferError::Config(
+                "idle timeout must be positive".into(),
+            ));
+        }
+        self.sender
+            .rate
+            .validate()
+            .map_err(|e| TransferError::Config(e.to_string()))
+    }
+}
+
+/// Options of one send.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SendOptions {
+    /// Job id.
+    pub job: u32,
+    /// Tensor id.
+    pub tensor: u32,
+    /// Round (iteration).
+    pub round: u32,
+    /// Layer of the tensor (for tagging).
+    pub layer: u16,
+    /// Push or pull.
+    pub stage: Stage,
+    /// Loss bound; `None` takes the stage default.
+    pub loss_bound: Option<LossBound>,
+}
+
+impl SendOptions {
+    /// Push of round 0, layer 0, default bound.
+    pub fn new(job: u32, tensor: u32) -> SendOptions {
+        SendOptions {
+            job,
+            tensor,
+            round: 0,
+            layer: 0,
+            stage: Stage::Push,
+            loss_bound: None,
+        }
+    }
+}
+
+/// Options of one receive.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecvOptions {
+    /// Job id.
+    pub job: u32,
+    /// Tensor id.
+    pub tensor: u32,
+    /// Required round, or any.
+    pub round: Option<u32>,
+    /// Loss bound to enforce; `None` takes the sender's (which defaults per stage).
+    pub loss_bound: Option<LossBound>,
+    /// What happens to segments never received.
+    pub fill: MissingFill,
+}
+
+impl RecvOptions {
+    /// Any round, the sender's bound, zero-fill.
+    pub fn new(job: u32, tensor: u32) -> RecvOptions {
+        RecvOptions {
+            job,
+            tensor,
+            round: None,
+            loss_bound: None,
+            fill: MissingFill::Zero,
+        }
+    }
+}
+
+/// Why a transfer failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// The control channel failed.
+    #[error(transparent)]
+    Channel(#[from] ChannelError),
+    /// The datapath failed.
+    #[error("{datapath} datapath: {source}")]
+    Datapath {
+        /// Which datapath.
+        datapath: &'static str,
+        /// Error.
+        source: DatapathError,
+    },
+    /// The peer broke the protocol, rejected the flow, or aborted.
+    #[error("{flow}: {source}")]
+    Protocol {
+        /// Flow.
+        flow: FlowId,
+        /// What happened.
+        source: ProtoError,
+    },
+    /// No progress for the idle timeout.
+    #[error("peer {peer} stalled: no progress for {timeout:?} while {during} ({flow})")]
+    Stalled {
+        /// Peer.
+        peer: String,
+        /// Timeout.
+        timeout: Duration,
+        /// What we were waiting for.
+        during: &'static str,
+        /// Flow.
+        flow: FlowId,
+    },
+    /// The tensor cannot be cut into segments.
+    #[error("tensor layout: {0}")]
+    Layout(#[from] LayoutError),
+    /// Invalid configuration.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+/// Result of a send.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SendReport {
+    /// Flow.
+    pub flow: FlowId,
+    /// Tensor size.
+    pub size_bytes: u64,
+    /// Segments in the tensor.
+    pub segments: u32,
+    /// Counters.
+    pub stats: SenderStats,
+    /// Flow completion time: FlowStart sent to FlowFinish received.
+    pub fct: Duration,
+    /// Paced rate at the end, bit/s.
+    pub final_rate_bps: u64,
+    /// Datapath counters after the send.
+    pub datapath: DatapathStats,
+}
+
+/// Result of a receive: what the paper's `dlcp_recv` returns, and more.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RecvReport {
+    /// Flow.
+    pub flow: FlowId,
+    /// Tensor size.
+    pub size_bytes: u64,
+    /// Segments in the tensor.
+    pub segments: u32,
+    /// Segments received.
+    pub received_segments: u32,
+    /// Fraction of segments received (also of bytes, up to the short last segment).
+    pub delivered_fraction: f64,
+    /// Loss bound enforced, as a fraction.
+    pub loss_bound: f64,
+    /// Retransmission rounds (requests sent).
+    pub rounds: u32,
+    /// Counters and timestamps.
+    pub stats: ReceiverStats,
+    /// Packets refused (none touched the tensor).
+    pub rejected: RejectCounts,
+    /// FlowStart accepted to bound met.
+    pub fct: Duration,
+    /// FlowStart accepted to FinishConfirm.
+    pub total: Duration,
+    /// What was done to missing segments.
+    pub fill: MissingFill,
+    /// Which segments arrived: average each block over only the workers that delivered it.
+    #[serde(skip)]
+    pub bitmap: SegmentBitmap,
+    /// Segment layout (maps bitmap bits to byte ranges).
+    #[serde(skip)]
+    pub layout: SegmentLayout,
+}
+
+impl RecvReport {
+    /// Byte ranges `(offset, len)` of the segments that were *not* received.
+    pub fn missing_byte_ranges(&self) -> Vec<(u64, usize)> {
+        (0..self.segments)
+            .filter(|&i| !self.bitmap.get(i))
+            .filter_map(|i| self.layout.segment(i))
+            .collect()
+    }
+}
+
+fn dp_err(datapath: &'static str) -> impl Fn(DatapathError) -> TransferError {
+    move |source| TransferError::Datapath { datapath, source }
+}
+
+/// Send `tensor` to the receiver at `dst_ip` over an established control channel.
+pub fn send_tensor<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
+    dp: &mut D,
+    ctrl: &mut C,
+    dst_ip: IpAddr,
+    tensor: &Tensor,
+    opts: &SendOptions,
+    prio: &PriorityFn<'_>,
+    cfg: &TransferConfig,
+) -> Result<SendReport, TransferError> {
+    cfg.validate()?;
+    let clock = Instant::now();
+    let now = || clock.elapsed().as_nanos() as u64;
+    let flow_id = FlowId {
+        job: opts.job,
+        tensor: opts.tensor,
+        round: opts.round,
+    };
+    let proto = |source| TransferError::Protocol {
+        flow: flow_id,
+        source,
+    };
+    let payload = max_segment_payload(cfg.mtu, dst_ip.is_ipv6(), tensor.dtype())
+        .unwrap_or(0)
+        .min(dp.max_datagram().saturating_sub(header::HEADER_LEN));
+    let layout = SegmentLayout::new(
+        tensor.len_bytes() as u64,
+        tensor.dtype().elem_size(),
+        payload,
+    )?;
+    let bound = opts.loss_bound.unwrap_or(match opts.stage {
+        Stage::Push => cfg.loss_defaults.push,
+        Stage::Pull => cfg.loss_defaults.pull,
+    });
+    let (mut flow, start) = SenderFlow::new(
+        flow_id,
+        layout,
+        tensor.dtype(),
+        opts.layer,
+        bound,
+        opts.stage,
+        dp.local_addr().port(),
+        &cfg.sender,
+        now(),
+    );
+    ctrl.send(&start)?;
+
+    // Rendezvous.
+    let deadline = Instant::now() + cfg.connect_timeout;
+    while flow.phase() == SenderPhase::AwaitAccept {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match ctrl.recv(left)? {
+            Some(m) => {
+                flow.on_ctrl(m, now()).map_err(proto)?;
+            }
+            None => {
+                return Err(TransferError::Stalled {
+                    peer: ctrl.peer(),
+                    timeout: cfg.connect_timeout,
+                    during: "waiting for FlowAccept",
+                    flow: flow_id,
+                })
+            }
+        }
+    }
+    let dst = SocketAddr::new(dst_ip, flow.data_port().unwrap_or(0));
+    let bytes = tensor.as_bytes();
+    let mut last_progress = Instant::now();
+    let period = Duration::from_nanos(cfg.rate().period_ns);
+
+    while flow.phase() != SenderPhase::Done {
+        // Control first: a FlowFinish stops us mid-pass.
+        while flow.phase() != SenderPhase::Done {
+            let Some(m) = ctrl.recv(Duration::ZERO)? else {
+                break;
+            };
+            last_progress = Instant::now();
+            if let Some(reply) = flow.on_ctrl(m, now()).map_err(proto)? {
+                ctrl.send(&reply)?;
+            }
+        }
+        match flow.phase() {
+            SenderPhase::Sending => {
+                let t = now();
+                let budget = flow.budget(t).min(cfg.batch);
+                if budget == 0 {
+                    let wait = Duration::from_nanos(flow.next_send_at(t).saturating_sub(t));
+                    if let Some(m) = ctrl.recv(wait.min(period))? {
+                        last_progress = Instant::now();
+                        if let Some(reply) = flow.on_ctrl(m, now()).map_err(proto)? {
+                            ctrl.send(&reply)?;
+                        }
+                    }
+                    continue;
+                }
+                let mut payload_bytes = 0u64;
+                let sent = dp
+                    .send(budget, &mut |buf: &mut [u8]| {
+                        let (index, repr) = flow.next_segment()?;
+                        let (off, len) = (repr.offset as usize, usize::from(repr.length));
+                        let seg = bytes.get(off..off + len)?;
+                        let tag = prio(&SegmentInfo {
+                            index,
+                            offset: repr.offset,
+                            layer: repr.layer,
+                            dtype: tensor.dtype(),
+                            payload: seg,
+                        });
+                        let mut repr = repr;
+                        if tag.ect {
+                            repr.flags.insert(header::Flags::IMPORTANT);
+                        }
+                        let total = header::HEADER_LEN + len;
+                        let out = buf.get_mut(..total)?;
+                        let mut pkt = header::Packet::new_unchecked(&mut *out);
+                        repr.emit(&mut pkt).ok()?;
+                        pkt.payload_mut().copy_from_slice(seg);
+                        payload_bytes += len as u64;
+                        Some((
+                            total,
+                            TxMeta {
+                                dst,
+                                tos: tag.tos(),
+                            },
+                        ))
+                    })
+                    .map_err(dp_err(dp.name()))?;
+                flow.on_sent(sent as u64, payload_bytes, now());
+                if sent > 0 {
+                    last_progress = Instant::now();
+                }
+                if let Some(stop) = flow.poll_pass_end() {
+                    ctrl.send(&stop)?;
+                }
+            }
+            SenderPhase::AwaitVerdict => {
+                if let Some(m) = ctrl.recv(period.max(Duration::from_millis(1)))? {
+                    last_progress = Instant::now();
+                    if let Some(reply) = flow.on_ctrl(m, now()).map_err(proto)? {
+                        ctrl.send(&reply)?;
+                    }
+                } else if last_progress.elapsed() > cfg.idle_timeout {
+                    return Err(TransferError::Stalled {
+                        peer: ctrl.peer(),
+                        timeout: cfg.idle_timeout,
+                        during: "waiting for FlowFinish or a retransmission request",
+                        flow: flow_id,
+                    });
+                }
+            }
+            SenderPhase::AwaitAccept | SenderPhase::Done => {}
+        }
+    }
+    Ok(SendReport {
+        flow: flow_id,
+        size_bytes: layout.size_bytes(),
+        segments: layout.count(),
+        stats: flow.stats(),
+        fct: clock.elapsed(),
+        final_rate_bps: flow.rate_bps(),
+        datapath: dp.stats(),
+    })
+}
+
+/// Receive one tensor into `tensor` over an established control channel.
+pub fn recv_tensor<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
+    dp: &mut D,
+    ctrl: &mut C,
+    tensor: &mut Tensor,
+    opts: &RecvOptions,
+    cfg: &TransferConfig,
+) -> Result<RecvReport, TransferError> {
+    cfg.validate()?;
+    let clock = Instant::now();
+    let now = || clock.elapsed().as_nanos() as u64;
+    let ipv6 = dp.local_addr().is_ipv6();
+    let spec = RecvSpec {
+        job: opts.job,
+        tensor: opts.tensor,
+        round: opts.round,
+        dtype: tensor.dtype(),
+        size_bytes: tensor.len_bytes() as u64,
+        max_payload: max_segment_payload(cfg.mtu, ipv6, tensor.dtype())
+            .unwrap_or(0)
+            .min(dp.max_datagram().saturating_sub(header::HEADER_LEN)),
+        loss_bound: opts.loss_bound,
+    };
+    let mut rejected = RejectCounts::default();
+    let unknown = FlowId {
+        job: opts.job,
+        tensor: opts.tensor,
+        round: opts.round.unwrap_or(0),
+    };
+
+    // Rendezvous: wait for FlowStart, dropping whatever data arrives meanwhile (stale).
+    let deadline = Instant::now() + cfg.connect_timeout;
+    let start = loop {
+        if let Some(m) = ctrl.recv(Duration::from_millis(1))? {
+            match m {
+                CtrlMsg::FlowStart(s) => break s,
+                CtrlMsg::Abort { code, reason } => {
+                    return Err(TransferError::Protocol {
+                        flow: unknown,
+                        source: ProtoError::Aborted { code, reason },
+                    })
+                }
+                other => {
+                    return Err(TransferError::Protocol {
+                        flow: unknown,
+                        source: ProtoError::Unexpected {
+                            what: crate::proto::msg_name(&other),
+                            state: "waiting for FlowStart",
+                        },
+                    })
+                }
+            }
+        }
+        dp.recv(cfg.batch, Duration::ZERO, &mut |_: &RxMeta, _: &[u8]| {
+            rejected.stale_round += 1
+        })
+        .map_err(dp_err(dp.name()))?;
+        if Instant::now() >= deadline {
+            return Err(TransferError::Stalled {
+                peer: ctrl.peer(),
+                timeout: cfg.connect_timeout,
+                during: "waiting for FlowStart",
+                flow: unknown,
+            });
+        }
+    };
+    let (mut flow, accept) = match ReceiverFlow::accept(
+        &start,
+        &spec,
+        dp.local_addr().port(),
+        cfg.rate().period_ns,
+        now(),
+    ) {
+        Ok(ok) => ok,
+        Err(reject) => {
+            ctrl.send(&reject)?;
+            let flow = FlowId {
+                job: start.job_id,
+                tensor: start.tensor_id,
+                round: start.round,
+            };
+            let source = match reject {
+                CtrlMsg::FlowReject { code, reason, .. } => {
+                    ProtoError::Rejected { flow, code, reason }
+                }
+                _ => ProtoError::Unexpected {
+                    what: "reject",
+                    state: "accepting",
+                },
+            };
+            return Err(TransferError::Protocol { flow, source });
+        }
+    };
+    let flow_id = flow.id();
+    let proto = |source| TransferError::Protocol {
+        flow: flow_id,
+        source,
+    };
+    ctrl.send(&accept)?;
+
+    let period = Duration::from_nanos(cfg.rate().period_ns);
+    let mut last_progress = Instant::now();
+    let buf = tensor.as_bytes_mut();
+    let mut place =
+        |flow: &mut ReceiverFlow, rejected: &mut RejectCounts, meta: &RxMeta, d: &[u8], t: u64| {
+            let pkt = match header::Packet::new_checked(d) {
+                Ok(p) => p,
+                Err(_) => {
+                    rejected.malformed += 1;
+                    return;
+                }
+            };
+            let Ok(repr) = header::Repr::parse(&pkt) else {
+                rejected.malformed += 1;
+                return;
+            };
+            if let Err(e) = flow.on_data(&repr, pkt.payload(), buf, meta.is_ce(), t) {
+                rejected.count(e);
+            }
+        };
+    while !flow.is_done() {
+        let t = now();
+        let got = dp
+            .recv(cfg.batch, period, &mut |meta: &RxMeta, d: &[u8]| {
+                place(&mut flow, &mut rejected, meta, d, t)
+            })
+            .map_err(dp_err(dp.name()))?;
+        if got > 0 {
+            last_progress = Instant::now();
+        }
+        while let Some(m) = flow.poll(now()) {
+            ctrl.send(&m)?;
+        }
+        while !flow.is_done() {
+            let Some(m) = ctrl.recv(Duration::ZERO)? else {
+                break;
+            };
+            last_progress = Instant::now();
+            if matches!(m, CtrlMsg::FlowStop { .. }) && flow.phase() == ReceiverPhase::Receiving {
+                // Data sent before FlowStop may still sit in the socket: place it before
+                // deciding what to ask for again.
+                let t = now();
+                while dp
+                    .recv(cfg.batch, Duration::ZERO, &mut |meta: &RxMeta, d: &[u8]| {
+                        place(&mut flow, &mut rejected, meta, d, t)
+                    })
+                    .map_err(dp_err(dp.name()))?
+                    > 0
+                {}
+                while let Some(m) = flow.poll(now()) {
+                    ctrl.send(&m)?;
+                }
+            }
+            if let Some(reply) = flow.on_ctrl(m, now()).map_err(proto)? {
+                ctrl.send(&reply)?;
+            }
+        }
+        if last_progress.elapsed() > cfg.idle_timeout {
+            return Err(TransferError::Stalled {
+                peer: ctrl.peer(),
+                timeout: cfg.idle_timeout,
+                during: match flow.phase() {
+                    ReceiverPhase::Receiving => "receiving data",
+                    _ => "waiting for FinishConfirm",
+                },
+                flow: flow_id,
+            });
+        }
+    }
+    let layout = *flow.layout();
+    let bitmap = flow.bitmap().clone();
+    if opts.fill == MissingFill::Zero {
+        for i in (0..layout.count()).filter(|&i| !bitmap.get(i)) {
+            if let Some((off, len)) = layout.segment(i) {
+                if let Some(dst) = buf.get_mut(off as usize..off as usize + len) {
+                    dst.fill(0);
+                }
+            }
+        }
+    }
+    let stats = flow.stats();
+    let ns = |t: Option<u64>| Duration::from_nanos(t.unwrap_or(0).saturating_sub(stats.start_ns));
+    Ok(RecvReport {
+        flow: flow_id,
+        size_bytes: layout.size_bytes(),
+        segments: layout.count(),
+        received_segments: bitmap.count_ones(),
+        delivered_fraction: bitmap.fraction(),
+        loss_bound: flow.loss_bound().as_fraction(),
+        rounds: stats.retransmit_requests,
+        stats,
+        rejected,
+        fct: ns(stats.bound_met_ns),
+        total: ns(stats.done_ns),
+        fill: opts.fill,
+        bitmap,
+        layout,
+    })
+}
+
+/// The sending end of a control connection plus a datapath: `dlcp_send`.
+#[derive(Debug)]
+pub struct Sender<D> {
+    dp: D,
+    ctrl: TcpCtrl,
+    cfg: TransferConfig,
+}
+
+impl<D: Datapath> Sender<D> {
+    /// Connect to a receiver's control address.
+    pub fn connect(
+        ctrl_addr: SocketAddr,
+        dp: D,
+        cfg: TransferConfig,
+    ) -> Result<Sender<D>, TransferError> {
+        cfg.validate()?;
+        let ctrl = TcpCtrl::connect(ctrl_addr, cfg.connect_timeout, cfg.control_dscp)?;
+        Ok(Sender { dp, ctrl, cfg })
+    }
+
+    /// Send a tensor, tagging each segment with `prio`.
+    pub fn send(
+        &mut self,
+        tensor: &Tensor,
+        opts: &SendOptions,
+        prio: &PriorityFn<'_>,
+    ) -> Result<SendReport, TransferError> {
+        let ip = self.ctrl.peer_addr().ip();
+        send_tensor(
+            &mut self.dp,
+            &mut self.ctrl,
+            ip,
+            tensor,
+            opts,
+            prio,
+            &self.cfg,
+        )
+    }
+
+    /// The datapath.
+    pub fn datapath(&self) -> &D {
+        &self.dp
+    }
+}
+
+/// The receiving end: `dlcp_recv`.
+#[derive(Debug)]
+pub struct Receiver<D> {
+    dp: D,
+    ctrl: TcpCtrl,
+    cfg: TransferConfig,
+}
+
+impl<D: Datapath> Receiver<D> {
+    /// Wait (at most `cfg.connect_timeout`) for one sender to connect on `listener`.
+    pub fn accept(
+        listener: &TcpListener,
+        dp: D,
+        cfg: TransferConfig,
+    ) -> Result<Receiver<D>, TransferError> {
+        cfg.validate()?;
+        let io = |source| {
+            TransferError::Channel(ChannelError::Io {
+                peer: "listener".into(),
+                source,
+            })
+        };
+        listener.set_nonblocking(true).map_err(io)?;
+        let deadline = Instant::now() + cfg.connect_timeout;
+        let stream = loop {
+            match listener.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err(TransferError::Stalled {
+                            peer: listener.local_addr().map_or("?".into(), |a| a.to_string()),
+                            timeout: cfg.connect_timeout,
+                            during: "waiting for a sender to connect",
+                            flow: FlowId {
+                                job: 0,
+                                tensor: 0,
+                                round: 0,
+                            },
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(io(e)),
+            }
+        };
+        let ctrl = TcpCtrl::new(stream, cfg.control_dscp)?;
+        Ok(Receiver { dp, ctrl, cfg })
+    }
+
+    /// Receive a tensor with the options' loss bound.
+    pub fn recv(
+        &mut self,
+        tensor: &mut Tensor,
+        opts: &RecvOptions,
+    ) -> Result<RecvReport, TransferError> {
+        recv_tensor(&mut self.dp, &mut self.ctrl, tensor, opts, &self.cfg)
+    }
+
+    /// The datapath.
+    pub fn datapath(&self) -> &D {
+        &self.dp
+    }
+}

@@ -1,0 +1,361 @@
+//! End-to-end transfers of a 64 MiB tensor over the in-memory and the kernel UDP datapaths,
+//! under injected loss, reordering and duplication: the loss bound holds, every delivered
+//! byte is the sender's byte, and untouched bytes follow the fill option.
+
+#![allow(clippy::unwrap_used)]
+
+use std::net::{SocketAddr, TcpListener};
+use std::time::Duration;
+
+use gradwire::channel::MemCtrl;
+use gradwire::control::LossBound;
+use gradwire::datapath::fault::{FaultConfig, FaultInjector};
+use gradwire::datapath::loopback::Loopback;
+use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
+use gradwire::datapath::Datapath;
+use gradwire::proto::{fixed_priority, Tag};
+use gradwire::tensor::{DType, Tensor};
+use gradwire::transport::{
+    recv_tensor, send_tensor, MissingFill, Receiver, RecvOptions, RecvReport, SendOptions, Sender,
+    TransferConfig, TransferError,
+};
+
+const SIZE: usize = 64 << 20;
+
+fn sender_tensor() -> Tensor {
+    let mut t = Tensor::zeros(DType::F32, SIZE / 4);
+    t.fill_pattern(0xfeed);
+    t
+}
+
+/// Check the bound, byte equality of delivered segments and the fill of missing ones.
+fn check(report: &RecvReport, sent: &Tensor, got: &Tensor, before: u8, bound: f64) {
+    assert!(
+        report.delivered_fraction >= 1.0 - bound - 1e-12,
+        "delivered {} < 1 - {bound}",
+        report.delivered_fraction
+    );
+    assert_eq!(report.received_segments, report.bitmap.count_ones());
+    let (s, g) = (sent.as_bytes(), got.as_bytes());
+    for i in 0..report.segments {
+        let (off, len) = report.layout.segment(i).unwrap();
+        let r = off as usize..off as usize + len;
+        if report.bitmap.get(i) {
+            assert!(
+                s[r.clone()] == g[r],
+                "segment {i} differs from the sender's bytes"
+            );
+        } else {
+            let want = match report.fill {
+                MissingFill::Zero => 0,
+                MissingFill::Keep => before,
+            };
+            assert!(
+                g[r].iter().all(|&b| b == want),
+                "missing segment {i} not filled with {want}"
+            );
+        }
+    }
+}
+
+fn addrs() -> (SocketAddr, SocketAddr) {
+    (
+        "198.18.0.1:7000".parse().unwrap(),
+        "198.18.0.2:7000".parse().unwrap(),
+    )
+}
+
+/// One loopback transfer with faults on the receive side.
+fn loopback_case(faults: FaultConfig, bound: f64, fill: MissingFill) -> RecvReport {
+    let (a, b) = addrs();
+    let (mut tx, rx) = Loopback::pair(a, b, 1472, 1 << 16);
+    let mut rx = FaultInjector::new(rx, faults).unwrap();
+    let (mut ca, mut cb) = MemCtrl::pair();
+    let cfg = TransferConfig {
+        idle_timeout: Duration::from_secs(20),
+        ..TransferConfig::default()
+    };
+    let sent = sender_tensor();
+    let before = 0xAB;
+    let mut got = Tensor::zeros(DType::F32, SIZE / 4);
+    got.as_bytes_mut().fill(before);
+    let bound_lb = LossBound::from_fraction(bound).unwrap();
+    let opts = SendOptions {
+        loss_bound: Some(bound_lb),
+        ..SendOptions::new(3, 17)
+    };
+    let ropts = RecvOptions {
+        fill,
+        ..RecvOptions::new(3, 17)
+    };
+    let prio = fixed_priority(Tag {
+        dscp: 10,
+        ect: true,
+    });
+    let report = std::thread::scope(|s| {
+        let c = cfg.clone();
+        let sent = &sent;
+        let h = s.spawn(move || send_tensor(&mut tx, &mut ca, b.ip(), sent, &opts, &prio, &c));
+        let r = recv_tensor(&mut rx, &mut cb, &mut got, &ropts, &cfg).unwrap();
+        let sr = h.join().unwrap().unwrap();
+        assert_eq!(sr.segments, r.segments);
+        assert!(sr.stats.packets >= u64::from(r.received_segments));
+        r
+    });
+    check(&report, &sent, &got, before, bound);
+    report
+}
+
+#[test]
+fn loopback_no_loss() {
+    let r = loopback_case(FaultConfig::default(), 0.01, MissingFill::Zero);
+    assert_eq!(r.rounds, 0);
+    assert!(r.delivered_fraction >= 0.99);
+}
+
+#[test]
+fn loopback_1pct_loss_with_reorder_and_duplicates() {
+    let f = FaultConfig {
+        drop: 0.01,
+        reorder: 0.05,
+        duplicate: 0.02,
+        seed: 1,
+        ..FaultConfig::default()
+    };
+    let r = loopback_case(f, 0.005, MissingFill::Keep);
+    assert!(r.stats.duplicates > 0);
+}
+
+#[test]
+fn loopback_5pct_loss_bound_1pct_needs_retransmission() {
+    let f = FaultConfig {
+        drop: 0.05,
+        reorder: 0.05,
+        duplicate: 0.01,
+        seed: 2,
+        ..FaultConfig::default()
+    };
+    let r = loopback_case(f, 0.01, MissingFill::Zero);
+    assert!(
+        r.rounds >= 1,
+        "5% loss cannot meet a 1% bound without retransmission"
+    );
+}
+
+#[test]
+fn loopback_20pct_loss_bound_10pct() {
+    let f = FaultConfig {
+        drop: 0.20,
+        reorder: 0.05,
+        duplicate: 0.01,
+        seed: 3,
+        ..FaultConfig::default()
+    };
+    let r = loopback_case(f, 0.10, MissingFill::Keep);
+    assert!(r.rounds >= 1);
+}
+
+#[test]
+fn loopback_reliable_with_5pct_loss_delivers_everything() {
+    let f = FaultConfig {
+        drop: 0.05,
+        reorder: 0.05,
+        duplicate: 0.01,
+        seed: 4,
+        ..FaultConfig::default()
+    };
+    let r = loopback_case(f, 0.0, MissingFill::Zero);
+    assert_eq!(r.received_segments, r.segments);
+    assert_eq!(r.delivered_fraction, 1.0);
+}
+
+/// The same over kernel UDP sockets on 127.0.0.1 with a real TCP control channel.
+fn udp_case(loss: f64, bound: f64) -> RecvReport {
+    let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let listener = TcpListener::bind(lo).unwrap();
+    let ctrl_addr = listener.local_addr().unwrap();
+    let cfg = TransferConfig {
+        idle_timeout: Duration::from_secs(20),
+        sender: gradwire::proto::SenderConfig::new(5_000_000_000),
+        ..TransferConfig::default()
+    };
+    let sent = sender_tensor();
+    let mut got = Tensor::zeros(DType::F32, SIZE / 4);
+    got.as_bytes_mut().fill(0x5A);
+    let opts = SendOptions {
+        loss_bound: Some(LossBound::from_fraction(bound).unwrap()),
+        ..SendOptions::new(9, 1)
+    };
+    let prio = fixed_priority(Tag {
+        dscp: 26,
+        ect: false,
+    });
+    std::thread::scope(|s| {
+        let c = cfg.clone();
+        let sent = &sent;
+        let h = s.spawn(move || {
+            let dp = UdpDatapath::bind(lo, UdpConfig::default()).unwrap();
+            let mut tx = Sender::connect(ctrl_addr, dp, c).unwrap();
+            tx.send(sent, &opts, &prio)
+        });
+        let dp = UdpDatapath::bind(lo, UdpConfig::default()).unwrap();
+        let dp = FaultInjector::new(
+            dp,
+            FaultConfig {
+                seed: 11,
+                ..FaultConfig::loss(loss)
+            },
+        )
+        .unwrap();
+        let mut rx = Receiver::accept(&listener, dp, cfg.clone()).unwrap();
+        let r = rx.recv(&mut got, &RecvOptions::new(9, 1)).unwrap();
+        h.join().unwrap().unwrap();
+        check(&r, sent, &got, 0x5A, bound);
+        r
+    })
+}
+
+#[test]
+fn udp_loopback_interface_no_injected_loss() {
+    udp_case(0.0, 0.01);
+}
+
+#[test]
+fn udp_5pct_loss_bound_1pct() {
+    let r = udp_case(0.05, 0.01);
+    assert!(r.rounds >= 1);
+}
+
+#[test]
+fn udp_20pct_loss_bound_10pct() {
+    udp_case(0.20, 0.10);
+}
+
+#[test]
+fn udp_reliable_with_5pct_loss_delivers_everything() {
+    let r = udp_case(0.05, 0.0);
+    assert_eq!(r.received_segments, r.segments);
+}
+
+#[test]
+fn receiver_rejects_wrong_size_with_clear_error() {
+    let (a, b) = addrs();
+    let (mut tx, mut rx) = Loopback::pair(a, b, 1472, 1024);
+    let (mut ca, mut cb) = MemCtrl::pair();
+    let cfg = TransferConfig::default();
+    let sent = Tensor::zeros(DType::F32, 1000);
+    let mut got = Tensor::zeros(DType::F32, 999);
+    let prio = fixed_priority(Tag {
+        dscp: 0,
+        ect: false,
+    });
+    std::thread::scope(|s| {
+        let c = cfg.clone();
+        let h = s.spawn(move || {
+            send_tensor(
+                &mut tx,
+                &mut ca,
+                b.ip(),
+                &sent,
+                &SendOptions::new(1, 1),
+                &prio,
+                &c,
+            )
+        });
+        let e = recv_tensor(&mut rx, &mut cb, &mut got, &RecvOptions::new(1, 1), &cfg).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("4000 bytes offered, 3996 bytes registered"),
+            "{e}"
+        );
+        let e = h.join().unwrap().unwrap_err();
+        assert!(e.to_string().contains("SizeMismatch"), "{e}");
+    });
+}
+
+#[test]
+fn sender_that_disappears_mid_transfer_is_an_error_not_a_hang() {
+    let (a, b) = addrs();
+    let (mut tx, mut rx) = Loopback::pair(a, b, 1472, 1 << 16);
+    let (mut ca, mut cb) = MemCtrl::pair();
+    let cfg = TransferConfig {
+        idle_timeout: Duration::from_millis(300),
+        ..TransferConfig::default()
+    };
+    let mut got = Tensor::zeros(DType::F32, 1 << 20);
+    // A "sender" that does the rendezvous, sends a few segments and then goes silent (its
+    // ends stay open, so only the idle timeout can notice).
+    let sent = sender_tensor();
+    let start = std::time::Instant::now();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            use gradwire::channel::CtrlChannel;
+            use gradwire::control::CtrlMsg;
+            let mut small = Tensor::zeros(DType::F32, 1 << 20);
+            small
+                .as_bytes_mut()
+                .copy_from_slice(&sent.as_bytes()[..4 << 20]);
+            let layout = gradwire::tensor::SegmentLayout::for_tensor(&small, 1500, false).unwrap();
+            ca.send(&CtrlMsg::FlowStart(gradwire::control::FlowStart {
+                job_id: 1,
+                tensor_id: 2,
+                round: 0,
+                layer: 0,
+                dtype_code: DType::F32.code(),
+                size_bytes: small.len_bytes() as u64,
+                segment_payload: layout.segment_payload() as u32,
+                segment_count: layout.count(),
+                loss_bound: LossBound::RELIABLE,
+                data_port: 1,
+                stage: gradwire::control::Stage::Push,
+            }))
+            .unwrap();
+            assert!(matches!(
+                ca.recv(Duration::from_secs(5)).unwrap(),
+                Some(CtrlMsg::FlowAccept { .. })
+            ));
+            let _ = tx.send(0, &mut |_: &mut [u8]| None);
+            std::thread::sleep(Duration::from_secs(1));
+            drop(ca);
+        });
+        let e = recv_tensor(&mut rx, &mut cb, &mut got, &RecvOptions::new(1, 2), &cfg).unwrap_err();
+        assert!(matches!(e, TransferError::Stalled { .. }), "{e}");
+        assert!(e.to_string().contains("stalled"), "{e}");
+    });
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn receiver_that_disconnects_is_a_clear_error() {
+    let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let listener = TcpListener::bind(lo).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let cfg = TransferConfig {
+        idle_timeout: Duration::from_secs(2),
+        ..TransferConfig::default()
+    };
+    let h = std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        drop(s);
+    });
+    let dp = UdpDatapath::bind(lo, UdpConfig::default()).unwrap();
+    let mut tx = Sender::connect(addr, dp, cfg).unwrap();
+    let t = Tensor::zeros(DType::F32, 1000);
+    let e = tx
+        .send(
+            &t,
+            &SendOptions::new(1, 1),
+            &fixed_priority(Tag {
+                dscp: 0,
+                ect: false,
+            }),
+        )
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("closed by the peer") || e.to_string().contains("reset"),
+        "{e}"
+    );
+    h.join().unwrap();
+    assert_eq!(tx.datapath().stats().tx_packets, 0);
+}
