@@ -1,1 +1,30 @@
-fn main() {}
+//! `gradwire`: send, receive and demo bounded-loss tensor transfers.
+
+mod args;
+mod report;
+mod run;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = args::Cli::parse();
+    let result = match cli.command {
+        args::Command::Demo(a) => run::demo(&a),
+        args::Command::Send(a) => run::send(&a),
+        args::Command::Recv(a) => run::recv(&a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("gradwire: error: {e}");
+            let mut src = std::error::Error::source(&*e);
+            while let Some(s) = src {
+                eprintln!("  caused by: {s}");
+                src = s.source();
+            }
+            ExitCode::FAILURE
+        }
+    }
+}

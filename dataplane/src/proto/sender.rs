@@ -75,6 +75,8 @@ pub struct SenderStats {
     pub min_rate_bps: u64,
     /// CE-marked packets the receiver reported.
     pub ce_reported: u64,
+    /// Segments the receiver said it had when it finished the flow.
+    pub receiver_segments: Option<u32>,
 }
 
 /// One tensor being sent.
@@ -311,9 +313,10 @@ impl SenderFlow {
                 self.start_pass(ranges);
                 Ok(None)
             }
-            CtrlMsg::FlowFinish { .. } => match self.phase {
+            CtrlMsg::FlowFinish { received_segments } => match self.phase {
                 SenderPhase::Sending | SenderPhase::AwaitVerdict => {
                     self.phase = SenderPhase::Done;
+                    self.stats.receiver_segments = Some(received_segments);
                     Ok(Some(CtrlMsg::FinishConfirm))
                 }
                 p => Err(unexpected("FlowFinish", p)),

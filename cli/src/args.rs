@@ -1,0 +1,217 @@
+//! Command-line arguments.
+
+use std::net::SocketAddr;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use gradwire::tensor::DType;
+
+/// gradwire: a bounded-loss-tolerant transport for distributed DNN training traffic.
+#[derive(Debug, Parser)]
+#[command(name = "gradwire", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run complete exchanges on this machine (sender and receiver in one process).
+    Demo(DemoArgs),
+    /// Send tensors to a `gradwire recv` on another host.
+    Send(SendArgs),
+    /// Receive tensors from a `gradwire send`.
+    Recv(RecvArgs),
+}
+
+/// Which datapath carries the data packets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DatapathKind {
+    /// In-memory pair inside one process (demo only).
+    Loopback,
+    /// Kernel UDP sockets with sendmmsg/recvmmsg.
+    Udp,
+}
+
+impl DatapathKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            DatapathKind::Loopback => "loopback",
+            DatapathKind::Udp => "udp",
+        }
+    }
+}
+
+/// Options every command shares.
+#[derive(Debug, Clone, Args)]
+pub struct Common {
+    /// Datapath for data packets.
+    #[arg(long, value_enum, default_value = "udp")]
+    pub datapath: DatapathKind,
+    /// Tensor size in bytes (suffixes K, M, G, KiB, MiB, GiB).
+    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    pub size: u64,
+    /// Number of tensors transferred, one after another.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub count: u32,
+    /// Element type.
+    #[arg(long, default_value = "f32")]
+    pub dtype: DType,
+    /// Loss bound p: the receiver finishes once 1-p of the segments arrived (0 = reliable).
+    #[arg(long, default_value_t = 0.01, value_parser = parse_fraction)]
+    pub loss_bound: f64,
+    /// Receiver-side random drop probability (fault injection; no netem needed).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
+    pub inject_loss: f64,
+    /// IP MTU of the path.
+    #[arg(long, default_value_t = 1500)]
+    pub mtu: usize,
+    /// Line rate the sender starts at and never exceeds (bit/s, suffixes K, M, G).
+    #[arg(long, default_value = "25G", value_parser = parse_rate)]
+    pub line_rate: u64,
+    /// Rate-control factor Δ: halve when send rate > Δ x receive rate.
+    #[arg(long, default_value_t = 2.0)]
+    pub delta: f64,
+    /// Rate-report period in microseconds.
+    #[arg(long, default_value_t = 200)]
+    pub period_us: u64,
+    /// Additive increase per period, as a fraction of the line rate.
+    #[arg(long, default_value_t = 0.05)]
+    pub additive_increase: f64,
+    /// Seconds without progress before a transfer fails.
+    #[arg(long, default_value_t = 10.0)]
+    pub timeout: f64,
+    /// Keep the previous contents of missing segments instead of zero-filling them.
+    #[arg(long)]
+    pub keep_missing: bool,
+    /// Job id carried in every packet.
+    #[arg(long, default_value_t = 1)]
+    pub job: u32,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Args)]
+pub struct SendArgs {
+    /// The receiver's control address (host:port).
+    #[arg(long)]
+    pub to: SocketAddr,
+    /// Local address for the data socket (port 0 picks one).
+    #[arg(long)]
+    pub bind: Option<SocketAddr>,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+#[derive(Debug, Args)]
+pub struct RecvArgs {
+    /// Control address to listen on (host:port).
+    #[arg(long)]
+    pub listen: SocketAddr,
+    /// Data address (default: the listen address with port+1).
+    #[arg(long)]
+    pub data: Option<SocketAddr>,
+    #[command(flatten)]
+    pub common: Common,
+}
+
+/// Parse "1500", "64KiB", "64MiB", "1G", "10M".
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 1500, 64KiB, 64MiB, 1G)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?} (use K, M, G, KiB, MiB, GiB)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// Parse a rate in bit/s: "25G", "100M", "1000000".
+pub fn parse_rate(s: &str) -> Result<u64, String> {
+    let t = s.trim().trim_end_matches("bps").trim_end_matches("bit/s");
+    let v = parse_size(t)?;
+    if v == 0 {
+        return Err("rate must be positive".into());
+    }
+    Ok(v)
+}
+
+/// Parse a probability in [0, 1].
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number"))?;
+    if (0.0..=1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{v} is not a probability in [0, 1]"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_rates_fractions() {
+        assert_eq!(parse_size("1500"), Ok(1500));
+        assert_eq!(parse_size("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_size("1G"), Ok(1_000_000_000));
+        assert!(parse_size("12XB").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999999GiB").is_err());
+        assert_eq!(parse_rate("25G"), Ok(25_000_000_000));
+        assert!(parse_rate("0").is_err());
+        assert_eq!(parse_fraction("0.05"), Ok(0.05));
+        assert!(parse_fraction("1.5").is_err());
+        assert!(parse_fraction("nan").is_err());
+    }
+
+    #[test]
+    fn cli_parses() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let c = Cli::try_parse_from([
+            "gradwire",
+            "demo",
+            "--datapath",
+            "loopback",
+            "--size",
+            "1MiB",
+            "--inject-loss",
+            "0.05",
+            "--loss-bound",
+            "0.01",
+            "--json",
+        ])
+        .unwrap();
+        let Command::Demo(d) = c.command else {
+            panic!("not demo")
+        };
+        assert_eq!(d.common.size, 1 << 20);
+        assert!(d.common.json);
+        assert!(Cli::try_parse_from(["gradwire", "demo", "--loss-bound", "2"]).is_err());
+    }
+}

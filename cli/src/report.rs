@@ -1,0 +1,241 @@
+//! What a run reports: one record per transfer and a summary, as a table or one JSON object.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// One tensor transfer.
+#[derive(Debug, Clone, Serialize)]
+pub struct Xfer {
+    pub index: u32,
+    pub segments: u32,
+    pub received_segments: u32,
+    pub delivered_fraction: f64,
+    pub rounds: u32,
+    pub fct_us: f64,
+    pub packets_sent: Option<u64>,
+    pub retransmitted: Option<u64>,
+    pub rate_halvings: Option<u64>,
+    pub duplicates: Option<u64>,
+    pub rejected: Option<u64>,
+    /// Every delivered byte equals the sender's byte (receiver side only).
+    pub verified: Option<bool>,
+}
+
+/// A whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    pub role: &'static str,
+    pub datapath: &'static str,
+    pub dtype: String,
+    pub size_bytes: u64,
+    pub count: u32,
+    pub loss_bound: f64,
+    pub inject_loss: f64,
+    /// Smallest delivered fraction over the transfers.
+    pub delivered_fraction: f64,
+    pub delivered_fraction_mean: f64,
+    /// Largest number of retransmission rounds of any transfer.
+    pub rounds: u32,
+    pub rounds_total: u64,
+    /// Delivered payload bytes over the wall time of all transfers.
+    pub goodput_gbps: f64,
+    pub fct_p50_us: f64,
+    pub fct_p99_us: f64,
+    pub fct_mean_us: f64,
+    pub elapsed_s: f64,
+    /// Every delivered byte of every transfer matched (receiver side only).
+    pub verified: Option<bool>,
+    pub transfers: Vec<Xfer>,
+}
+
+/// Nearest-rank percentile of sorted values.
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+impl Summary {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        role: &'static str,
+        datapath: &'static str,
+        dtype: String,
+        size_bytes: u64,
+        loss_bound: f64,
+        inject_loss: f64,
+        delivered_bytes: u64,
+        elapsed: Duration,
+        transfers: Vec<Xfer>,
+    ) -> Summary {
+        let n = transfers.len().max(1) as f64;
+        let mut fcts: Vec<f64> = transfers.iter().map(|x| x.fct_us).collect();
+        fcts.sort_by(f64::total_cmp);
+        let verified = if transfers.iter().any(|x| x.verified.is_some()) {
+            Some(transfers.iter().all(|x| x.verified == Some(true)))
+        } else {
+            None
+        };
+        Summary {
+            role,
+            datapath,
+            dtype,
+            size_bytes,
+            count: transfers.len() as u32,
+            loss_bound,
+            inject_loss,
+            delivered_fraction: transfers
+                .iter()
+                .map(|x| x.delivered_fraction)
+                .fold(1.0, f64::min),
+            delivered_fraction_mean: transfers.iter().map(|x| x.delivered_fraction).sum::<f64>()
+                / n,
+            rounds: transfers.iter().map(|x| x.rounds).max().unwrap_or(0),
+            rounds_total: transfers.iter().map(|x| u64::from(x.rounds)).sum(),
+            goodput_gbps: if elapsed.is_zero() {
+                0.0
+            } else {
+                delivered_bytes as f64 * 8.0 / elapsed.as_secs_f64() / 1e9
+            },
+            fct_p50_us: percentile(&fcts, 50.0),
+            fct_p99_us: percentile(&fcts, 99.0),
+            fct_mean_us: fcts.iter().sum::<f64>() / n,
+            elapsed_s: elapsed.as_secs_f64(),
+            verified,
+            transfers,
+        }
+    }
+
+    pub fn print(&self, json: bool) {
+        if json {
+            match serde_json::to_string(self) {
+                Ok(s) => println!("{s}"),
+                Err(e) => eprintln!("gradwire: cannot encode JSON: {e}"),
+            }
+            return;
+        }
+        println!(
+            "gradwire {}: {} x {} {} over {}, loss bound {:.2}%, injected loss {:.2}%",
+            self.role,
+            self.count,
+            human_bytes(self.size_bytes),
+            self.dtype,
+            self.datapath,
+            self.loss_bound * 100.0,
+            self.inject_loss * 100.0
+        );
+        println!(
+            "{:>4}  {:>10}  {:>9}  {:>6}  {:>10}  {:>9}  {:>8}  {:>8}",
+            "#", "delivered", "segments", "rounds", "fct_ms", "retx_segs", "halvings", "verified"
+        );
+        for x in &self.transfers {
+            println!(
+                "{:>4}  {:>9.3}%  {:>9}  {:>6}  {:>10.2}  {:>9}  {:>8}  {:>8}",
+                x.index,
+                x.delivered_fraction * 100.0,
+                x.segments,
+                x.rounds,
+                x.fct_us / 1e3,
+                opt(x.retransmitted),
+                opt(x.rate_halvings),
+                x.verified.map_or("-", |v| if v { "yes" } else { "NO" }),
+            );
+        }
+        println!(
+            "summary: delivered min {:.3}% mean {:.3}%, rounds max {}, fct p50 {:.2} ms p99 {:.2} ms, goodput {:.2} Gbit/s over {:.2} s{}",
+            self.delivered_fraction * 100.0,
+            self.delivered_fraction_mean * 100.0,
+            self.rounds,
+            self.fct_p50_us / 1e3,
+            self.fct_p99_us / 1e3,
+            self.goodput_gbps,
+            self.elapsed_s,
+            match self.verified {
+                Some(true) => ", every delivered byte verified",
+                Some(false) => ", VERIFICATION FAILED",
+                None => "",
+            }
+        );
+    }
+}
+
+fn opt(v: Option<u64>) -> String {
+    v.map_or_else(|| "-".into(), |v| v.to_string())
+}
+
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), 50.0);
+        assert_eq!(percentile(&v, 99.0), 99.0);
+        assert_eq!(percentile(&[7.0], 99.0), 7.0);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+        assert_eq!(human_bytes(64 << 20), "64.0 MiB");
+        assert_eq!(human_bytes(1500), "1.5 KiB");
+    }
+
+    #[test]
+    fn summary_json_has_required_fields() {
+        let x = Xfer {
+            index: 1,
+            segments: 10,
+            received_segments: 9,
+            delivered_fraction: 0.9,
+            rounds: 1,
+            fct_us: 100.0,
+            packets_sent: Some(11),
+            retransmitted: Some(1),
+            rate_halvings: Some(0),
+            duplicates: Some(0),
+            rejected: Some(0),
+            verified: Some(true),
+        };
+        let s = Summary::new(
+            "demo",
+            "udp",
+            "f32".into(),
+            14400,
+            0.1,
+            0.1,
+            12960,
+            Duration::from_millis(1),
+            vec![x],
+        );
+        let v: serde_json::Value = serde_json::to_value(&s).unwrap();
+        for k in [
+            "datapath",
+            "size_bytes",
+            "loss_bound",
+            "delivered_fraction",
+            "rounds",
+            "goodput_gbps",
+            "fct_p50_us",
+            "fct_p99_us",
+        ] {
+            assert!(v.get(k).is_some(), "missing {k}");
+        }
+        assert!((s.goodput_gbps - 0.10368).abs() < 1e-9);
+    }
+}

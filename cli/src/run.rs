@@ -1,0 +1,414 @@
+//! The commands: demo (both ends in one process), send and recv (two hosts).
+
+use std::error::Error;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::time::{Duration, Instant};
+
+use gradwire::channel::{CtrlChannel, MemCtrl, TcpCtrl};
+use gradwire::control::{LossBound, Stage};
+use gradwire::datapath::fault::{FaultConfig, FaultInjector};
+use gradwire::datapath::loopback::Loopback;
+use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
+use gradwire::datapath::Datapath;
+use gradwire::proto::{fixed_priority, SenderConfig, Tag};
+use gradwire::rate::RateConfig;
+use gradwire::tensor::Tensor;
+use gradwire::transport::{
+    recv_tensor, send_tensor, MissingFill, RecvOptions, RecvReport, SendOptions, SendReport,
+    TransferConfig,
+};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::args::{Common, DatapathKind, DemoArgs, RecvArgs, SendArgs};
+use crate::report::{Summary, Xfer};
+
+type Res<T = ()> = Result<T, Box<dyn Error + Send + Sync>>;
+
+/// Tensor id used by the CLI; each transfer is a new round of it.
+const TENSOR_ID: u32 = 1;
+/// DSCP of data packets from the CLI (AF11); per-layer tagging is the library's job.
+const DATA_TAG: Tag = Tag {
+    dscp: 10,
+    ect: true,
+};
+
+fn transfer_config(c: &Common) -> Res<TransferConfig> {
+    let mut rate = RateConfig::new(c.line_rate);
+    rate.delta = c.delta;
+    rate.period_ns = c.period_us.saturating_mul(1000);
+    rate.additive_increase = c.additive_increase;
+    rate.min_rate_bps = rate.min_rate_bps.min(c.line_rate);
+    if !(c.timeout.is_finite() && c.timeout > 0.0 && c.timeout < 86_400.0) {
+        return Err(format!(
+            "--timeout {} must be a positive number of seconds",
+            c.timeout
+        )
+        .into());
+    }
+    let cfg = TransferConfig {
+        mtu: c.mtu,
+        sender: SenderConfig {
+            rate,
+            ..SenderConfig::new(c.line_rate)
+        },
+        idle_timeout: Duration::from_secs_f64(c.timeout),
+        connect_timeout: Duration::from_secs_f64(c.timeout.max(10.0)),
+        ..TransferConfig::default()
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+fn tensor(c: &Common) -> Res<Tensor> {
+    let size = usize::try_from(c.size).map_err(|_| "--size does not fit this machine's memory")?;
+    Tensor::zeros_bytes(c.dtype, size).ok_or_else(|| {
+        format!(
+            "--size {} is not a whole number of {} elements ({} bytes each)",
+            c.size,
+            c.dtype,
+            c.dtype.elem_size()
+        )
+        .into()
+    })
+}
+
+fn faults(c: &Common) -> FaultConfig {
+    FaultConfig::loss(c.inject_loss)
+}
+
+fn send_opts(c: &Common, round: u32) -> Res<SendOptions> {
+    Ok(SendOptions {
+        round,
+        stage: Stage::Push,
+        loss_bound: Some(LossBound::from_fraction(c.loss_bound)?),
+        ..SendOptions::new(c.job, TENSOR_ID)
+    })
+}
+
+fn recv_opts(c: &Common, round: u32) -> Res<RecvOptions> {
+    Ok(RecvOptions {
+        round: Some(round),
+        loss_bound: Some(LossBound::from_fraction(c.loss_bound)?),
+        fill: if c.keep_missing {
+            MissingFill::Keep
+        } else {
+            MissingFill::Zero
+        },
+        ..RecvOptions::new(c.job, TENSOR_ID)
+    })
+}
+
+/// Every delivered segment equals the sender's bytes.
+fn verify(r: &RecvReport, sent: &[u8], got: &[u8]) -> bool {
+    (0..r.segments).filter(|&i| r.bitmap.get(i)).all(|i| {
+        r.layout.segment(i).is_some_and(|(off, len)| {
+            let range = off as usize..off as usize + len;
+            sent.get(range.clone()) == got.get(range)
+        })
+    })
+}
+
+fn progress(c: &Common) -> ProgressBar {
+    let total = c.size.saturating_mul(u64::from(c.count));
+    if c.json || total < (256 << 20) {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(total);
+    if let Ok(style) =
+        ProgressStyle::with_template("{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+    {
+        pb.set_style(style);
+    }
+    pb
+}
+
+fn xfer_from(i: u32, r: &RecvReport, s: Option<&SendReport>, verified: Option<bool>) -> Xfer {
+    Xfer {
+        index: i + 1,
+        segments: r.segments,
+        received_segments: r.received_segments,
+        delivered_fraction: r.delivered_fraction,
+        rounds: r.rounds,
+        fct_us: s.map_or(r.fct, |s| s.fct).as_secs_f64() * 1e6,
+        packets_sent: s.map(|s| s.stats.packets),
+        retransmitted: s.map(|s| s.stats.retransmitted),
+        rate_halvings: s.map(|s| s.stats.halvings),
+        duplicates: Some(r.stats.duplicates),
+        rejected: Some(r.rejected.total()),
+        verified,
+    }
+}
+
+/// Run `count` transfers between two ends in this process.
+#[allow(clippy::too_many_arguments)]
+fn run_pair<DA, CA, DB, CB>(
+    c: &Common,
+    cfg: &TransferConfig,
+    mut dpa: DA,
+    mut ca: CA,
+    dst_ip: IpAddr,
+    mut dpb: DB,
+    mut cb: CB,
+    datapath: &'static str,
+) -> Res<Summary>
+where
+    DA: Datapath + Send,
+    CA: CtrlChannel + Send,
+    DB: Datapath,
+    CB: CtrlChannel,
+{
+    let mut sent = tensor(c)?;
+    sent.fill_pattern(0x6772_6164);
+    let mut got = tensor(c)?;
+    let pb = progress(c);
+    let prio = fixed_priority(DATA_TAG);
+    let start = Instant::now();
+    let (recvs, sends) = std::thread::scope(|s| -> Res<_> {
+        let sent_ref = &sent;
+        let prio = &prio;
+        let sender = s.spawn(move || -> Res<Vec<SendReport>> {
+            let mut out = Vec::new();
+            for round in 0..c.count {
+                out.push(send_tensor(
+                    &mut dpa,
+                    &mut ca,
+                    dst_ip,
+                    sent_ref,
+                    &send_opts(c, round)?,
+                    prio,
+                    cfg,
+                )?);
+            }
+            Ok(out)
+        });
+        let mut recvs = Vec::new();
+        for round in 0..c.count {
+            match recv_tensor(&mut dpb, &mut cb, &mut got, &recv_opts(c, round)?, cfg) {
+                Ok(r) => {
+                    let ok = verify(&r, sent.as_bytes(), got.as_bytes());
+                    pb.inc(c.size);
+                    recvs.push((r, ok));
+                }
+                Err(e) => {
+                    // Drop our ends so the sender notices too, then report both sides.
+                    drop(cb);
+                    let se = sender.join().map_err(|_| "sender thread panicked")?;
+                    return Err(match se {
+                        Err(se) => format!("receiver: {e}; sender: {se}").into(),
+                        Ok(_) => e.into(),
+                    });
+                }
+            }
+        }
+        let sends = sender.join().map_err(|_| "sender thread panicked")??;
+        Ok((recvs, sends))
+    })?;
+    let elapsed = start.elapsed();
+    pb.finish_and_clear();
+    let delivered: u64 = recvs.iter().map(|(r, _)| r.stats.bytes).sum();
+    let xfers = recvs
+        .iter()
+        .zip(&sends)
+        .enumerate()
+        .map(|(i, ((r, ok), s))| xfer_from(i as u32, r, Some(s), Some(*ok)))
+        .collect();
+    Ok(Summary::new(
+        "demo",
+        datapath,
+        c.dtype.to_string(),
+        c.size,
+        c.loss_bound,
+        c.inject_loss,
+        delivered,
+        elapsed,
+        xfers,
+    ))
+}
+
+/// `gradwire demo`: both ends in this process, over the in-memory pair or UDP on 127.0.0.1.
+pub fn demo(a: &DemoArgs) -> Res {
+    let c = &a.common;
+    let cfg = transfer_config(c)?;
+    let summary = match c.datapath {
+        DatapathKind::Loopback => {
+            let x = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 1);
+            let y = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 2);
+            let max = c.mtu.saturating_sub(28).max(64);
+            let (dpa, dpb) = Loopback::pair(x, y, max, 1 << 16);
+            let dpb = FaultInjector::new(dpb, faults(c))?;
+            let (ca, cb) = MemCtrl::pair();
+            run_pair(c, &cfg, dpa, ca, y.ip(), dpb, cb, "loopback")?
+        }
+        DatapathKind::Udp => {
+            let lo = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0);
+            let udp = UdpConfig {
+                max_datagram: c.mtu.saturating_sub(28).max(64),
+                ..UdpConfig::default()
+            };
+            let listener = TcpListener::bind(lo)?;
+            let ctrl_addr = listener.local_addr()?;
+            let dpa = UdpDatapath::bind(lo, udp.clone())?;
+            let dpb = FaultInjector::new(UdpDatapath::bind(lo, udp)?, faults(c))?;
+            let ca = TcpCtrl::connect(ctrl_addr, cfg.connect_timeout, cfg.control_dscp)?;
+            let (stream, _) = listener.accept()?;
+            let cb = TcpCtrl::new(stream, cfg.control_dscp)?;
+            run_pair(c, &cfg, dpa, ca, ctrl_addr.ip(), dpb, cb, "udp")?
+        }
+    };
+    summary.print(c.json);
+    if summary.verified == Some(false) {
+        return Err("some delivered bytes differ from the sender's".into());
+    }
+    Ok(())
+}
+
+fn udp_only(c: &Common, cmd: &str) -> Res {
+    if c.datapath != DatapathKind::Udp {
+        return Err(format!(
+            "gradwire {cmd} runs between hosts: use --datapath udp (the {} datapath only exists inside one process; try `gradwire demo --datapath {}`)",
+            c.datapath.name(),
+            c.datapath.name()
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// `gradwire send`: connect to a receiver and send `count` rounds of a pattern tensor.
+pub fn send(a: &SendArgs) -> Res {
+    let c = &a.common;
+    udp_only(c, "send")?;
+    let cfg = transfer_config(c)?;
+    let mut t = tensor(c)?;
+    let bind = a.bind.unwrap_or_else(|| {
+        let ip: IpAddr = if a.to.is_ipv4() {
+            Ipv4Addr::UNSPECIFIED.into()
+        } else {
+            std::net::Ipv6Addr::UNSPECIFIED.into()
+        };
+        SocketAddr::new(ip, 0)
+    });
+    let udp = UdpConfig {
+        max_datagram: c.mtu.saturating_sub(28).max(64),
+        ..UdpConfig::default()
+    };
+    let mut dp = UdpDatapath::bind(bind, udp)?;
+    let mut ctrl = TcpCtrl::connect(a.to, cfg.connect_timeout, cfg.control_dscp)?;
+    let prio = fixed_priority(DATA_TAG);
+    let pb = progress(c);
+    let start = Instant::now();
+    let mut xfers = Vec::new();
+    let mut delivered = 0u64;
+    for round in 0..c.count {
+        // The receiver regenerates the same pattern to verify.
+        t.fill_pattern(u64::from(round));
+        let s = send_tensor(
+            &mut dp,
+            &mut ctrl,
+            a.to.ip(),
+            &t,
+            &send_opts(c, round)?,
+            &prio,
+            &cfg,
+        )?;
+        let got = s.stats.receiver_segments.unwrap_or(0);
+        delivered += (u64::from(got) * t.len_bytes() as u64)
+            .checked_div(u64::from(s.segments))
+            .unwrap_or(0);
+        pb.inc(c.size);
+        xfers.push(Xfer {
+            index: round + 1,
+            segments: s.segments,
+            received_segments: got,
+            delivered_fraction: if s.segments == 0 {
+                1.0
+            } else {
+                f64::from(got) / f64::from(s.segments)
+            },
+            rounds: s.stats.passes.saturating_sub(1),
+            fct_us: s.fct.as_secs_f64() * 1e6,
+            packets_sent: Some(s.stats.packets),
+            retransmitted: Some(s.stats.retransmitted),
+            rate_halvings: Some(s.stats.halvings),
+            duplicates: None,
+            rejected: None,
+            verified: None,
+        });
+    }
+    pb.finish_and_clear();
+    let mut summary = Summary::new(
+        "send",
+        "udp",
+        c.dtype.to_string(),
+        c.size,
+        c.loss_bound,
+        c.inject_loss,
+        delivered,
+        start.elapsed(),
+        xfers,
+    );
+    summary.verified = None;
+    summary.print(c.json);
+    Ok(())
+}
+
+/// `gradwire recv`: accept one sender and receive `count` rounds, verifying the pattern.
+pub fn recv(a: &RecvArgs) -> Res {
+    let c = &a.common;
+    udp_only(c, "recv")?;
+    let cfg = transfer_config(c)?;
+    let data = a
+        .data
+        .unwrap_or_else(|| SocketAddr::new(a.listen.ip(), a.listen.port().wrapping_add(1)));
+    let udp = UdpConfig {
+        max_datagram: c.mtu.saturating_sub(28).max(64),
+        ..UdpConfig::default()
+    };
+    let mut dp = FaultInjector::new(UdpDatapath::bind(data, udp)?, faults(c))?;
+    let listener =
+        TcpListener::bind(a.listen).map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
+    if !c.json {
+        eprintln!(
+            "gradwire recv: control on {}, data on {}; waiting for a sender",
+            a.listen,
+            dp.local_addr()
+        );
+    }
+    listener.set_nonblocking(false)?;
+    let (stream, peer) = listener.accept()?;
+    let mut ctrl = TcpCtrl::new(stream, cfg.control_dscp)?;
+    if !c.json {
+        eprintln!("gradwire recv: sender {peer} connected");
+    }
+    let mut got = tensor(c)?;
+    let mut expect = tensor(c)?;
+    let pb = progress(c);
+    let start = Instant::now();
+    let mut xfers = Vec::new();
+    let mut delivered = 0u64;
+    for round in 0..c.count {
+        let r = recv_tensor(&mut dp, &mut ctrl, &mut got, &recv_opts(c, round)?, &cfg)?;
+        expect.fill_pattern(u64::from(round));
+        let ok = verify(&r, expect.as_bytes(), got.as_bytes());
+        delivered += r.stats.bytes;
+        pb.inc(c.size);
+        xfers.push(xfer_from(round, &r, None, Some(ok)));
+    }
+    pb.finish_and_clear();
+    let summary = Summary::new(
+        "recv",
+        "udp",
+        c.dtype.to_string(),
+        c.size,
+        c.loss_bound,
+        c.inject_loss,
+        delivered,
+        start.elapsed(),
+        xfers,
+    );
+    summary.print(c.json);
+    if summary.verified == Some(false) {
+        return Err("some delivered bytes differ from the sender's".into());
+    }
+    Ok(())
+}
