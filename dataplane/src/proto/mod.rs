@@ -21,6 +21,8 @@
 
 pub mod receiver;
 pub mod sender;
+#[cfg(test)]
+mod tests;
 
 use crate::control::{CtrlMsg, LossBound, RejectCode};
 use crate::wire::header::Flags;
