@@ -7,7 +7,7 @@ use gradwire::tensor::DType;
 
 /// gradwire: a bounded-loss-tolerant transport for distributed DNN training traffic.
 #[derive(Debug, Parser)]
-#[command(name = "gradwire", version, about)]
+#[command(name = "gradwire", version, about, args_override_self = true)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

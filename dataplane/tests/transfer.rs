@@ -170,7 +170,7 @@ fn loopback_reliable_with_5pct_loss_delivers_everything() {
 }
 
 /// The same over kernel UDP sockets on 127.0.0.1 with a real TCP control channel.
-fn udp_case(loss: f64, bound: f64) -> RecvReport {
+fn udp_case(faults: FaultConfig, bound: f64) -> RecvReport {
     let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
     let listener = TcpListener::bind(lo).unwrap();
     let ctrl_addr = listener.local_addr().unwrap();
@@ -199,14 +199,7 @@ fn udp_case(loss: f64, bound: f64) -> RecvReport {
             tx.send(sent, &opts, &prio)
         });
         let dp = UdpDatapath::bind(lo, UdpConfig::default()).unwrap();
-        let dp = FaultInjector::new(
-            dp,
-            FaultConfig {
-                seed: 11,
-                ..FaultConfig::loss(loss)
-            },
-        )
-        .unwrap();
+        let dp = FaultInjector::new(dp, faults).unwrap();
         let mut rx = Receiver::accept(&listener, dp, cfg.clone()).unwrap();
         let r = rx.recv(&mut got, &RecvOptions::new(9, 1)).unwrap();
         h.join().unwrap().unwrap();
@@ -215,25 +208,43 @@ fn udp_case(loss: f64, bound: f64) -> RecvReport {
     })
 }
 
+/// Loss plus reordering and duplication on the receive side, as in the loopback cases.
+fn udp_faults(drop: f64, seed: u64) -> FaultConfig {
+    FaultConfig {
+        drop,
+        reorder: 0.05,
+        duplicate: 0.01,
+        seed,
+        ..FaultConfig::default()
+    }
+}
+
 #[test]
-fn udp_loopback_interface_no_injected_loss() {
-    udp_case(0.0, 0.01);
+fn udp_no_injected_loss() {
+    udp_case(FaultConfig::default(), 0.01);
+}
+
+#[test]
+fn udp_1pct_loss_with_reorder_and_duplicates() {
+    let r = udp_case(udp_faults(0.01, 21), 0.005);
+    assert!(r.stats.duplicates > 0);
 }
 
 #[test]
 fn udp_5pct_loss_bound_1pct() {
-    let r = udp_case(0.05, 0.01);
+    let r = udp_case(udp_faults(0.05, 22), 0.01);
     assert!(r.rounds >= 1);
 }
 
 #[test]
 fn udp_20pct_loss_bound_10pct() {
-    udp_case(0.20, 0.10);
+    let r = udp_case(udp_faults(0.20, 23), 0.10);
+    assert!(r.rounds >= 1);
 }
 
 #[test]
 fn udp_reliable_with_5pct_loss_delivers_everything() {
-    let r = udp_case(0.05, 0.0);
+    let r = udp_case(udp_faults(0.05, 24), 0.0);
     assert_eq!(r.received_segments, r.segments);
 }
 

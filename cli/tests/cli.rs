@@ -1,0 +1,173 @@
+//! The `gradwire` binary end to end: demo on both datapaths, send/recv between two
+//! processes on 127.0.0.1, and clear errors for bad input.
+
+#![allow(clippy::unwrap_used)]
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+fn gradwire(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gradwire"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn demo_json_over_both_datapaths() {
+    for dp in ["loopback", "udp"] {
+        let out = gradwire(&[
+            "demo",
+            "--datapath",
+            dp,
+            "--size",
+            "4MiB",
+            "--count",
+            "3",
+            "--inject-loss",
+            "0.05",
+            "--loss-bound",
+            "0.01",
+            "--json",
+        ]);
+        let v = json(&out);
+        assert_eq!(v["datapath"], dp);
+        assert_eq!(v["size_bytes"], 4 << 20);
+        assert_eq!(v["loss_bound"], 0.01);
+        assert!(v["delivered_fraction"].as_f64().unwrap() >= 0.99);
+        assert!(
+            v["rounds"].as_u64().unwrap() >= 1,
+            "5% loss cannot meet 1% without a round"
+        );
+        assert!(v["goodput_gbps"].as_f64().unwrap() > 0.0);
+        assert!(v["fct_p99_us"].as_f64().unwrap() >= v["fct_p50_us"].as_f64().unwrap());
+        assert_eq!(v["verified"], true);
+        assert_eq!(v["transfers"].as_array().unwrap().len(), 3);
+    }
+}
+
+#[test]
+fn demo_table_and_f16_reliable() {
+    let out = gradwire(&[
+        "demo",
+        "--datapath",
+        "loopback",
+        "--size",
+        "1000000",
+        "--count",
+        "2",
+        "--dtype",
+        "f16",
+        "--loss-bound",
+        "0",
+        "--inject-loss",
+        "0.1",
+        "--keep-missing",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("summary: delivered min 100.000%"), "{text}");
+    assert!(text.contains("every delivered byte verified"), "{text}");
+}
+
+#[test]
+fn send_and_recv_between_two_processes() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let listen = format!("127.0.0.1:{port}");
+    let common = [
+        "--size",
+        "8MiB",
+        "--count",
+        "3",
+        "--loss-bound",
+        "0.02",
+        "--json",
+        "--timeout",
+        "20",
+    ];
+    let mut recv = Command::new(env!("CARGO_BIN_EXE_gradwire"))
+        .args(["recv", "--listen", &listen, "--inject-loss", "0.05"])
+        .args(common)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Retry until the receiver listens.
+    let mut send = None;
+    for _ in 0..50 {
+        let out = gradwire(&[&["send", "--to", &listen][..], &common[..]].concat());
+        if out.status.success() {
+            send = Some(out);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let send = send.expect("sender never connected");
+    let rout = recv.wait_with_output().unwrap();
+    let (s, r) = (json(&send), json(&rout));
+    assert_eq!(s["role"], "send");
+    assert_eq!(r["role"], "recv");
+    assert_eq!(
+        r["verified"], true,
+        "receiver checked every delivered byte against the pattern"
+    );
+    assert!(r["delivered_fraction"].as_f64().unwrap() >= 0.98);
+    assert!(s["delivered_fraction"].as_f64().unwrap() >= 0.98);
+    assert_eq!(r["count"], 3);
+}
+
+#[test]
+fn bad_input_gets_a_clear_error() {
+    let out = gradwire(&["demo", "--loss-bound", "2"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a probability"));
+
+    let out = gradwire(&["demo", "--size", "10", "--dtype", "f32", "--count", "1"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a whole number of f32 elements"));
+
+    let out = gradwire(&["send", "--to", "127.0.0.1:9", "--datapath", "loopback"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("use --datapath udp"));
+
+    let out = gradwire(&["demo", "--mtu", "40", "--count", "1", "--size", "4KiB"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("mtu"));
+
+    // Nobody listens on this port: a clear connection error, quickly.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let out = gradwire(&[
+        "send",
+        "--to",
+        &format!("127.0.0.1:{port}"),
+        "--size",
+        "4KiB",
+        "--count",
+        "1",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("control channel to 127.0.0.1") && err.contains("refused"),
+        "{err}"
+    );
+}
