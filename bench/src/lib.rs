@@ -1,1 +1,582 @@
-//! gradwire benchmarks live in `benches/`.
+//! Per-packet fixtures shared by the criterion bench `benches/per_packet.rs` and the
+//! `gradwire-perpacket` binary, so that both measure exactly the same code on exactly the same
+//! memory.
+//!
+//! # Setup
+//!
+//! Every fixture works on a tensor of [`SEGMENTS`] full segments of [`PAYLOAD`] (1440) bytes,
+//! 46 603 x 1440 B = 64 MiB - 544 B of f32, which is twice the L3 of most servers, so
+//! consecutive packets land in consecutive, cache-cold 1440-byte windows of the tensor, as they
+//! do in a real transfer. Packets are processed in segment order; after the last segment the
+//! fixture needs a new *lap* ([`PerPacket::new_lap`], never timed), which rebuilds the protocol
+//! flow so that every timed packet is a first copy (a duplicate would skip the copy).
+//!
+//! Received packets are pre-built, one per segment, by the send path itself
+//! ([`SendFixture`]), in a pool of [`SLOT`]-byte slots (like an AF_XDP UMEM or a receive
+//! ring): 46 603 x 1536 B, so the source bytes are cold too.
+//!
+//! # Operations
+//!
+//! - `memcpy_1440` ([`MemcpyFixture`]): `copy_from_slice` of the 1440-byte payload of the
+//!   pre-built datagram for segment `i` into the tensor at `i * 1440`. Same source bytes and
+//!   same destination walk as `recv_place`: the baseline the receive path is compared with.
+//! - `recv_place` ([`RecvFixture`] without frames): what `transport::recv_tensor`'s `place`
+//!   closure does with one datagram: `header::Packet::new_checked`, `header::Repr::parse`,
+//!   `ReceiverFlow::on_data` (flow match, `SegmentLayout::locate` bounds check, rate meter,
+//!   bitmap bit, the one 1440-byte copy into the tensor, counters, loss-bound check) and the
+//!   reject accounting.
+//! - `recv_frame_place` ([`RecvFixture`] with frames): `frame::parse` of a whole
+//!   Ethernet/IPv4/UDP frame (IPv4 header checksum and UDP checksum verified over the 1480
+//!   UDP bytes), then the same as `recv_place` on the datagram, with CE taken from the IP
+//!   header: the AF_XDP receive path.
+//! - `send_build` ([`SendFixture`] without frames): what `transport::send_tensor`'s `fill`
+//!   closure does for one datagram: `SenderFlow::next_segment`, the priority function call,
+//!   `Repr::emit` of the 32-byte header and the 1440-byte copy of the segment from the tensor
+//!   into one of 32 rotating 1472-byte transmit buffers (the UDP datapath's batch).
+//!   `SenderFlow::on_sent` (once per batch in the transport) is not included.
+//! - `send_build_frame` ([`SendFixture`] with frames): the same, with the datagram written at
+//!   offset 42 of a frame buffer, then `frame::emit_headers` (Ethernet, IPv4 with header
+//!   checksum, UDP with checksum over the datagram).
+//!
+//! Nothing here performs I/O; the numbers are CPU cost per packet on one core.
+
+use std::hint::black_box;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use gradwire::control::{CtrlMsg, FlowStart, LossBound, Stage};
+use gradwire::datapath::{RxMeta, TxMeta};
+use gradwire::proto::{
+    fixed_priority, FlowId, PriorityFn, ReceiverFlow, RecvSpec, RejectCounts, SegmentInfo,
+    SenderConfig, SenderFlow, Tag,
+};
+use gradwire::tensor::{DType, SegmentLayout, Tensor};
+use gradwire::wire::frame::{self, Ecn, FrameMeta};
+use gradwire::wire::header::{self, HEADER_LEN};
+
+/// Payload bytes per packet: a 1500-byte IPv4 MTU minus IPv4, UDP and gradwire headers.
+pub const PAYLOAD: usize = frame::payload_capacity(1500, false);
+/// Gradwire datagram length: header + payload (1472).
+pub const DATAGRAM_LEN: usize = HEADER_LEN + PAYLOAD;
+/// Ethernet frame length: Ethernet + IPv4 + UDP + datagram (1514).
+pub const FRAME_LEN: usize = frame::HEADER_LEN_V4 + DATAGRAM_LEN;
+/// Stride of packet buffers (pre-built receive packets, transmit buffers).
+pub const SLOT: usize = 1536;
+/// Segments in the bench tensor: as many full segments as fit 64 MiB.
+pub const SEGMENTS: u32 = ((64 << 20) / PAYLOAD) as u32;
+/// Transmit buffers the send fixtures rotate through (the default transport batch).
+pub const TX_BUFFERS: usize = 32;
+/// Wire time of one full-size packet at 100 Gbit/s, in ns: (1500 + 14 Ethernet + 4 FCS +
+/// 8 preamble + 12 inter-frame gap) bytes x 8 / 100.
+pub const NS_PER_PACKET_100G: f64 = (1500.0 + 38.0) * 8.0 / 100.0;
+
+const JOB: u32 = 7;
+const TENSOR_ID: u32 = 42;
+const ROUND: u32 = 3;
+const LAYER: u16 = 5;
+const NOW_NS: u64 = 1_000;
+const SRC: &str = "198.18.0.1:40000";
+const DST: &str = "198.18.0.2:9000";
+
+/// One per-packet operation over a fixture.
+pub trait PerPacket {
+    /// The bench name of the operation.
+    fn name(&self) -> &'static str;
+    /// Packets left in the current lap; [`Self::op`] may be called this many times before
+    /// [`Self::new_lap`].
+    fn remaining(&self) -> u64;
+    /// Processes one packet (the timed part). Only call while [`Self::remaining`] > 0.
+    fn op(&mut self);
+    /// Starts a new lap (not timed): checks that the packets of the lap so far were all
+    /// processed as intended (panics on a bench bug), then resets the flow and the walk.
+    fn new_lap(&mut self);
+}
+
+/// Runs `packets` operations and returns the time spent in them, excluding the lap resets.
+pub fn time_packets<P: PerPacket + ?Sized>(p: &mut P, packets: u64) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut left = packets;
+    while left > 0 {
+        if p.remaining() == 0 {
+            p.new_lap();
+        }
+        let n = left.min(p.remaining());
+        let t = Instant::now();
+        for _ in 0..n {
+            p.op();
+        }
+        total += t.elapsed();
+        left -= n;
+    }
+    total
+}
+
+/// Runs one whole lap untimed (faults in every page, trains the branch predictors) and
+/// starts a fresh one.
+pub fn warm_up<P: PerPacket + ?Sized>(p: &mut P) {
+    p.new_lap();
+    while p.remaining() > 0 {
+        p.op();
+    }
+    p.new_lap();
+}
+
+fn addr(s: &str) -> SocketAddr {
+    s.parse().expect("constant socket address")
+}
+
+fn tensor_bytes(segments: u32) -> usize {
+    segments as usize * PAYLOAD
+}
+
+/// A zeroed f32 tensor of `segments` full segments, every page written once.
+fn zero_tensor(segments: u32) -> Tensor {
+    let mut t = Tensor::zeros(DType::F32, tensor_bytes(segments) / DType::F32.elem_size());
+    t.as_bytes_mut().fill(0);
+    t
+}
+
+/// A sender flow for the bench tensor that has been accepted (is sending), and its FlowStart.
+fn sender_flow(segments: u32) -> (SenderFlow, FlowStart) {
+    let layout = SegmentLayout::new(tensor_bytes(segments) as u64, 4, PAYLOAD)
+        .expect("bench segment layout is valid");
+    let id = FlowId {
+        job: JOB,
+        tensor: TENSOR_ID,
+        round: ROUND,
+    };
+    let (mut flow, msg) = SenderFlow::new(
+        id,
+        layout,
+        DType::F32,
+        LAYER,
+        LossBound::RELIABLE,
+        Stage::Push,
+        addr(SRC).port(),
+        &SenderConfig::new(100_000_000_000),
+        0,
+    );
+    let CtrlMsg::FlowStart(start) = msg else {
+        unreachable!("SenderFlow::new returns a FlowStart");
+    };
+    let accept = CtrlMsg::FlowAccept {
+        job_id: JOB,
+        tensor_id: TENSOR_ID,
+        round: ROUND,
+        data_port: addr(DST).port(),
+    };
+    flow.on_ctrl(accept, 0)
+        .expect("sender takes the FlowAccept");
+    (flow, start)
+}
+
+/// A receiver flow that accepted `start` into a tensor of `segments` segments.
+fn receiver_flow(start: &FlowStart, segments: u32) -> ReceiverFlow {
+    let spec = RecvSpec {
+        job: JOB,
+        tensor: TENSOR_ID,
+        round: Some(ROUND),
+        dtype: DType::F32,
+        size_bytes: tensor_bytes(segments) as u64,
+        max_payload: PAYLOAD,
+        loss_bound: None,
+    };
+    let (flow, _accept) = ReceiverFlow::accept(start, &spec, addr(DST).port(), 100_000, 0)
+        .expect("receiver accepts the bench flow");
+    flow
+}
+
+/// The send path: builds one datagram (or frame) per call, as `send_tensor`'s fill closure.
+pub struct SendFixture {
+    frames: bool,
+    segments: u32,
+    tensor: Tensor,
+    flow: SenderFlow,
+    prio: Box<PriorityFn<'static>>,
+    dst: SocketAddr,
+    src: SocketAddr,
+    /// [`TX_BUFFERS`] slots of [`SLOT`] bytes.
+    bufs: Vec<u8>,
+    slot: usize,
+    ident: u16,
+    payload_bytes: u64,
+    built: u32,
+}
+
+impl std::fmt::Debug for SendFixture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendFixture")
+            .field("frames", &self.frames)
+            .field("segments", &self.segments)
+            .field("built", &self.built)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SendFixture {
+    /// A sender of a pattern-filled tensor of `segments` segments; with `frames`, each
+    /// packet is a whole Ethernet/IPv4/UDP frame.
+    pub fn new(frames: bool, segments: u32) -> SendFixture {
+        let mut tensor = zero_tensor(segments);
+        tensor.fill_pattern(1);
+        let (flow, _) = sender_flow(segments);
+        SendFixture {
+            frames,
+            segments,
+            tensor,
+            flow,
+            prio: Box::new(fixed_priority(Tag {
+                dscp: 10,
+                ect: true,
+            })),
+            dst: addr(DST),
+            src: addr(SRC),
+            bufs: vec![0u8; TX_BUFFERS * SLOT],
+            slot: 0,
+            ident: 0,
+            payload_bytes: 0,
+            built: 0,
+        }
+    }
+
+    /// The source tensor.
+    pub fn tensor(&self) -> &Tensor {
+        &self.tensor
+    }
+
+    /// Builds the next packet into transmit slot `slot`; returns its length and metadata.
+    ///
+    /// The datagram part is `send_tensor`'s fill closure line by line.
+    #[inline]
+    fn build(&mut self, slot: usize) -> Option<(usize, TxMeta)> {
+        let hl = if self.frames { frame::HEADER_LEN_V4 } else { 0 };
+        let whole = self.bufs.get_mut(slot * SLOT..(slot + 1) * SLOT)?;
+        let buf = &mut whole[hl..];
+        let bytes = self.tensor.as_bytes();
+        // --- send_tensor's fill closure ---
+        let (index, repr) = self.flow.next_segment()?;
+        let (off, len) = (repr.offset as usize, usize::from(repr.length));
+        let seg = bytes.get(off..off + len)?;
+        let tag = (self.prio)(&SegmentInfo {
+            index,
+            offset: repr.offset,
+            layer: repr.layer,
+            dtype: self.tensor.dtype(),
+            payload: seg,
+        });
+        let mut repr = repr;
+        if tag.ect {
+            repr.flags.insert(header::Flags::IMPORTANT);
+        }
+        let total = HEADER_LEN + len;
+        let out = buf.get_mut(..total)?;
+        let mut pkt = header::Packet::new_unchecked(&mut *out);
+        repr.emit(&mut pkt).ok()?;
+        pkt.payload_mut().copy_from_slice(seg);
+        self.payload_bytes += len as u64;
+        let tx = TxMeta {
+            dst: self.dst,
+            tos: tag.tos(),
+        };
+        // --- end of the fill closure ---
+        if !self.frames {
+            return Some((total, tx));
+        }
+        let meta = FrameMeta {
+            src_mac: [0x02, 0, 0, 0, 0, 0x0a],
+            dst_mac: [0x02, 0, 0, 0, 0, 0x0b],
+            src: self.src,
+            dst: self.dst,
+            dscp: tag.dscp,
+            ecn: if tag.ect { Ecn::Ect0 } else { Ecn::NotEct },
+            hop_limit: 64,
+            ident: self.ident,
+        };
+        self.ident = self.ident.wrapping_add(1);
+        let n = frame::emit_headers(whole, &meta, total).ok()?;
+        Some((n, tx))
+    }
+
+    /// Builds the next packet and returns a copy of it (for pre-building receive packets).
+    fn build_copy(&mut self, out: &mut [u8]) -> Option<usize> {
+        let (n, _) = self.build(0)?;
+        out.get_mut(..n)?.copy_from_slice(self.bufs.get(..n)?);
+        self.built += 1;
+        Some(n)
+    }
+}
+
+impl PerPacket for SendFixture {
+    fn name(&self) -> &'static str {
+        if self.frames {
+            "send_build_frame"
+        } else {
+            "send_build"
+        }
+    }
+
+    fn remaining(&self) -> u64 {
+        u64::from(self.segments - self.built)
+    }
+
+    #[inline]
+    fn op(&mut self) {
+        let slot = self.slot;
+        self.slot = if slot + 1 == TX_BUFFERS { 0 } else { slot + 1 };
+        let r = self.build(slot);
+        black_box(r);
+        self.built += 1;
+    }
+
+    fn new_lap(&mut self) {
+        assert_eq!(
+            self.payload_bytes,
+            u64::from(self.built) * PAYLOAD as u64,
+            "{}: every packet of the lap was built in full",
+            self.name()
+        );
+        self.flow = sender_flow(self.segments).0;
+        self.built = 0;
+        self.payload_bytes = 0;
+    }
+}
+
+/// One pre-built packet per segment, in [`SLOT`]-byte slots, as the send path emits them.
+fn prebuilt_packets(frames: bool, segments: u32) -> Vec<u8> {
+    let mut send = SendFixture::new(frames, segments);
+    let want = if frames { FRAME_LEN } else { DATAGRAM_LEN };
+    let mut pool = vec![0u8; segments as usize * SLOT];
+    for slot in pool.chunks_exact_mut(SLOT) {
+        let n = send
+            .build_copy(slot)
+            .expect("send path builds every segment");
+        assert_eq!(n, want);
+    }
+    pool
+}
+
+/// The receive path: places one pre-built datagram (or frame) per call into a 64 MiB tensor.
+#[derive(Debug)]
+pub struct RecvFixture {
+    frames: bool,
+    segments: u32,
+    packets: Vec<u8>,
+    tensor: Tensor,
+    start: FlowStart,
+    flow: ReceiverFlow,
+    meta: RxMeta,
+    rejected: RejectCounts,
+    next: u32,
+}
+
+impl RecvFixture {
+    /// A receiver of `segments` segments; with `frames`, packets are whole
+    /// Ethernet/IPv4/UDP frames and go through `frame::parse` first.
+    pub fn new(frames: bool, segments: u32) -> RecvFixture {
+        let packets = prebuilt_packets(frames, segments);
+        let (_, start) = sender_flow(segments);
+        let flow = receiver_flow(&start, segments);
+        RecvFixture {
+            frames,
+            segments,
+            packets,
+            tensor: zero_tensor(segments),
+            start,
+            flow,
+            meta: RxMeta {
+                src: addr(SRC),
+                tos: 0,
+            },
+            rejected: RejectCounts::default(),
+            next: 0,
+        }
+    }
+
+    /// The receive tensor.
+    pub fn tensor(&self) -> &Tensor {
+        &self.tensor
+    }
+
+    /// Packets placed in the current lap.
+    pub fn placed(&self) -> u64 {
+        self.flow.stats().placed
+    }
+}
+
+impl PerPacket for RecvFixture {
+    fn name(&self) -> &'static str {
+        if self.frames {
+            "recv_frame_place"
+        } else {
+            "recv_place"
+        }
+    }
+
+    fn remaining(&self) -> u64 {
+        u64::from(self.segments - self.next)
+    }
+
+    #[inline]
+    fn op(&mut self) {
+        let at = self.next as usize * SLOT;
+        self.next += 1;
+        let (d, ce) = if self.frames {
+            let Ok(f) = frame::parse(&self.packets[at..at + FRAME_LEN]) else {
+                self.rejected.malformed += 1;
+                return;
+            };
+            (f.datagram, f.ecn == Ecn::Ce)
+        } else {
+            (&self.packets[at..at + DATAGRAM_LEN], self.meta.is_ce())
+        };
+        // --- recv_tensor's place closure ---
+        let pkt = match header::Packet::new_checked(d) {
+            Ok(p) => p,
+            Err(_) => {
+                self.rejected.malformed += 1;
+                return;
+            }
+        };
+        let Ok(repr) = header::Repr::parse(&pkt) else {
+            self.rejected.malformed += 1;
+            return;
+        };
+        let buf = self.tensor.as_bytes_mut();
+        if let Err(e) = self.flow.on_data(&repr, pkt.payload(), buf, ce, NOW_NS) {
+            self.rejected.count(e);
+        }
+    }
+
+    fn new_lap(&mut self) {
+        assert_eq!(
+            self.rejected.total(),
+            0,
+            "{}: packets rejected: {:?}",
+            self.name(),
+            self.rejected
+        );
+        let s = self.flow.stats();
+        assert_eq!(
+            (s.placed, s.duplicates),
+            (u64::from(self.next), 0),
+            "{}: every packet of the lap was a first copy",
+            self.name()
+        );
+        self.flow = receiver_flow(&self.start, self.segments);
+        self.next = 0;
+    }
+}
+
+/// The baseline: a bare 1440-byte `copy_from_slice` per packet, with the same source bytes
+/// (the payloads of the pre-built datagrams) and the same destination walk as `recv_place`.
+#[derive(Debug)]
+pub struct MemcpyFixture {
+    segments: u32,
+    packets: Vec<u8>,
+    tensor: Tensor,
+    next: u32,
+}
+
+impl MemcpyFixture {
+    /// A copy walk over `segments` segments.
+    pub fn new(segments: u32) -> MemcpyFixture {
+        MemcpyFixture {
+            segments,
+            packets: prebuilt_packets(false, segments),
+            tensor: zero_tensor(segments),
+            next: 0,
+        }
+    }
+
+    /// The destination tensor.
+    pub fn tensor(&self) -> &Tensor {
+        &self.tensor
+    }
+}
+
+impl PerPacket for MemcpyFixture {
+    fn name(&self) -> &'static str {
+        "memcpy_1440"
+    }
+
+    fn remaining(&self) -> u64 {
+        u64::from(self.segments - self.next)
+    }
+
+    #[inline]
+    fn op(&mut self) {
+        let i = black_box(self.next as usize);
+        self.next += 1;
+        let src = &self.packets[i * SLOT + HEADER_LEN..i * SLOT + DATAGRAM_LEN];
+        let dst = &mut self.tensor.as_bytes_mut()[i * PAYLOAD..(i + 1) * PAYLOAD];
+        dst.copy_from_slice(black_box(src));
+        black_box(dst);
+    }
+
+    fn new_lap(&mut self) {
+        self.next = 0;
+    }
+}
+
+/// The five operations, in report order.
+pub const OPS: [&str; 5] = [
+    "memcpy_1440",
+    "recv_place",
+    "recv_frame_place",
+    "send_build",
+    "send_build_frame",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMALL: u32 = 100;
+
+    #[test]
+    fn sizes() {
+        assert_eq!((PAYLOAD, DATAGRAM_LEN, FRAME_LEN), (1440, 1472, 1514));
+        assert_eq!(SEGMENTS, 46_603);
+        assert!(tensor_bytes(SEGMENTS) <= 64 << 20);
+        assert!((NS_PER_PACKET_100G - 123.04).abs() < 1e-9);
+    }
+
+    #[test]
+    fn receive_paths_reproduce_the_tensor() {
+        let want = SendFixture::new(false, SMALL).tensor().as_bytes().to_vec();
+        for frames in [false, true] {
+            let mut r = RecvFixture::new(frames, SMALL);
+            for _ in 0..2 {
+                assert!(time_packets(&mut r, u64::from(SMALL)) > Duration::ZERO);
+                assert_eq!(r.placed(), u64::from(SMALL));
+                assert_eq!(r.tensor().as_bytes(), &want[..], "{}", r.name());
+                r.new_lap();
+            }
+        }
+        let mut m = MemcpyFixture::new(SMALL);
+        warm_up(&mut m);
+        assert_eq!(m.tensor().as_bytes(), &want[..]);
+    }
+
+    #[test]
+    fn send_paths_build_parsable_packets() {
+        for frames in [false, true] {
+            let mut s = SendFixture::new(frames, SMALL);
+            // Several laps, across lap boundaries.
+            time_packets(&mut s, u64::from(SMALL) * 3 + 7);
+            let (n, tx) = s.build(0).expect("a packet");
+            let d = if frames {
+                assert_eq!(n, FRAME_LEN);
+                frame::parse(&s.bufs[..n]).expect("valid frame").datagram
+            } else {
+                assert_eq!(n, DATAGRAM_LEN);
+                &s.bufs[..n]
+            };
+            let repr = header::Repr::parse(&header::Packet::new_checked(d).expect("datagram"))
+                .expect("header");
+            assert_eq!(repr.offset, 7 * PAYLOAD as u64);
+            assert!(repr.flags.contains(header::Flags::IMPORTANT));
+            assert_eq!(tx.tos, (10 << 2) | 0b10);
+        }
+    }
+}

@@ -101,7 +101,7 @@ fn send_and_recv_between_two_processes() {
         "--timeout",
         "20",
     ];
-    let mut recv = Command::new(env!("CARGO_BIN_EXE_gradwire"))
+    let recv = Command::new(env!("CARGO_BIN_EXE_gradwire"))
         .args(["recv", "--listen", &listen, "--inject-loss", "0.05"])
         .args(common)
         .stdout(Stdio::piped())
