@@ -1,0 +1,1 @@
+//! Switch control (in progress).

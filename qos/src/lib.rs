@@ -1,0 +1,1 @@
+//! Traffic classes shared by the data plane and the switch control (in progress).
