@@ -117,6 +117,9 @@ pub struct RecvArgs {
     /// Data address (default: the listen address with port+1).
     #[arg(long)]
     pub data: Option<SocketAddr>,
+    /// Seconds to wait for a sender to connect.
+    #[arg(long, default_value_t = 300.0)]
+    pub accept_timeout: f64,
     #[command(flatten)]
     pub common: Common,
 }

@@ -14,8 +14,8 @@ use gradwire::proto::{fixed_priority, SenderConfig, Tag};
 use gradwire::rate::RateConfig;
 use gradwire::tensor::Tensor;
 use gradwire::transport::{
-    recv_tensor, send_tensor, MissingFill, RecvOptions, RecvReport, SendOptions, SendReport,
-    TransferConfig,
+    accept_within, recv_tensor, send_tensor, MissingFill, RecvOptions, RecvReport, SendOptions,
+    SendReport, TransferConfig,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -374,8 +374,15 @@ pub fn recv(a: &RecvArgs) -> Res {
             dp.local_addr()
         );
     }
-    listener.set_nonblocking(false)?;
-    let (stream, peer) = listener.accept()?;
+    if !(a.accept_timeout.is_finite() && a.accept_timeout > 0.0 && a.accept_timeout < 1e9) {
+        return Err(format!(
+            "--accept-timeout {} must be a positive number of seconds",
+            a.accept_timeout
+        )
+        .into());
+    }
+    let stream = accept_within(&listener, Duration::from_secs_f64(a.accept_timeout))?;
+    let peer = stream.peer_addr()?;
     let mut ctrl = TcpCtrl::new(stream, cfg.control_dscp)?;
     if !c.json {
         eprintln!("gradwire recv: sender {peer} connected");

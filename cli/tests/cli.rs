@@ -170,4 +170,16 @@ fn bad_input_gets_a_clear_error() {
         err.contains("control channel to 127.0.0.1") && err.contains("refused"),
         "{err}"
     );
+
+    // Nobody connects: a clear error after the accept timeout, not a hang.
+    let out = gradwire(&[
+        "recv",
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+        "--accept-timeout",
+        "0.3",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("waiting for a sender to connect"), "{err}");
 }

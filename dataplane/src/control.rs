@@ -4,7 +4,7 @@
 //! this module only turns [`CtrlMsg`] values into bytes and back, so it does no I/O and never
 //! reads a clock. Every frame is a big-endian `u32` body length followed by the body; the body
 //! starts with a version byte ([`VERSION`]) and a kind byte, then the kind's fixed-layout
-//! fields (big-endian), with variable parts length-prefixed. See `docs/protocol-control.md`.
+//! fields (big-endian), with variable parts length-prefixed. See `docs/protocol.md`.
 //!
 //! The encoding is canonical: [`CtrlMsg::decode_body`] accepts exactly the bodies that
 //! [`CtrlMsg::encode`] can produce (reserved bits must be zero, ranges sorted, strings UTF-8
@@ -344,9 +344,10 @@ pub enum CtrlMsg {
         /// Segments sent in this pass.
         segments_sent: u32,
     },
-    /// Receiver -> sender: resend these segments as pass `pass` (kind 5).
+    /// Receiver -> sender: resend these segments (kind 5), answering the `FlowStop` of pass
+    /// `pass`; the sender sends them as pass `pass + 1`.
     RetransmitRequest {
-        /// Pass number the retransmission will carry.
+        /// The pass whose `FlowStop` this answers (requests for other passes are stale).
         pass: u32,
         /// Missing segments; sorted, non-overlapping, non-empty ranges.
         ranges: Vec<SegRange>,

@@ -6,11 +6,11 @@
 //! I/O, no clocks. Time is always a caller-supplied `u64` of nanoseconds from any monotonic
 //! origin, which keeps the logic deterministic and testable in simulated time.
 //!
-//! Typical use on the sender: a [`RateMeter`] over bytes sent and the receiver's
-//! `RateReport` (see [`crate::control`]) give the two rates for
+//! Typical use: on the receiver, a [`RateMeter`] over bytes received produces a
+//! `RateReport` (see [`crate::control`]) every period. The sender divides the bytes it sent
+//! since the previous report by the time since then ([`rate_bps`]) and hands both rates to
 //! [`RateController::on_report`]; the controller's rate is fed to a [`Pacer`] with
-//! [`Pacer::set_rate`]. On the receiver, a [`RateMeter`] over bytes received produces the
-//! report every period.
+//! [`Pacer::set_rate`].
 
 use thiserror::Error;
 

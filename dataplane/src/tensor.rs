@@ -221,6 +221,20 @@ pub fn max_segment_payload(mtu: usize, ipv6: bool, dtype: DType) -> Option<usize
     (payload > 0).then_some(payload)
 }
 
+/// Largest segment payload for `mtu` that also fits a datapath carrying datagrams of at
+/// most `max_datagram` bytes (gradwire header included), in whole elements.
+pub fn segment_payload_for(
+    mtu: usize,
+    ipv6: bool,
+    dtype: DType,
+    max_datagram: usize,
+) -> Option<usize> {
+    let room = max_segment_payload(mtu, ipv6, dtype)?
+        .min(max_datagram.saturating_sub(wire::header::HEADER_LEN));
+    let payload = room / dtype.elem_size() * dtype.elem_size();
+    (payload > 0).then_some(payload)
+}
+
 /// Why a data packet could not be placed into the active tensor. Cheap to return per packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
 pub enum PlaceError {
@@ -423,6 +437,16 @@ mod tests {
         assert_eq!(max_segment_payload(66, false, DType::F32), Some(4));
         assert_eq!(max_segment_payload(63, false, DType::F32), None);
         assert_eq!(max_segment_payload(60, false, DType::Raw), None);
+        // A datapath cap that is not a whole number of elements rounds down too.
+        assert_eq!(
+            segment_payload_for(1500, false, DType::F32, 32 + 1002),
+            Some(1000)
+        );
+        assert_eq!(
+            segment_payload_for(1500, false, DType::F32, 1472),
+            Some(1440)
+        );
+        assert_eq!(segment_payload_for(1500, false, DType::F32, 35), None);
     }
 
     #[test]

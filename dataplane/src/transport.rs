@@ -35,12 +35,12 @@
 //! assert!(report.delivered_fraction >= 0.9);
 //! ```
 
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::bitmap::SegmentBitmap;
 use crate::channel::{ChannelError, CtrlChannel, TcpCtrl, DEFAULT_CONTROL_DSCP};
-use crate::control::{CtrlMsg, LossBound, Stage};
+use crate::control::{CtrlMsg, LossBound, Stage, MAX_REASON};
 use crate::datapath::{Datapath, DatapathError, DatapathStats, RxMeta, TxMeta};
 use crate::proto::receiver::{ReceiverPhase, ReceiverStats};
 use crate::proto::sender::SenderPhase;
@@ -49,7 +49,7 @@ use crate::proto::{
     SegmentInfo, SenderConfig, SenderFlow, SenderStats,
 };
 use crate::rate::RateConfig;
-use crate::tensor::{max_segment_payload, LayoutError, SegmentLayout, Tensor};
+use crate::tensor::{segment_payload_for, LayoutError, SegmentLayout, Tensor};
 use crate::wire::header;
 
 /// What to do with segments that were never received.
@@ -294,8 +294,75 @@ fn dp_err(datapath: &'static str) -> impl Fn(DatapathError) -> TransferError {
     move |source| TransferError::Datapath { datapath, source }
 }
 
+/// Codes of the `Abort` message a failing end sends so its peer learns why.
+pub mod abort_code {
+    /// The peer broke the protocol.
+    pub const PROTOCOL: u8 = 1;
+    /// Our datapath failed.
+    pub const DATAPATH: u8 = 2;
+    /// The peer made no progress for the idle timeout.
+    pub const STALLED: u8 = 3;
+    /// A local error (configuration, tensor layout).
+    pub const LOCAL: u8 = 4;
+    /// The peer sent an undecodable control message.
+    pub const MALFORMED: u8 = 5;
+}
+
+/// Tell the peer, best effort, why this end gives up; then return the error.
+fn abort_peer<T, C: CtrlChannel + ?Sized>(
+    ctrl: &mut C,
+    r: Result<T, TransferError>,
+) -> Result<T, TransferError> {
+    let Err(e) = r else { return r };
+    let code = match &e {
+        // The peer already knows, or the channel is gone.
+        TransferError::Protocol {
+            source: ProtoError::Rejected { .. } | ProtoError::Aborted { .. },
+            ..
+        }
+        | TransferError::Channel(
+            ChannelError::Closed { .. }
+            | ChannelError::Io { .. }
+            | ChannelError::WriteStalled { .. },
+        ) => return Err(e),
+        TransferError::Protocol { .. } => abort_code::PROTOCOL,
+        TransferError::Channel(ChannelError::Malformed { .. }) => abort_code::MALFORMED,
+        TransferError::Channel(ChannelError::Encode(_)) => abort_code::LOCAL,
+        TransferError::Datapath { .. } => abort_code::DATAPATH,
+        TransferError::Stalled { .. } => abort_code::STALLED,
+        TransferError::Layout(_) | TransferError::Config(_) => abort_code::LOCAL,
+    };
+    let mut reason = e.to_string();
+    if reason.len() > MAX_REASON {
+        let mut cut = MAX_REASON;
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        reason.truncate(cut);
+    }
+    // Best effort: the error we return matters more than whether the peer heard it.
+    let _ = ctrl.send(&CtrlMsg::Abort { code, reason });
+    Err(e)
+}
+
 /// Send `tensor` to the receiver at `dst_ip` over an established control channel.
+///
+/// On failure the peer is sent an `Abort` with the reason (best effort), so both ends report
+/// the same cause.
 pub fn send_tensor<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
+    dp: &mut D,
+    ctrl: &mut C,
+    dst_ip: IpAddr,
+    tensor: &Tensor,
+    opts: &SendOptions,
+    prio: &PriorityFn<'_>,
+    cfg: &TransferConfig,
+) -> Result<SendReport, TransferError> {
+    let r = send_tensor_inner(dp, ctrl, dst_ip, tensor, opts, prio, cfg);
+    abort_peer(ctrl, r)
+}
+
+fn send_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     dp: &mut D,
     ctrl: &mut C,
     dst_ip: IpAddr,
@@ -316,9 +383,8 @@ pub fn send_tensor<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         flow: flow_id,
         source,
     };
-    let payload = max_segment_payload(cfg.mtu, dst_ip.is_ipv6(), tensor.dtype())
-        .unwrap_or(0)
-        .min(dp.max_datagram().saturating_sub(header::HEADER_LEN));
+    let payload = segment_payload_for(cfg.mtu, dst_ip.is_ipv6(), tensor.dtype(), dp.max_datagram())
+        .unwrap_or(0);
     let layout = SegmentLayout::new(
         tensor.len_bytes() as u64,
         tensor.dtype().elem_size(),
@@ -459,7 +525,20 @@ pub fn send_tensor<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
 }
 
 /// Receive one tensor into `tensor` over an established control channel.
+///
+/// On failure the peer is sent an `Abort` with the reason (best effort).
 pub fn recv_tensor<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
+    dp: &mut D,
+    ctrl: &mut C,
+    tensor: &mut Tensor,
+    opts: &RecvOptions,
+    cfg: &TransferConfig,
+) -> Result<RecvReport, TransferError> {
+    let r = recv_tensor_inner(dp, ctrl, tensor, opts, cfg);
+    abort_peer(ctrl, r)
+}
+
+fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     dp: &mut D,
     ctrl: &mut C,
     tensor: &mut Tensor,
@@ -476,9 +555,8 @@ pub fn recv_tensor<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         round: opts.round,
         dtype: tensor.dtype(),
         size_bytes: tensor.len_bytes() as u64,
-        max_payload: max_segment_payload(cfg.mtu, ipv6, tensor.dtype())
-            .unwrap_or(0)
-            .min(dp.max_datagram().saturating_sub(header::HEADER_LEN)),
+        max_payload: segment_payload_for(cfg.mtu, ipv6, tensor.dtype(), dp.max_datagram())
+            .unwrap_or(0),
         loss_bound: opts.loss_bound,
     };
     let mut rejected = RejectCounts::default();
@@ -658,6 +736,45 @@ pub fn recv_tensor<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     })
 }
 
+/// Accept one control connection on `listener`, waiting at most `timeout`.
+pub fn accept_within(
+    listener: &TcpListener,
+    timeout: Duration,
+) -> Result<TcpStream, TransferError> {
+    let local = listener.local_addr().map_or("?".into(), |a| a.to_string());
+    let io = |source| {
+        TransferError::Channel(ChannelError::Io {
+            peer: format!("listener {local}"),
+            source,
+        })
+    };
+    listener.set_nonblocking(true).map_err(io)?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        match listener.accept() {
+            // TcpCtrl sets the stream's own blocking mode.
+            Ok((s, _)) => return Ok(s),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(TransferError::Stalled {
+                        peer: local.clone(),
+                        timeout,
+                        during: "waiting for a sender to connect",
+                        flow: FlowId {
+                            job: 0,
+                            tensor: 0,
+                            round: 0,
+                        },
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io(e)),
+        }
+    }
+}
+
 /// The sending end of a control connection plus a datapath: `dlcp_send`.
 #[derive(Debug)]
 pub struct Sender<D> {
@@ -719,35 +836,7 @@ impl<D: Datapath> Receiver<D> {
         cfg: TransferConfig,
     ) -> Result<Receiver<D>, TransferError> {
         cfg.validate()?;
-        let io = |source| {
-            TransferError::Channel(ChannelError::Io {
-                peer: "listener".into(),
-                source,
-            })
-        };
-        listener.set_nonblocking(true).map_err(io)?;
-        let deadline = Instant::now() + cfg.connect_timeout;
-        let stream = loop {
-            match listener.accept() {
-                Ok((s, _)) => break s,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        return Err(TransferError::Stalled {
-                            peer: listener.local_addr().map_or("?".into(), |a| a.to_string()),
-                            timeout: cfg.connect_timeout,
-                            during: "waiting for a sender to connect",
-                            flow: FlowId {
-                                job: 0,
-                                tensor: 0,
-                                round: 0,
-                            },
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                Err(e) => return Err(io(e)),
-            }
-        };
+        let stream = accept_within(listener, cfg.connect_timeout)?;
         let ctrl = TcpCtrl::new(stream, cfg.control_dscp)?;
         Ok(Receiver { dp, ctrl, cfg })
     }

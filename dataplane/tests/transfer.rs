@@ -326,7 +326,14 @@ fn sender_that_disappears_mid_transfer_is_an_error_not_a_hang() {
                 Some(CtrlMsg::FlowAccept { .. })
             ));
             let _ = tx.send(0, &mut |_: &mut [u8]| None);
-            std::thread::sleep(Duration::from_secs(1));
+            // The receiver gives up after its idle timeout and tells us why.
+            match ca.recv(Duration::from_secs(3)).unwrap() {
+                Some(CtrlMsg::Abort { code, reason }) => {
+                    assert_eq!(code, gradwire::transport::abort_code::STALLED);
+                    assert!(reason.contains("stalled"), "{reason}");
+                }
+                other => panic!("expected Abort, got {other:?}"),
+            }
             drop(ca);
         });
         let e = recv_tensor(&mut rx, &mut cb, &mut got, &RecvOptions::new(1, 2), &cfg).unwrap_err();
@@ -369,4 +376,50 @@ fn receiver_that_disconnects_is_a_clear_error() {
     );
     h.join().unwrap();
     assert_eq!(tx.datapath().stats().tx_packets, 0);
+}
+
+#[test]
+fn protocol_violation_aborts_with_a_reason_the_peer_sees() {
+    use gradwire::channel::CtrlChannel;
+    use gradwire::control::CtrlMsg;
+    let (a, b) = addrs();
+    let (_tx, mut rx) = Loopback::pair(a, b, 1472, 1024);
+    let (mut ca, mut cb) = MemCtrl::pair();
+    let cfg = TransferConfig::default();
+    let mut got = Tensor::zeros(DType::F32, 1000);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let t = Tensor::zeros(DType::F32, 1000);
+            let layout = gradwire::tensor::SegmentLayout::for_tensor(&t, 1500, false).unwrap();
+            ca.send(&CtrlMsg::FlowStart(gradwire::control::FlowStart {
+                job_id: 1,
+                tensor_id: 2,
+                round: 0,
+                layer: 0,
+                dtype_code: DType::F32.code(),
+                size_bytes: 4000,
+                segment_payload: layout.segment_payload() as u32,
+                segment_count: layout.count(),
+                loss_bound: LossBound::RELIABLE,
+                data_port: 1,
+                stage: gradwire::control::Stage::Push,
+            }))
+            .unwrap();
+            assert!(matches!(
+                ca.recv(Duration::from_secs(5)).unwrap(),
+                Some(CtrlMsg::FlowAccept { .. })
+            ));
+            // FinishConfirm before any FlowFinish: a protocol violation.
+            ca.send(&CtrlMsg::FinishConfirm).unwrap();
+            match ca.recv(Duration::from_secs(5)).unwrap() {
+                Some(CtrlMsg::Abort { code, reason }) => {
+                    assert_eq!(code, gradwire::transport::abort_code::PROTOCOL);
+                    assert!(reason.contains("unexpected FinishConfirm"), "{reason}");
+                }
+                other => panic!("expected Abort, got {other:?}"),
+            }
+        });
+        let e = recv_tensor(&mut rx, &mut cb, &mut got, &RecvOptions::new(1, 2), &cfg).unwrap_err();
+        assert!(e.to_string().contains("unexpected FinishConfirm"), "{e}");
+    });
 }

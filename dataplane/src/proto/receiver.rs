@@ -68,7 +68,7 @@ pub struct RejectCounts {
     pub out_of_bounds: u64,
     /// Length not a whole number of elements.
     pub not_element_multiple: u64,
-    /// Payload longer than the MTU allows.
+    /// Payload longer than the flow's segment payload (set by the sender's MTU).
     pub too_long: u64,
     /// Not exactly one segment.
     pub misaligned: u64,
@@ -119,7 +119,7 @@ pub struct ReceiverStats {
     pub segments_requested: u64,
     /// When FlowStart was accepted.
     pub start_ns: u64,
-    /// When the first data packet was placed.
+    /// When the first data packet arrived.
     pub first_data_ns: Option<u64>,
     /// When the loss bound was met.
     pub bound_met_ns: Option<u64>,
@@ -315,6 +315,11 @@ impl ReceiverFlow {
         let dst = tensor
             .get_mut(start..start + payload.len())
             .ok_or(PlaceError::OutOfBounds)?;
+        if self.stats.first_data_ns.is_none() {
+            // Measure from the first packet: the rendezvous gap before it is not congestion.
+            self.meter = RateMeter::new(self.meter.period_ns(), now_ns);
+            self.stats.first_data_ns = Some(now_ns);
+        }
         self.meter
             .record(payload.len() as u64 + header::HEADER_LEN as u64, ce);
         self.stats.ce_packets += u64::from(ce);
@@ -325,7 +330,6 @@ impl ReceiverFlow {
         dst.copy_from_slice(payload);
         self.stats.placed += 1;
         self.stats.bytes += payload.len() as u64;
-        self.stats.first_data_ns.get_or_insert(now_ns);
         self.check_bound(now_ns);
         Ok(true)
     }
@@ -339,8 +343,10 @@ impl ReceiverFlow {
                 received_segments: self.bitmap.count_ones(),
             });
         }
-        if self.phase != ReceiverPhase::Receiving {
-            // The sender stops on FlowFinish: further reports would inform nobody.
+        if self.phase != ReceiverPhase::Receiving || self.stats.first_data_ns.is_none() {
+            // Before the first packet there is no rate to report (a report of 0 would read
+            // as congestion when the path is merely longer than one period); after FlowFinish
+            // the sender has stopped, so reports would inform nobody.
             return None;
         }
         self.meter.poll(now_ns).map(|s| CtrlMsg::RateReport {
