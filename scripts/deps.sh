@@ -5,8 +5,9 @@ set -euo pipefail
 
 need_pkgs=()
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-# clang, llvm, libelf-dev, zlib1g-dev and m4 join this list with the XDP program.
-for p in iproute2 pkg-config make gcc libc6-dev; do
+# clang builds the XDP program; libelf-dev and zlib1g-dev the vendored libbpf; iproute2 and
+# ethtool the network-namespace testbed.
+for p in iproute2 ethtool pkg-config make gcc libc6-dev clang libelf-dev zlib1g-dev; do
     have "$p" || need_pkgs+=("$p")
 done
 if ((${#need_pkgs[@]})); then

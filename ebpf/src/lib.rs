@@ -1,0 +1,1 @@
+//! XDP classifier and loader (in progress).
