@@ -17,9 +17,9 @@ use nix::sys::time::TimeSpec;
 
 use crate::control::{CtrlError, CtrlMsg, Decoder};
 
-/// DSCP of the control channel by default: CS6, the class commodity switches map to their
-/// highest queue; the switch policy (control crate) reserves that queue for it.
-pub const DEFAULT_CONTROL_DSCP: u8 = 48;
+/// DSCP of the control channel by default: the one definition in `gradwire-qos`, which the
+/// switch policy maps to the reserved highest-priority queue.
+pub const DEFAULT_CONTROL_DSCP: u8 = gradwire_qos::CONTROL_DSCP;
 
 /// Why the control channel failed.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,19 @@
+//! `gradwire-ctl`: render switch and NIC QoS configurations, optimise thresholds, validate
+//! policy files. See `gradwire-ctl --help` and `docs/switch-control.md`.
+
+use std::process::ExitCode;
+
+use gradwire_control::cli::{run, CliError};
+
+fn main() -> ExitCode {
+    let mut stdout = std::io::stdout().lock();
+    match run(std::env::args_os(), &mut stdout) {
+        Ok(()) => ExitCode::SUCCESS,
+        // clap prints help/version to stdout (exit 0) and usage errors to stderr (exit 2).
+        Err(CliError::Clap(e)) => e.exit(),
+        Err(e) => {
+            eprintln!("gradwire-ctl: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

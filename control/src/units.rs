@@ -1,0 +1,344 @@
+//! Sizes with their unit in the type: [`Bytes`], [`Kilobytes`] (Onyx's unit) and [`Cells`]
+//! (the switch ASIC's buffer unit), plus the ASICs whose cell size is known.
+//!
+//! Conversions that can lose precision round **up**, so a configured threshold is never
+//! below the one asked for, and say so in their names (`*_ceil`). Conversions the other way
+//! (cells or KB to bytes) are exact. Nothing here panics: arithmetic that could overflow is
+//! checked and reported.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// Errors from parsing or converting sizes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UnitError {
+    /// The text does not start with a number.
+    #[error("{input:?} is not a size (examples: 1500, 1500B, 64KiB, 64KB, 2MiB)")]
+    NotASize {
+        /// What was given.
+        input: String,
+    },
+    /// The unit suffix is unknown.
+    #[error("{input:?}: unknown size unit {unit:?} (use B, KB, KiB, MB, MiB, GB, GiB; K = 1000, Ki = 1024)")]
+    UnknownUnit {
+        /// What was given.
+        input: String,
+        /// The suffix.
+        unit: String,
+    },
+    /// The value does not fit 64 bits.
+    #[error("{input:?} is too large")]
+    Overflow {
+        /// What was given.
+        input: String,
+    },
+    /// An unknown ASIC name.
+    #[error(
+        "unknown ASIC {input:?} (known: spectrum1, spectrum2, spectrum3, spectrum4, spectrum5)"
+    )]
+    UnknownAsic {
+        /// What was given.
+        input: String,
+    },
+}
+
+/// A size in bytes (serialised as a plain number of bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize)]
+#[serde(transparent)]
+pub struct Bytes(pub u64);
+
+/// A size in Onyx's "KB": 1 KB = 1024 bytes (see `docs/switch-control.md` for why 1024).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Kilobytes(pub u64);
+
+/// A number of ASIC buffer cells; only meaningful together with the cell size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Cells(pub u64);
+
+/// Bytes per Onyx KB.
+pub const BYTES_PER_KB: u64 = 1024;
+
+fn div_ceil(a: u64, b: u64) -> u64 {
+    // b is never zero at the call sites (cell sizes and 1024 are constants > 0).
+    if b == 0 {
+        return 0;
+    }
+    a / b + u64::from(a % b != 0)
+}
+
+impl Bytes {
+    /// The number of whole cells of `cell` bytes needed to hold this many bytes (rounded up).
+    pub fn to_cells_ceil(self, cell: Bytes) -> Cells {
+        Cells(div_ceil(self.0, cell.0))
+    }
+
+    /// This size rounded up to a whole number of cells, in bytes. `None` on overflow.
+    pub fn round_up_to_cells(self, cell: Bytes) -> Option<Bytes> {
+        self.to_cells_ceil(cell).to_bytes(cell)
+    }
+
+    /// In Onyx KB, rounded up.
+    pub fn to_kilobytes_ceil(self) -> Kilobytes {
+        Kilobytes(div_ceil(self.0, BYTES_PER_KB))
+    }
+}
+
+impl Cells {
+    /// Exact size in bytes. `None` on overflow.
+    pub fn to_bytes(self, cell: Bytes) -> Option<Bytes> {
+        self.0.checked_mul(cell.0).map(Bytes)
+    }
+}
+
+impl Kilobytes {
+    /// Exact size in bytes. `None` on overflow.
+    pub fn to_bytes(self) -> Option<Bytes> {
+        self.0.checked_mul(BYTES_PER_KB).map(Bytes)
+    }
+}
+
+impl fmt::Display for Bytes {
+    /// The shortest exact form: `64KiB`, `3MiB`, `1500B`. [`parse_size`] reads it back.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+        for (name, m) in UNITS {
+            if self.0 != 0 && self.0 % m == 0 {
+                return write!(f, "{}{name}", self.0 / m);
+            }
+        }
+        write!(f, "{}B", self.0)
+    }
+}
+
+impl FromStr for Bytes {
+    type Err = UnitError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        parse_size(s)
+    }
+}
+
+/// Parse a size: a whole number with an optional unit. `B` or none = bytes; `K`/`KB`,
+/// `M`/`MB`, `G`/`GB` are decimal (1000); `KiB`, `MiB`, `GiB` are binary (1024), as in the
+/// `gradwire` CLI. Case-insensitive, spaces around the unit allowed.
+pub fn parse_size(s: &str) -> Result<Bytes, UnitError> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    if num.is_empty() {
+        return Err(UnitError::NotASize { input: s.into() });
+    }
+    let n: u64 = num
+        .parse()
+        .map_err(|_| UnitError::Overflow { input: s.into() })?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        other => {
+            return Err(UnitError::UnknownUnit {
+                input: s.into(),
+                unit: other.into(),
+            })
+        }
+    };
+    n.checked_mul(mult)
+        .map(Bytes)
+        .ok_or_else(|| UnitError::Overflow { input: s.into() })
+}
+
+/// A size as written in a policy or model file: a number of bytes or a string with a unit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SizeValue {
+    /// Bytes.
+    Bytes(u64),
+    /// A string for [`parse_size`].
+    Text(String),
+}
+
+impl SizeValue {
+    /// The size in bytes.
+    pub fn bytes(&self) -> Result<Bytes, UnitError> {
+        match self {
+            SizeValue::Bytes(b) => Ok(Bytes(*b)),
+            SizeValue::Text(t) => parse_size(t),
+        }
+    }
+}
+
+/// Switch ASICs with a known buffer cell size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Asic {
+    /// NVIDIA Spectrum-1 (SN2100, SN2410, SN2700): 96-byte cells.
+    Spectrum1,
+    /// Spectrum-2: 144-byte cells.
+    Spectrum2,
+    /// Spectrum-3: 144-byte cells.
+    Spectrum3,
+    /// Spectrum-4: 192-byte cells.
+    Spectrum4,
+    /// Spectrum-5: 192-byte cells.
+    Spectrum5,
+}
+
+impl Asic {
+    /// Every known ASIC.
+    pub const ALL: [Asic; 5] = [
+        Asic::Spectrum1,
+        Asic::Spectrum2,
+        Asic::Spectrum3,
+        Asic::Spectrum4,
+        Asic::Spectrum5,
+    ];
+
+    /// The buffer cell size: thresholds are applied in whole cells.
+    pub const fn cell_size(self) -> Bytes {
+        match self {
+            Asic::Spectrum1 => Bytes(96),
+            Asic::Spectrum2 | Asic::Spectrum3 => Bytes(144),
+            Asic::Spectrum4 | Asic::Spectrum5 => Bytes(192),
+        }
+    }
+
+    /// The name used on the command line and in files.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Asic::Spectrum1 => "spectrum1",
+            Asic::Spectrum2 => "spectrum2",
+            Asic::Spectrum3 => "spectrum3",
+            Asic::Spectrum4 => "spectrum4",
+            Asic::Spectrum5 => "spectrum5",
+        }
+    }
+}
+
+impl fmt::Display for Asic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Asic {
+    type Err = UnitError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let norm: String = s
+            .trim()
+            .to_ascii_lowercase()
+            .chars()
+            .filter(|c| *c != '-' && *c != '_' && *c != ' ')
+            .collect();
+        Asic::ALL
+            .into_iter()
+            .find(|a| a.name() == norm)
+            .ok_or_else(|| UnitError::UnknownAsic { input: s.into() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn parses_units() {
+        assert_eq!(parse_size("1500"), Ok(Bytes(1500)));
+        assert_eq!(parse_size("1500B"), Ok(Bytes(1500)));
+        assert_eq!(parse_size("64KiB"), Ok(Bytes(65536)));
+        assert_eq!(parse_size(" 64 kib "), Ok(Bytes(65536)));
+        assert_eq!(parse_size("64KB"), Ok(Bytes(64000)));
+        assert_eq!(parse_size("64K"), Ok(Bytes(64000)));
+        assert_eq!(parse_size("2MiB"), Ok(Bytes(2 << 20)));
+        assert_eq!(parse_size("1GiB"), Ok(Bytes(1 << 30)));
+        assert!(matches!(parse_size("KiB"), Err(UnitError::NotASize { .. })));
+        assert!(matches!(parse_size(""), Err(UnitError::NotASize { .. })));
+        assert!(matches!(parse_size("-5"), Err(UnitError::NotASize { .. })));
+        assert!(matches!(
+            parse_size("1.5KiB"),
+            Err(UnitError::UnknownUnit { .. })
+        ));
+        assert!(matches!(
+            parse_size("64KiBs"),
+            Err(UnitError::UnknownUnit { .. })
+        ));
+        assert!(matches!(
+            parse_size("99999999999999999999"),
+            Err(UnitError::Overflow { .. })
+        ));
+        assert!(matches!(
+            parse_size("20000000000GiB"),
+            Err(UnitError::Overflow { .. })
+        ));
+    }
+
+    #[test]
+    fn formats_shortest_exact() {
+        assert_eq!(Bytes(65536).to_string(), "64KiB");
+        assert_eq!(Bytes(3 << 20).to_string(), "3MiB");
+        assert_eq!(Bytes(1500).to_string(), "1500B");
+        assert_eq!(Bytes(0).to_string(), "0B");
+        assert_eq!(Bytes(3302912).to_string(), "3302912B");
+        assert_eq!(Bytes(13945824).to_string(), "13945824B");
+    }
+
+    #[test]
+    fn cells_round_up() {
+        let c = Asic::Spectrum1.cell_size();
+        assert_eq!(Bytes(65536).to_cells_ceil(c), Cells(683));
+        assert_eq!(Bytes(65536).round_up_to_cells(c), Some(Bytes(65568)));
+        assert_eq!(Bytes(96).to_cells_ceil(c), Cells(1));
+        assert_eq!(Bytes(97).to_cells_ceil(c), Cells(2));
+        assert_eq!(Bytes(0).to_cells_ceil(c), Cells(0));
+        assert_eq!(Bytes(u64::MAX).round_up_to_cells(c), None);
+        assert_eq!(Bytes(65537).to_kilobytes_ceil(), Kilobytes(65));
+        assert_eq!(Bytes(65536).to_kilobytes_ceil(), Kilobytes(64));
+        assert_eq!(Kilobytes(u64::MAX).to_bytes(), None);
+    }
+
+    #[test]
+    fn asic_names() {
+        for a in Asic::ALL {
+            assert_eq!(a.name().parse::<Asic>(), Ok(a));
+            assert_eq!(a.to_string(), a.name());
+        }
+        assert_eq!("Spectrum-2".parse::<Asic>(), Ok(Asic::Spectrum2));
+        assert_eq!(Asic::Spectrum3.cell_size(), Bytes(144));
+        assert_eq!(Asic::Spectrum5.cell_size(), Bytes(192));
+        assert!("tomahawk".parse::<Asic>().is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn format_parse_round_trip(n in any::<u64>()) {
+            let b = Bytes(n);
+            prop_assert_eq!(parse_size(&b.to_string()), Ok(b));
+        }
+
+        #[test]
+        fn cells_bytes_round_trip(n in 0u64..1 << 40, ai in 0usize..5) {
+            let cell = Asic::ALL[ai].cell_size();
+            // cells -> bytes -> cells is the identity
+            let bytes = Cells(n).to_bytes(cell).unwrap();
+            prop_assert_eq!(bytes.to_cells_ceil(cell), Cells(n));
+            // bytes -> cells (ceil) -> bytes is the smallest cell multiple >= bytes
+            let up = Bytes(n).round_up_to_cells(cell).unwrap();
+            prop_assert!(up >= Bytes(n));
+            prop_assert!(up.0 - n < cell.0);
+            prop_assert_eq!(up.0 % cell.0, 0);
+            prop_assert_eq!(up.round_up_to_cells(cell), Some(up));
+        }
+
+        #[test]
+        fn kilobytes_round_trip(n in 0u64..1 << 50) {
+            prop_assert_eq!(Kilobytes(n).to_bytes().unwrap().to_kilobytes_ceil(), Kilobytes(n));
+            let kb = Bytes(n).to_kilobytes_ceil();
+            let back = kb.to_bytes().unwrap();
+            prop_assert!(back >= Bytes(n) && back.0 - n < BYTES_PER_KB);
+        }
+    }
+}
