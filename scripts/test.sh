@@ -22,5 +22,8 @@ if [[ -f fuzz/Cargo.toml ]]; then
     bash scripts/fuzz.sh build
 fi
 
+step "NIC tuning profiles (dry run)"
+bash hw-configs/nic-tuning/test-dry-run.sh
+
 step "tests"
 cargo test --workspace --locked --no-fail-fast
