@@ -40,6 +40,8 @@
 //!
 //! Nothing here performs I/O; the numbers are CPU cost per packet on one core.
 
+pub mod netbench;
+
 use std::hint::black_box;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

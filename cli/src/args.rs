@@ -21,6 +21,23 @@ pub enum Command {
     Send(SendArgs),
     /// Receive tensors from a `gradwire send`.
     Recv(RecvArgs),
+    /// Show the counters of running `gradwire send`/`recv` processes.
+    Stats(StatsArgs),
+    /// Benchmark AF_XDP against kernel UDP between two namespaces (root).
+    Bench(gradwire_bench::netbench::BenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StatsArgs {
+    /// Directory of the stats files (default /run/gradwire).
+    #[arg(long)]
+    pub dir: Option<std::path::PathBuf>,
+    /// Print again every SECONDS.
+    #[arg(long)]
+    pub watch: Option<f64>,
+    /// One JSON array.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Which datapath carries the data packets.
@@ -30,6 +47,8 @@ pub enum DatapathKind {
     Loopback,
     /// Kernel UDP sockets with sendmmsg/recvmmsg.
     Udp,
+    /// AF_XDP sockets behind gradwire's XDP classifier (root; the demo builds namespaces).
+    Afxdp,
 }
 
 impl DatapathKind {
@@ -37,6 +56,7 @@ impl DatapathKind {
         match self {
             DatapathKind::Loopback => "loopback",
             DatapathKind::Udp => "udp",
+            DatapathKind::Afxdp => "afxdp",
         }
     }
 }
@@ -89,6 +109,60 @@ pub struct Common {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub afxdp: AfXdpArgs,
+}
+
+/// Options of the AF_XDP datapath.
+#[derive(Debug, Clone, Args)]
+pub struct AfXdpArgs {
+    /// Interface for --datapath afxdp (send/recv; the demo uses its own namespaces).
+    #[arg(long)]
+    pub ifname: Option<String>,
+    /// Queues to bind, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub queues: Vec<u32>,
+    /// XDP attach mode: auto (native, else generic), native or generic.
+    #[arg(long, default_value = "auto")]
+    pub xdp_mode: gradwire_ebpf::AttachMode,
+    /// UMEM frame size (2048 or 4096).
+    #[arg(long, default_value_t = 4096)]
+    pub frame_size: u32,
+    /// Entries per AF_XDP ring (power of two).
+    #[arg(long, default_value_t = 2048)]
+    pub ring_size: u32,
+    /// Packets per datapath batch.
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// Spin on the rings instead of sleeping in poll() (real hosts with pinned cores only).
+    #[arg(long)]
+    pub busy_poll: bool,
+    /// Do not try 2 MiB huge pages for the UMEM.
+    #[arg(long)]
+    pub no_hugepages: bool,
+    /// Do not request zero-copy (copy mode only).
+    #[arg(long)]
+    pub no_zero_copy: bool,
+    /// Static neighbour for the peer, IP=MAC (repeatable); otherwise the kernel's ARP table.
+    #[arg(long = "neighbor", value_parser = parse_neighbor)]
+    pub neighbors: Vec<(std::net::IpAddr, [u8; 6])>,
+    /// Pin the transfer threads to these cores (sender first, then receiver), comma separated.
+    #[arg(long, value_delimiter = ',')]
+    pub cores: Vec<usize>,
+}
+
+/// Parse "198.18.0.2=02:00:00:00:00:01".
+pub fn parse_neighbor(s: &str) -> Result<(std::net::IpAddr, [u8; 6]), String> {
+    let (ip, mac) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not IP=MAC"))?;
+    let ip = ip
+        .trim()
+        .parse()
+        .map_err(|_| format!("{ip:?} is not an IP address"))?;
+    let mac = gradwire::afxdp::neigh::parse_mac(mac.trim())
+        .ok_or_else(|| format!("{mac:?} is not a MAC address"))?;
+    Ok((ip, mac))
 }
 
 #[derive(Debug, Args)]

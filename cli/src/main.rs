@@ -3,6 +3,7 @@
 mod args;
 mod report;
 mod run;
+mod stats;
 
 use std::process::ExitCode;
 
@@ -14,6 +15,8 @@ fn main() -> ExitCode {
         args::Command::Demo(a) => run::demo(&a),
         args::Command::Send(a) => run::send(&a),
         args::Command::Recv(a) => run::recv(&a),
+        args::Command::Stats(a) => stats::run(&a),
+        args::Command::Bench(a) => gradwire_bench::netbench::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -47,6 +47,12 @@ pub struct Summary {
     /// Every delivered byte of every transfer matched (receiver side only).
     pub verified: Option<bool>,
     pub transfers: Vec<Xfer>,
+    /// AF_XDP socket and XDP classifier counters of the sending end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub afxdp_sender: Option<gradwire::afxdp::AfXdpStats>,
+    /// ... and of the receiving end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub afxdp_receiver: Option<gradwire::afxdp::AfXdpStats>,
 }
 
 /// Nearest-rank percentile of sorted values.
@@ -106,6 +112,8 @@ impl Summary {
             elapsed_s: elapsed.as_secs_f64(),
             verified,
             transfers,
+            afxdp_sender: None,
+            afxdp_receiver: None,
         }
     }
 
@@ -159,6 +167,14 @@ impl Summary {
                 None => "",
             }
         );
+        for (who, st) in [
+            ("sender", &self.afxdp_sender),
+            ("receiver", &self.afxdp_receiver),
+        ] {
+            if let Some(st) = st {
+                crate::stats::print_afxdp(who, st);
+            }
+        }
     }
 }
 

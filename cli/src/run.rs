@@ -4,6 +4,7 @@ use std::error::Error;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 
+use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath, AfXdpStats, BusyPoll, PollMode};
 use gradwire::channel::{CtrlChannel, MemCtrl, TcpCtrl};
 use gradwire::control::{LossBound, Stage};
 use gradwire::datapath::fault::{FaultConfig, FaultInjector};
@@ -13,6 +14,7 @@ use gradwire::datapath::Datapath;
 use gradwire::proto::{fixed_priority, SenderConfig, Tag};
 use gradwire::rate::RateConfig;
 use gradwire::tensor::Tensor;
+use gradwire::testbed::{Testbed, TestbedConfig};
 use gradwire::transport::{
     accept_within, recv_tensor, send_tensor, MissingFill, RecvOptions, RecvReport, SendOptions,
     SendReport, TransferConfig,
@@ -74,6 +76,79 @@ fn tensor(c: &Common) -> Res<Tensor> {
 
 fn faults(c: &Common) -> FaultConfig {
     FaultConfig::loss(c.inject_loss)
+}
+
+/// AF_XDP datapath configuration from the command line.
+fn afxdp_config(c: &Common, ifname: &str, local: SocketAddr, inject_loss: f64) -> AfXdpConfig {
+    let a = &c.afxdp;
+    let mut x = AfXdpConfig::new(ifname, local);
+    x.queues = a.queues.clone();
+    x.xdp_mode = a.xdp_mode;
+    x.batch = a.batch;
+    x.socket.frame_size = a.frame_size;
+    x.socket.ring_size = a.ring_size;
+    x.socket.frames = a.ring_size.saturating_mul(2).max(x.socket.frames);
+    x.socket.hugepages = !a.no_hugepages;
+    x.socket.zero_copy = !a.no_zero_copy;
+    x.neighbors = a.neighbors.clone();
+    if a.busy_poll {
+        x.poll = PollMode::BusyPoll;
+        x.socket.busy_poll = Some(BusyPoll {
+            usecs: 50,
+            budget: 64,
+        });
+    }
+    if inject_loss > 0.0 {
+        x.fault_drop = vec![(DATA_TAG.dscp, inject_loss)];
+    }
+    x
+}
+
+/// Pin the calling thread to `cores[i]` when cores were given.
+fn pin(c: &Common, i: usize) -> Res {
+    if let Some(&core) = c.afxdp.cores.get(i) {
+        let ok = core_affinity::get_core_ids()
+            .and_then(|ids| ids.into_iter().find(|id| id.id == core))
+            .is_some_and(core_affinity::set_for_current);
+        if !ok {
+            return Err(format!("cannot pin to core {core} (see nproc)").into());
+        }
+    }
+    Ok(())
+}
+
+/// The data datapath for send/recv on this host.
+fn host_datapath(
+    c: &Common,
+    local: SocketAddr,
+    inject_loss: f64,
+    cmd: &str,
+) -> Res<Box<dyn Datapath>> {
+    let udp = UdpConfig {
+        max_datagram: c.mtu.saturating_sub(28).max(64),
+        ..UdpConfig::default()
+    };
+    Ok(match c.datapath {
+        DatapathKind::Udp => Box::new(FaultInjector::new(UdpDatapath::bind(local, udp)?, FaultConfig::loss(inject_loss))?),
+        DatapathKind::Afxdp => {
+            let ifname = c.afxdp.ifname.as_deref().ok_or_else(|| {
+                format!("gradwire {cmd} --datapath afxdp needs --ifname (the interface that holds {})", local.ip())
+            })?;
+            if local.ip().is_unspecified() || local.port() == 0 {
+                return Err(format!(
+                    "gradwire {cmd} --datapath afxdp needs a concrete local address and port (got {local}): AF_XDP builds its own IP and UDP headers"
+                )
+                .into());
+            }
+            Box::new(AfXdpDatapath::open(afxdp_config(c, ifname, local, inject_loss))?)
+        }
+        DatapathKind::Loopback => {
+            return Err(format!(
+                "gradwire {cmd} runs between hosts: use --datapath udp or afxdp (the loopback datapath only exists inside one process; try `gradwire demo --datapath loopback`)"
+            )
+            .into())
+        }
+    })
 }
 
 fn send_opts(c: &Common, round: u32) -> Res<SendOptions> {
@@ -254,6 +329,7 @@ pub fn demo(a: &DemoArgs) -> Res {
             let cb = TcpCtrl::new(stream, cfg.control_dscp)?;
             run_pair(c, &cfg, dpa, ca, ctrl_addr.ip(), dpb, cb, "udp")?
         }
+        DatapathKind::Afxdp => demo_afxdp(c, &cfg)?,
     };
     summary.print(c.json);
     if summary.verified == Some(false) {
@@ -262,22 +338,117 @@ pub fn demo(a: &DemoArgs) -> Res {
     Ok(())
 }
 
-fn udp_only(c: &Common, cmd: &str) -> Res {
-    if c.datapath != DatapathKind::Udp {
-        return Err(format!(
-            "gradwire {cmd} runs between hosts: use --datapath udp (the {} datapath only exists inside one process; try `gradwire demo --datapath {}`)",
-            c.datapath.name(),
-            c.datapath.name()
-        )
-        .into());
+/// What the receiving namespace hands back: verified reports, its AF_XDP counters, elapsed.
+type ReceiverOutcome = (Vec<(RecvReport, bool)>, Option<AfXdpStats>, Duration);
+
+/// `gradwire demo --datapath afxdp`: two network namespaces joined by a veth pair, the
+/// receiver in one and the sender in the other, each with its own XDP classifier and AF_XDP
+/// socket; loss is injected by the receiver's classifier.
+fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
+    if !gradwire::testbed::is_root() {
+        return Err("gradwire demo --datapath afxdp needs root (it creates network namespaces and attaches XDP programs); run it with sudo, or use --datapath udp".into());
     }
-    Ok(())
+    let queues = c.afxdp.queues.iter().max().map_or(1, |q| q + 1);
+    let tb = Testbed::up(&TestbedConfig {
+        queues,
+        mtu: c.mtu as u32,
+        ..TestbedConfig::default()
+    })?;
+    let (tx_ip, rx_ip) = (IpAddr::V4(tb.host(0).ipv4), IpAddr::V4(tb.host(1).ipv4));
+    let data_port = 7000;
+    let ctrl_addr = SocketAddr::new(rx_ip, 7001);
+    let ifname = tb.host(0).ifname.clone();
+    let pb = progress(c);
+    let (rc, rcfg, rif, rpb) = (c.clone(), cfg.clone(), ifname.clone(), pb.clone());
+    let receiver = tb.spawn_in(1, move || -> Res<ReceiverOutcome> {
+        pin(&rc, 1)?;
+        let listener = TcpListener::bind(ctrl_addr)?;
+        let dp = AfXdpDatapath::open(afxdp_config(
+            &rc,
+            &rif,
+            SocketAddr::new(rx_ip, data_port),
+            rc.inject_loss,
+        ))?;
+        let mut rx = gradwire::transport::Receiver::accept(&listener, dp, rcfg)?;
+        let mut sent = tensor(&rc)?;
+        sent.fill_pattern(0x6772_6164);
+        let mut got = tensor(&rc)?;
+        let mut out = Vec::new();
+        let start = Instant::now();
+        for round in 0..rc.count {
+            let r = rx.recv(&mut got, &recv_opts(&rc, round)?)?;
+            let ok = verify(&r, sent.as_bytes(), got.as_bytes());
+            rpb.inc(rc.size);
+            out.push((r, ok));
+        }
+        let elapsed = start.elapsed();
+        Ok((out, Some(rx.datapath().afxdp_stats()), elapsed))
+    })?;
+    let (sc, scfg) = (c.clone(), cfg.clone());
+    let sender = tb.spawn_in(0, move || -> Res<(Vec<SendReport>, Option<AfXdpStats>)> {
+        pin(&sc, 0)?;
+        let mut t = tensor(&sc)?;
+        t.fill_pattern(0x6772_6164);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut tx = loop {
+            let dp = AfXdpDatapath::open(afxdp_config(
+                &sc,
+                &ifname,
+                SocketAddr::new(tx_ip, data_port),
+                0.0,
+            ))?;
+            match gradwire::transport::Sender::connect(ctrl_addr, dp, scfg.clone()) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let prio = fixed_priority(DATA_TAG);
+        let mut out = Vec::new();
+        for round in 0..sc.count {
+            out.push(tx.send(&t, &send_opts(&sc, round)?, &prio)?);
+        }
+        Ok((out, Some(tx.datapath().afxdp_stats())))
+    })?;
+    let sres = sender.join().map_err(|_| "sender thread panicked")?;
+    let rres = receiver.join().map_err(|_| "receiver thread panicked")?;
+    pb.finish_and_clear();
+    let (recvs, rstats, elapsed) = match (rres, &sres) {
+        (Ok(r), _) => r,
+        (Err(re), Err(se)) => return Err(format!("receiver: {re}; sender: {se}").into()),
+        (Err(re), Ok(_)) => return Err(re),
+    };
+    let (sends, sstats) = sres?;
+    let delivered: u64 = recvs.iter().map(|(r, _)| r.stats.bytes).sum();
+    let xfers = recvs
+        .iter()
+        .zip(&sends)
+        .enumerate()
+        .map(|(i, ((r, ok), s))| xfer_from(i as u32, r, Some(s), Some(*ok)))
+        .collect();
+    let mut summary = Summary::new(
+        "demo",
+        "afxdp",
+        c.dtype.to_string(),
+        c.size,
+        c.loss_bound,
+        c.inject_loss,
+        delivered,
+        elapsed,
+        xfers,
+    );
+    summary.afxdp_sender = sstats;
+    summary.afxdp_receiver = rstats;
+    tb.down()?;
+    Ok(summary)
 }
 
 /// `gradwire send`: connect to a receiver and send `count` rounds of a pattern tensor.
 pub fn send(a: &SendArgs) -> Res {
     let c = &a.common;
-    udp_only(c, "send")?;
     let cfg = transfer_config(c)?;
     let mut t = tensor(c)?;
     let bind = a.bind.unwrap_or_else(|| {
@@ -288,12 +459,10 @@ pub fn send(a: &SendArgs) -> Res {
         };
         SocketAddr::new(ip, 0)
     });
-    let udp = UdpConfig {
-        max_datagram: c.mtu.saturating_sub(28).max(64),
-        ..UdpConfig::default()
-    };
-    let mut dp = UdpDatapath::bind(bind, udp)?;
+    pin(c, 0)?;
+    let mut dp = host_datapath(c, bind, 0.0, "send")?;
     let mut ctrl = TcpCtrl::connect(a.to, cfg.connect_timeout, cfg.control_dscp)?;
+    let stats_file = crate::stats::StatsFile::new("send", c.datapath.name());
     let prio = fixed_priority(DATA_TAG);
     let pb = progress(c);
     let start = Instant::now();
@@ -334,11 +503,12 @@ pub fn send(a: &SendArgs) -> Res {
             rejected: None,
             verified: None,
         });
+        stats_file.write(round + 1, dp.stats(), dp.afxdp_stats());
     }
     pb.finish_and_clear();
     let mut summary = Summary::new(
         "send",
-        "udp",
+        c.datapath.name(),
         c.dtype.to_string(),
         c.size,
         c.loss_bound,
@@ -348,6 +518,7 @@ pub fn send(a: &SendArgs) -> Res {
         xfers,
     );
     summary.verified = None;
+    summary.afxdp_sender = dp.afxdp_stats();
     summary.print(c.json);
     Ok(())
 }
@@ -355,16 +526,13 @@ pub fn send(a: &SendArgs) -> Res {
 /// `gradwire recv`: accept one sender and receive `count` rounds, verifying the pattern.
 pub fn recv(a: &RecvArgs) -> Res {
     let c = &a.common;
-    udp_only(c, "recv")?;
     let cfg = transfer_config(c)?;
     let data = a
         .data
         .unwrap_or_else(|| SocketAddr::new(a.listen.ip(), a.listen.port().wrapping_add(1)));
-    let udp = UdpConfig {
-        max_datagram: c.mtu.saturating_sub(28).max(64),
-        ..UdpConfig::default()
-    };
-    let mut dp = FaultInjector::new(UdpDatapath::bind(data, udp)?, faults(c))?;
+    pin(c, 1)?;
+    let mut dp = host_datapath(c, data, c.inject_loss, "recv")?;
+    let stats_file = crate::stats::StatsFile::new("recv", c.datapath.name());
     let listener =
         TcpListener::bind(a.listen).map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
     if !c.json {
@@ -400,11 +568,12 @@ pub fn recv(a: &RecvArgs) -> Res {
         delivered += r.stats.bytes;
         pb.inc(c.size);
         xfers.push(xfer_from(round, &r, None, Some(ok)));
+        stats_file.write(round + 1, dp.stats(), dp.afxdp_stats());
     }
     pb.finish_and_clear();
-    let summary = Summary::new(
+    let mut summary = Summary::new(
         "recv",
-        "udp",
+        c.datapath.name(),
         c.dtype.to_string(),
         c.size,
         c.loss_bound,
@@ -413,6 +582,7 @@ pub fn recv(a: &RecvArgs) -> Res {
         start.elapsed(),
         xfers,
     );
+    summary.afxdp_receiver = dp.afxdp_stats();
     summary.print(c.json);
     if summary.verified == Some(false) {
         return Err("some delivered bytes differ from the sender's".into());

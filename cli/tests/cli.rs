@@ -183,3 +183,42 @@ fn bad_input_gets_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("waiting for a sender to connect"), "{err}");
 }
+
+#[test]
+fn demo_over_afxdp_in_namespaces() {
+    if !gradwire::testbed::require_root("demo_over_afxdp_in_namespaces") {
+        return;
+    }
+    let out = gradwire(&[
+        "demo",
+        "--datapath",
+        "afxdp",
+        "--size",
+        "8MiB",
+        "--count",
+        "3",
+        "--inject-loss",
+        "0.05",
+        "--loss-bound",
+        "0.01",
+        "--no-hugepages",
+        "--json",
+    ]);
+    let v = json(&out);
+    assert_eq!(v["datapath"], "afxdp");
+    assert_eq!(v["verified"], true);
+    assert!(v["delivered_fraction"].as_f64().unwrap() >= 0.99);
+    assert!(v["rounds"].as_u64().unwrap() >= 1);
+    // The receiver's classifier dropped about 5% (fault injection) and redirected the rest.
+    let x = &v["afxdp_receiver"]["xdp"];
+    let fault = x["drop_fault"]["packets"].as_u64().unwrap();
+    let redirected = x["redirected"]["packets"].as_u64().unwrap();
+    assert!(
+        fault > 0 && redirected > 10 * fault,
+        "fault {fault} redirected {redirected}"
+    );
+    assert_eq!(
+        v["afxdp_receiver"]["queues"][0]["mode"], "copy",
+        "veth binds in copy mode"
+    );
+}

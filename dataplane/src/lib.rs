@@ -10,6 +10,7 @@
 //!   pure functions of their inputs (time is an argument).
 #![doc(html_no_source)]
 
+pub mod afxdp;
 pub mod bitmap;
 pub mod channel;
 pub mod control;
@@ -17,5 +18,6 @@ pub mod datapath;
 pub mod proto;
 pub mod rate;
 pub mod tensor;
+pub mod testbed;
 pub mod transport;
 pub mod wire;

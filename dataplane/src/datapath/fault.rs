@@ -269,6 +269,10 @@ impl<D: Datapath> Datapath for FaultInjector<D> {
         Ok(n)
     }
 
+    fn afxdp_stats(&self) -> Option<crate::afxdp::AfXdpStats> {
+        self.inner.afxdp_stats()
+    }
+
     fn stats(&self) -> DatapathStats {
         let mut s = self.inner.stats();
         s.rx_dropped += self.fstats.dropped;

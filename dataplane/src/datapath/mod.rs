@@ -82,6 +82,12 @@ pub enum DatapathError {
     /// The other end of an in-memory datapath is gone.
     #[error("datapath peer closed")]
     Closed,
+    /// A kernel-bypass datapath has no Ethernet address for this destination.
+    #[error(
+        "no Ethernet address known for {0} (not on-link, not answering ARP, or IPv6 without a \
+         configured static neighbour)"
+    )]
+    NoNeighbor(std::net::IpAddr),
 }
 
 /// Filler for one transmit slot: write a datagram into the buffer, return its length and
@@ -118,6 +124,11 @@ pub trait Datapath {
 
     /// Counters so far.
     fn stats(&self) -> DatapathStats;
+
+    /// Per-socket and XDP classifier counters, for the AF_XDP datapath (None elsewhere).
+    fn afxdp_stats(&self) -> Option<crate::afxdp::AfXdpStats> {
+        None
+    }
 }
 
 impl<D: Datapath + ?Sized> Datapath for Box<D> {
@@ -143,5 +154,8 @@ impl<D: Datapath + ?Sized> Datapath for Box<D> {
     }
     fn stats(&self) -> DatapathStats {
         (**self).stats()
+    }
+    fn afxdp_stats(&self) -> Option<crate::afxdp::AfXdpStats> {
+        (**self).afxdp_stats()
     }
 }

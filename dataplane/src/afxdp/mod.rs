@@ -1,0 +1,608 @@
+//! The AF_XDP datapath: gradwire's kernel-bypass path.
+//!
+//! One [`socket::XskSocket`] per configured queue, each with its own UMEM, and one XDP
+//! classifier ([`gradwire_ebpf::XdpProgram`]) on the interface that redirects gradwire's UDP
+//! port to those sockets and passes everything else (ARP, ssh, the TCP control channel) to
+//! the kernel.
+//!
+//! Receive: descriptors come off the RX ring pointing into UMEM frames; the frame is parsed
+//! in place ([`crate::wire::frame::parse`], checksums verified) and the datagram slice handed
+//! to the caller, who copies the payload once, straight into the tensor; the frame then goes
+//! back to the FILL ring in batches. Transmit: the caller writes the datagram (header and
+//! payload, one copy from the tensor) into a free UMEM frame after room for the
+//! Ethernet/IP/UDP headers, which [`crate::wire::frame::emit_headers`] then fills in front;
+//! descriptors go to the TX ring in batches and completions are reaped back to the free list.
+//!
+//! Waiting is wake-on-demand by default (a short spin on the RX ring, then `poll()` on the
+//! socket), which is what tests and 2-core machines need; busy-poll mode spins and drives
+//! NAPI with `recvfrom(MSG_DONTWAIT)` instead, for pinned cores on real hosts.
+//!
+//! The layering follows s2n-quic-xdp: [`syscall`] (the raw calls), [`umem`], [`ring`],
+//! [`socket`], and this module on top; only the first three contain `unsafe`.
+
+pub mod neigh;
+pub mod ring;
+pub mod socket;
+pub mod syscall;
+pub mod umem;
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use gradwire_ebpf::{AttachMode, XdpConfig, XdpCounters, XdpProgram};
+
+use crate::datapath::{Datapath, DatapathError, DatapathStats, Deliver, Fill, RxMeta};
+use crate::wire::frame::{self, FrameMeta};
+use crate::wire::Ecn;
+
+pub use socket::{BindMode, BusyPoll, KernelStats, SocketConfig};
+
+/// How a thread waits for packets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PollMode {
+    /// Spin `spin` times on the RX ring, then sleep in `poll()` until a packet or the timeout.
+    /// For tests, CI and shared machines.
+    WakeOnDemand {
+        /// Ring checks before sleeping.
+        spin: u32,
+    },
+    /// Never sleep: spin on the rings and drive NAPI with `recvfrom(MSG_DONTWAIT)`. For pinned
+    /// cores on real hosts and benchmarks; starves a small machine.
+    BusyPoll,
+}
+
+/// Configuration of an AF_XDP datapath.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AfXdpConfig {
+    /// Interface (in the calling thread's network namespace).
+    pub ifname: String,
+    /// Queues to bind, one socket each.
+    pub queues: Vec<u32>,
+    /// Our IP address and gradwire UDP port (the classifier redirects this port).
+    pub local: SocketAddr,
+    /// UMEM and ring sizes, huge pages, zero-copy, busy-poll socket options.
+    pub socket: SocketConfig,
+    /// Descriptors per ring operation.
+    pub batch: usize,
+    /// How to wait.
+    pub poll: PollMode,
+    /// How to attach the XDP program.
+    pub xdp_mode: AttachMode,
+    /// Static neighbours (IP -> MAC), consulted before the kernel's neighbour table.
+    pub neighbors: Vec<(IpAddr, [u8; 6])>,
+    /// Only accept gradwire packets from these sources (enforced in XDP).
+    pub allowlist: Option<Vec<IpAddr>>,
+    /// Fault injection in XDP: drop probability per DSCP (0..=63), for loss tests.
+    pub fault_drop: Vec<(u8, f64)>,
+    /// IP TTL / hop limit of sent packets.
+    pub hop_limit: u8,
+}
+
+impl AfXdpConfig {
+    /// Defaults for `ifname` and `local`: queue 0, wake-on-demand, auto XDP mode.
+    pub fn new(ifname: impl Into<String>, local: SocketAddr) -> AfXdpConfig {
+        AfXdpConfig {
+            ifname: ifname.into(),
+            queues: vec![0],
+            local,
+            socket: SocketConfig::default(),
+            batch: 64,
+            poll: PollMode::WakeOnDemand { spin: 64 },
+            xdp_mode: AttachMode::Auto,
+            neighbors: Vec::new(),
+            allowlist: None,
+            fault_drop: Vec::new(),
+            hop_limit: 64,
+        }
+    }
+}
+
+/// Why an AF_XDP datapath could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum AfXdpError {
+    /// Bad configuration.
+    #[error("AF_XDP configuration: {0}")]
+    Config(String),
+    /// The interface does not exist in this network namespace.
+    #[error("interface {ifname:?} not found in this network namespace: {source}")]
+    NoInterface {
+        /// Interface.
+        ifname: String,
+        /// OS error.
+        source: nix::Error,
+    },
+    /// The XDP program could not be loaded or attached.
+    #[error("XDP classifier on {ifname}: {source}")]
+    Xdp {
+        /// Interface.
+        ifname: String,
+        /// Loader error.
+        source: gradwire_ebpf::XdpError,
+    },
+    /// An AF_XDP socket could not be created or bound.
+    #[error("AF_XDP socket on {ifname} queue {queue}: {source}{hint}")]
+    Socket {
+        /// Interface.
+        ifname: String,
+        /// Queue.
+        queue: u32,
+        /// OS error.
+        source: std::io::Error,
+        /// What to do about it.
+        hint: &'static str,
+    },
+}
+
+/// Counters of one queue's socket.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct QueueStats {
+    /// Queue id.
+    pub queue: u32,
+    /// Copy or zero-copy.
+    pub mode: Option<BindMode>,
+    /// UMEM on huge pages.
+    pub hugepages: bool,
+    /// Packets delivered.
+    pub rx_packets: u64,
+    /// Bytes delivered (datagram bytes).
+    pub rx_bytes: u64,
+    /// Frames that were not valid gradwire UDP frames for us (dropped, counted).
+    pub rx_malformed: u64,
+    /// Packets sent.
+    pub tx_packets: u64,
+    /// Bytes sent (whole frames).
+    pub tx_bytes: u64,
+    /// Send attempts that found no free frame or no TX ring room.
+    pub tx_ring_full: u64,
+    /// Times the FILL ring could not be refilled completely.
+    pub fill_empty: u64,
+    /// Times this thread slept in `poll()`.
+    pub sleeps: u64,
+    /// TX kicks (`sendto`).
+    pub kicks: u64,
+    /// The kernel's own counters.
+    pub kernel: KernelStats,
+}
+
+/// Everything the AF_XDP datapath counts: per socket, and the classifier's per-DSCP/ECN view.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AfXdpStats {
+    /// Interface.
+    pub ifname: String,
+    /// XDP attach mode in use.
+    pub xdp_mode: Option<AttachMode>,
+    /// Per queue.
+    pub queues: Vec<QueueStats>,
+    /// The classifier's counters.
+    pub xdp: Option<XdpCounters>,
+}
+
+struct Queue {
+    sock: socket::XskSocket,
+    /// TX frames not in flight.
+    free_tx: Vec<u64>,
+    /// RX frames consumed and not yet back on FILL.
+    refill: Vec<u64>,
+    rx_descs: Vec<libc::xdp_desc>,
+    tx_descs: Vec<libc::xdp_desc>,
+    comp: Vec<u64>,
+    stats: QueueStats,
+}
+
+impl Queue {
+    fn reap_completions(&mut self) {
+        self.comp.clear();
+        let n = self.sock.comp.size() as usize;
+        self.sock.comp.consume(n, &mut self.comp);
+        self.free_tx.extend_from_slice(&self.comp);
+    }
+
+    fn refill(&mut self) {
+        if self.refill.is_empty() {
+            return;
+        }
+        let n = self.sock.fill.produce(&self.refill);
+        if n < self.refill.len() {
+            self.stats.fill_empty += 1;
+        }
+        self.refill.drain(..n);
+    }
+}
+
+/// The AF_XDP datapath.
+pub struct AfXdpDatapath {
+    cfg: AfXdpConfig,
+    // Sockets before the program: they are closed (and leave the XSKMAP) before it detaches.
+    queues: Vec<Queue>,
+    xdp: XdpProgram,
+    src_mac: [u8; 6],
+    neigh: HashMap<IpAddr, [u8; 6]>,
+    ident: u16,
+    tx_next: usize,
+    rx_next: usize,
+    stats: DatapathStats,
+}
+
+impl std::fmt::Debug for AfXdpDatapath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AfXdpDatapath")
+            .field("ifname", &self.cfg.ifname)
+            .field("queues", &self.cfg.queues)
+            .field("local", &self.cfg.local)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AfXdpDatapath {
+    /// Attach the classifier to `cfg.ifname` and bind one socket per queue.
+    pub fn open(cfg: AfXdpConfig) -> Result<AfXdpDatapath, AfXdpError> {
+        let sc = &cfg.socket;
+        if cfg.queues.is_empty() {
+            return Err(AfXdpError::Config("at least one queue is needed".into()));
+        }
+        if cfg.batch == 0 || cfg.batch > sc.ring_size as usize {
+            return Err(AfXdpError::Config(format!(
+                "batch {} must be within 1..=ring size {}",
+                cfg.batch, sc.ring_size
+            )));
+        }
+        if sc.frames < 2 * sc.ring_size {
+            return Err(AfXdpError::Config(format!(
+                "{} UMEM frames cannot feed a FILL ring and a TX ring of {} each (need at least {})",
+                sc.frames,
+                sc.ring_size,
+                2 * sc.ring_size
+            )));
+        }
+        if cfg.local.port() == 0 {
+            return Err(AfXdpError::Config(
+                "the local UDP port must be set (the classifier matches on it)".into(),
+            ));
+        }
+        let ifindex = nix::net::if_::if_nametoindex(cfg.ifname.as_str()).map_err(|source| {
+            AfXdpError::NoInterface {
+                ifname: cfg.ifname.clone(),
+                source,
+            }
+        })?;
+        let src_mac = neigh::interface_mac(&cfg.ifname).ok_or_else(|| {
+            AfXdpError::Config(format!("interface {} has no Ethernet address", cfg.ifname))
+        })?;
+        let xerr = |source| AfXdpError::Xdp {
+            ifname: cfg.ifname.clone(),
+            source,
+        };
+        let mut xc = XdpConfig::new(vec![cfg.local.port()]);
+        xc.mode = cfg.xdp_mode;
+        xc.allowlist = cfg.allowlist.clone();
+        for &(dscp, p) in &cfg.fault_drop {
+            let slot = xc.fault_drop.get_mut(usize::from(dscp)).ok_or_else(|| {
+                AfXdpError::Config(format!("fault injection DSCP {dscp} is not within 0..=63"))
+            })?;
+            *slot = p;
+        }
+        let xdp = XdpProgram::attach(ifindex, &xc).map_err(xerr)?;
+        let mut queues = Vec::with_capacity(cfg.queues.len());
+        for &q in &cfg.queues {
+            let sock = socket::XskSocket::bind(ifindex, q, sc).map_err(|source| {
+                let hint = match source.raw_os_error() {
+                    Some(libc::EPERM) => " (AF_XDP needs root or CAP_NET_RAW+CAP_NET_ADMIN)",
+                    Some(libc::EINVAL) => {
+                        " (does the interface have that many queues? see `ethtool -l`)"
+                    }
+                    Some(libc::ENOMEM) => " (raise `ulimit -l` for locked memory)",
+                    Some(libc::EBUSY) => " (another AF_XDP socket is bound to this queue)",
+                    _ => "",
+                };
+                AfXdpError::Socket {
+                    ifname: cfg.ifname.clone(),
+                    queue: q,
+                    source,
+                    hint,
+                }
+            })?;
+            xdp.register_xsk(q, std::os::fd::AsFd::as_fd(sock.fd()))
+                .map_err(xerr)?;
+            // The first half of the frames feed the FILL ring, the second half are for TX.
+            let half = sc.frames / 2;
+            let umem_frame = |i| sock.umem.frame_addr(i);
+            let fill: Vec<u64> = (0..half.min(sc.ring_size)).map(umem_frame).collect();
+            let free_tx: Vec<u64> = (half..sc.frames).map(umem_frame).collect();
+            let mut queue = Queue {
+                stats: QueueStats {
+                    queue: q,
+                    mode: Some(sock.mode()),
+                    hugepages: sock.hugepages(),
+                    ..QueueStats::default()
+                },
+                sock,
+                free_tx,
+                refill: fill,
+                rx_descs: Vec::with_capacity(cfg.batch),
+                tx_descs: Vec::with_capacity(cfg.batch),
+                comp: Vec::with_capacity(sc.ring_size as usize),
+            };
+            queue.refill();
+            queues.push(queue);
+        }
+        let neigh_map = cfg.neighbors.iter().copied().collect();
+        Ok(AfXdpDatapath {
+            queues,
+            xdp,
+            src_mac,
+            neigh: neigh_map,
+            ident: 0,
+            tx_next: 0,
+            rx_next: 0,
+            stats: DatapathStats::default(),
+            cfg,
+        })
+    }
+
+    /// Per-socket and classifier counters.
+    pub fn afxdp_stats(&self) -> AfXdpStats {
+        AfXdpStats {
+            ifname: self.cfg.ifname.clone(),
+            xdp_mode: self.xdp.attach_mode(),
+            queues: self
+                .queues
+                .iter()
+                .map(|q| QueueStats {
+                    kernel: q.sock.kernel_stats().unwrap_or_default(),
+                    ..q.stats
+                })
+                .collect(),
+            xdp: self.xdp.counters().ok(),
+        }
+    }
+
+    /// The XDP classifier (counters, fault injection, allowlist).
+    pub fn xdp(&self) -> &XdpProgram {
+        &self.xdp
+    }
+
+    fn neighbor(&mut self, ip: IpAddr) -> Result<[u8; 6], DatapathError> {
+        if let Some(m) = self.neigh.get(&ip) {
+            return Ok(*m);
+        }
+        let mac =
+            neigh::resolve(ip, Duration::from_secs(1)).ok_or(DatapathError::NoNeighbor(ip))?;
+        self.neigh.insert(ip, mac);
+        Ok(mac)
+    }
+
+    /// Wait for RX on any queue (wake-on-demand) or spin (busy-poll) up to `timeout`.
+    fn wait_rx(&mut self, timeout: Duration) -> Result<(), DatapathError> {
+        let io = |source| DatapathError::Io {
+            op: "AF_XDP poll",
+            source,
+        };
+        match self.cfg.poll {
+            PollMode::WakeOnDemand { spin } => {
+                for _ in 0..spin {
+                    if self.queues.iter_mut().any(|q| q.sock.rx.available() > 0) {
+                        return Ok(());
+                    }
+                    std::hint::spin_loop();
+                }
+                if timeout.is_zero() {
+                    return Ok(());
+                }
+                let ms = i32::try_from(timeout.as_millis().max(1)).unwrap_or(i32::MAX);
+                if let [q] = self.queues.as_mut_slice() {
+                    q.stats.sleeps += 1;
+                    syscall::poll_in(q.sock.raw_fd(), ms).map_err(io)?;
+                } else {
+                    let fds: Vec<i32> = self.queues.iter().map(|q| q.sock.raw_fd()).collect();
+                    syscall::poll_many(&fds, ms).map_err(io)?;
+                }
+                Ok(())
+            }
+            PollMode::BusyPoll => {
+                let deadline = Instant::now() + timeout;
+                loop {
+                    for q in &mut self.queues {
+                        syscall::recv_kick(q.sock.raw_fd()).map_err(io)?;
+                        if q.sock.rx.available() > 0 {
+                            return Ok(());
+                        }
+                    }
+                    if Instant::now() >= deadline {
+                        return Ok(());
+                    }
+                    std::hint::spin_loop();
+                }
+            }
+        }
+    }
+
+    fn rx_once(&mut self, max: usize, deliver: &mut Deliver<'_>) -> usize {
+        let mut n = 0;
+        let port = self.cfg.local.port();
+        let nq = self.queues.len();
+        for k in 0..nq {
+            if n >= max {
+                break;
+            }
+            let q = &mut self.queues[(self.rx_next + k) % nq];
+            q.rx_descs.clear();
+            q.sock
+                .rx
+                .consume((max - n).min(self.cfg.batch), &mut q.rx_descs);
+            for d in &q.rx_descs {
+                let base = q.sock.umem.frame_base(d.addr);
+                match q.sock.umem.get(d.addr, d.len as usize).map(frame::parse) {
+                    Some(Ok(f)) if f.dst.port() == port => {
+                        let meta = RxMeta {
+                            src: f.src,
+                            tos: (f.dscp << 2) | f.ecn.bits(),
+                        };
+                        deliver(&meta, f.datagram);
+                        q.stats.rx_packets += 1;
+                        q.stats.rx_bytes += f.datagram.len() as u64;
+                        self.stats.rx_packets += 1;
+                        self.stats.rx_bytes += f.datagram.len() as u64;
+                        n += 1;
+                    }
+                    _ => {
+                        q.stats.rx_malformed += 1;
+                        self.stats.rx_dropped += 1;
+                    }
+                }
+                q.refill.push(base);
+            }
+            q.refill();
+            if q.sock.fill.needs_wakeup() {
+                // Zero-copy drivers stop taking FILL entries until woken.
+                let _ = syscall::recv_kick(q.sock.raw_fd());
+            }
+        }
+        self.rx_next = (self.rx_next + 1) % nq;
+        n
+    }
+}
+
+impl Datapath for AfXdpDatapath {
+    fn name(&self) -> &'static str {
+        "afxdp"
+    }
+
+    fn local_addr(&self) -> SocketAddr {
+        self.cfg.local
+    }
+
+    fn max_datagram(&self) -> usize {
+        let frame_room =
+            self.cfg.socket.frame_size as usize - frame::header_len(self.cfg.local.is_ipv6());
+        frame_room.min(65_507)
+    }
+
+    fn send(&mut self, max: usize, fill: &mut Fill<'_>) -> Result<usize, DatapathError> {
+        let ipv6 = self.cfg.local.is_ipv6();
+        let hdr = frame::header_len(ipv6);
+        let max_dgram = self.max_datagram();
+        let nq = self.queues.len();
+        let qi = self.tx_next % nq;
+        self.tx_next = self.tx_next.wrapping_add(1);
+        self.queues[qi].reap_completions();
+        let limit = {
+            let q = &mut self.queues[qi];
+            max.min(self.cfg.batch)
+                .min(q.free_tx.len())
+                .min(q.sock.tx.free() as usize)
+        };
+        if limit == 0 {
+            let q = &mut self.queues[qi];
+            q.stats.tx_ring_full += 1;
+            q.stats.kicks += 1;
+            syscall::kick(q.sock.raw_fd()).map_err(|source| DatapathError::Io {
+                op: "AF_XDP sendto",
+                source,
+            })?;
+            return Ok(0);
+        }
+        let mut filled = 0;
+        let mut bytes = 0u64;
+        let mut result = Ok(());
+        while filled < limit {
+            let Some(addr) = self.queues[qi].free_tx.pop() else {
+                break;
+            };
+            let frame_size = self.cfg.socket.frame_size as usize;
+            let Some(buf) = self.queues[qi].sock.umem.get_mut(addr, frame_size) else {
+                break;
+            };
+            let Some(dgram) = buf.get_mut(hdr..hdr + max_dgram) else {
+                break;
+            };
+            let Some((len, meta)) = fill(dgram) else {
+                self.queues[qi].free_tx.push(addr);
+                break;
+            };
+            filled += 1;
+            let dst_mac = match self.neighbor(meta.dst.ip()) {
+                Ok(m) => m,
+                Err(e) => {
+                    self.queues[qi].free_tx.push(addr);
+                    self.stats.tx_dropped += 1;
+                    result = Err(e);
+                    break;
+                }
+            };
+            self.ident = self.ident.wrapping_add(1);
+            let fm = FrameMeta {
+                src_mac: self.src_mac,
+                dst_mac,
+                src: self.cfg.local,
+                dst: meta.dst,
+                dscp: meta.tos >> 2,
+                ecn: Ecn::from_bits(meta.tos),
+                hop_limit: self.cfg.hop_limit,
+                ident: self.ident,
+            };
+            let q = &mut self.queues[qi];
+            let Some(buf) = q.sock.umem.get_mut(addr, frame_size) else {
+                break;
+            };
+            match frame::emit_headers(buf, &fm, len.min(max_dgram)) {
+                Ok(total) => {
+                    q.tx_descs.push(libc::xdp_desc {
+                        addr,
+                        len: total as u32,
+                        options: 0,
+                    });
+                    q.stats.tx_bytes += total as u64;
+                    bytes += total as u64;
+                }
+                Err(_) => {
+                    // Cannot happen for a datagram that fits the frame; never send garbage.
+                    q.free_tx.push(addr);
+                    self.stats.tx_dropped += 1;
+                }
+            }
+        }
+        let q = &mut self.queues[qi];
+        let pushed = q.sock.tx.produce(&q.tx_descs);
+        // `limit` bounded the batch by the ring's free space, so everything fits; anything
+        // that did not (a concurrent change cannot happen: we are the only producer) is freed.
+        for d in q.tx_descs.drain(pushed..) {
+            q.free_tx.push(d.addr);
+        }
+        q.tx_descs.clear();
+        q.stats.tx_packets += pushed as u64;
+        self.stats.tx_packets += pushed as u64;
+        self.stats.tx_bytes += bytes;
+        // Copy mode transmits only inside sendto(); zero-copy only when the driver asks.
+        if pushed > 0 && (q.sock.mode() == BindMode::Copy || q.sock.tx.needs_wakeup()) {
+            q.stats.kicks += 1;
+            syscall::kick(q.sock.raw_fd()).map_err(|source| DatapathError::Io {
+                op: "AF_XDP sendto",
+                source,
+            })?;
+        }
+        result.map(|()| filled)
+    }
+
+    fn recv(
+        &mut self,
+        max: usize,
+        timeout: Duration,
+        deliver: &mut Deliver<'_>,
+    ) -> Result<usize, DatapathError> {
+        let n = self.rx_once(max, deliver);
+        if n > 0 {
+            return Ok(n);
+        }
+        self.wait_rx(timeout)?;
+        Ok(self.rx_once(max, deliver))
+    }
+
+    fn stats(&self) -> DatapathStats {
+        self.stats
+    }
+
+    fn afxdp_stats(&self) -> Option<AfXdpStats> {
+        Some(AfXdpDatapath::afxdp_stats(self))
+    }
+}
