@@ -38,6 +38,9 @@ const DATA_PORT: u16 = 7000;
 const CTRL_PORT: u16 = 7001;
 const DSCP: u8 = 10;
 
+/// With `--engine` the cores belong to the workers, not to the benchmark threads.
+static ENGINE_OWNS_CORES: AtomicBool = AtomicBool::new(false);
+
 /// Options of `gradwire bench`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
@@ -59,6 +62,9 @@ pub struct BenchArgs {
     /// Busy-poll instead of wake-on-demand (needs a core per thread).
     #[arg(long)]
     pub busy_poll: bool,
+    /// AF_XDP through the engine: one pinned worker per queue (`--cores` are the workers').
+    #[arg(long)]
+    pub engine: bool,
     /// UMEM frame size.
     #[arg(long, default_value_t = 4096)]
     pub frame_size: u32,
@@ -167,6 +173,9 @@ impl Kind {
 
 fn pin(cores: &[usize], i: usize) {
     if let Some(&c) = cores.get(i) {
+        if ENGINE_OWNS_CORES.load(Ordering::Relaxed) {
+            return;
+        }
         if let Some(id) =
             core_affinity::get_core_ids().and_then(|ids| ids.into_iter().find(|x| x.id == c))
         {
@@ -192,6 +201,12 @@ fn afxdp_config(a: &BenchArgs, ip: IpAddr) -> AfXdpConfig {
 
 fn open(kind: Kind, a: &BenchArgs, ip: IpAddr) -> Res<Box<dyn Datapath>> {
     Ok(match kind {
+        Kind::Afxdp if a.engine => Box::new(gradwire::afxdp::engine::Engine::start(
+            gradwire::afxdp::engine::EngineConfig {
+                afxdp: afxdp_config(a, ip),
+                cores: a.cores.clone(),
+            },
+        )?),
         Kind::Afxdp => Box::new(AfXdpDatapath::open(afxdp_config(a, ip))?),
         Kind::Udp => Box::new(UdpDatapath::bind(
             SocketAddr::new(ip, DATA_PORT),
@@ -533,7 +548,7 @@ pub fn run(a: &BenchArgs) -> Res {
             "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
             "link": "veth pair between two network namespaces",
             "seconds": a.seconds, "payload": a.payload, "batch": a.batch, "queues": a.queues,
-            "busy_poll": a.busy_poll, "frame_size": a.frame_size, "cores": a.cores,
+            "busy_poll": a.busy_poll, "engine": a.engine, "frame_size": a.frame_size, "cores": a.cores,
             "transfer_size": a.size, "transfer_count": a.count,
         }),
         afxdp: x,

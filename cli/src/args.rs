@@ -146,9 +146,14 @@ pub struct AfXdpArgs {
     /// Static neighbour for the peer, IP=MAC (repeatable); otherwise the kernel's ARP table.
     #[arg(long = "neighbor", value_parser = parse_neighbor)]
     pub neighbors: Vec<(std::net::IpAddr, [u8; 6])>,
-    /// Pin the transfer threads to these cores (sender first, then receiver), comma separated.
+    /// Pin to these cores, comma separated: with --engine one per queue for the workers;
+    /// without, the transfer threads (sender first, then receiver).
     #[arg(long, value_delimiter = ',')]
     pub cores: Vec<usize>,
+    /// Move packets with pinned per-queue worker threads (the engine) instead of the
+    /// calling thread.
+    #[arg(long)]
+    pub engine: bool,
 }
 
 /// Parse "198.18.0.2=02:00:00:00:00:01".

@@ -4,6 +4,7 @@ use std::error::Error;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 
+use gradwire::afxdp::engine::{Engine, EngineConfig};
 use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath, AfXdpStats, BusyPoll, PollMode};
 use gradwire::channel::{CtrlChannel, MemCtrl, TcpCtrl};
 use gradwire::control::{LossBound, Stage};
@@ -104,8 +105,12 @@ fn afxdp_config(c: &Common, ifname: &str, local: SocketAddr, inject_loss: f64) -
     x
 }
 
-/// Pin the calling thread to `cores[i]` when cores were given.
+/// Pin the calling thread to `cores[i]` when cores were given (with --engine the cores
+/// belong to the workers instead).
 fn pin(c: &Common, i: usize) -> Res {
+    if c.afxdp.engine {
+        return Ok(());
+    }
     if let Some(&core) = c.afxdp.cores.get(i) {
         let ok = core_affinity::get_core_ids()
             .and_then(|ids| ids.into_iter().find(|id| id.id == core))
@@ -115,6 +120,24 @@ fn pin(c: &Common, i: usize) -> Res {
         }
     }
     Ok(())
+}
+
+/// The AF_XDP datapath: single-threaded, or the engine with pinned per-queue workers.
+fn open_afxdp(
+    c: &Common,
+    ifname: &str,
+    local: SocketAddr,
+    inject_loss: f64,
+) -> Res<Box<dyn Datapath>> {
+    let x = afxdp_config(c, ifname, local, inject_loss);
+    Ok(if c.afxdp.engine {
+        Box::new(Engine::start(EngineConfig {
+            afxdp: x,
+            cores: c.afxdp.cores.clone(),
+        })?)
+    } else {
+        Box::new(AfXdpDatapath::open(x)?)
+    })
 }
 
 /// The data datapath for send/recv on this host.
@@ -140,7 +163,7 @@ fn host_datapath(
                 )
                 .into());
             }
-            Box::new(AfXdpDatapath::open(afxdp_config(c, ifname, local, inject_loss))?)
+            open_afxdp(c, ifname, local, inject_loss)?
         }
         DatapathKind::Loopback => {
             return Err(format!(
@@ -363,12 +386,7 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
     let receiver = tb.spawn_in(1, move || -> Res<ReceiverOutcome> {
         pin(&rc, 1)?;
         let listener = TcpListener::bind(ctrl_addr)?;
-        let dp = AfXdpDatapath::open(afxdp_config(
-            &rc,
-            &rif,
-            SocketAddr::new(rx_ip, data_port),
-            rc.inject_loss,
-        ))?;
+        let dp = open_afxdp(&rc, &rif, SocketAddr::new(rx_ip, data_port), rc.inject_loss)?;
         let mut rx = gradwire::transport::Receiver::accept(&listener, dp, rcfg)?;
         let mut sent = tensor(&rc)?;
         sent.fill_pattern(0x6772_6164);
@@ -382,36 +400,32 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
             out.push((r, ok));
         }
         let elapsed = start.elapsed();
-        Ok((out, Some(rx.datapath().afxdp_stats()), elapsed))
+        Ok((out, rx.datapath().afxdp_stats(), elapsed))
     })?;
     let (sc, scfg) = (c.clone(), cfg.clone());
     let sender = tb.spawn_in(0, move || -> Res<(Vec<SendReport>, Option<AfXdpStats>)> {
         pin(&sc, 0)?;
         let mut t = tensor(&sc)?;
         t.fill_pattern(0x6772_6164);
+        let dp = open_afxdp(&sc, &ifname, SocketAddr::new(tx_ip, data_port), 0.0)?;
+        // The receiver starts in parallel: retry the control connection for a while.
         let deadline = Instant::now() + Duration::from_secs(10);
-        let mut tx = loop {
-            let dp = AfXdpDatapath::open(afxdp_config(
-                &sc,
-                &ifname,
-                SocketAddr::new(tx_ip, data_port),
-                0.0,
-            ))?;
-            match gradwire::transport::Sender::connect(ctrl_addr, dp, scfg.clone()) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() < deadline => {
-                    let _ = e;
-                    std::thread::sleep(Duration::from_millis(20));
+        let ctrl = loop {
+            match TcpCtrl::connect(ctrl_addr, scfg.connect_timeout, scfg.control_dscp) {
+                Ok(c) => break c,
+                Err(_) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
                 }
                 Err(e) => return Err(e.into()),
             }
         };
+        let mut tx = gradwire::transport::Sender::with_channel(ctrl, dp, scfg)?;
         let prio = fixed_priority(DATA_TAG);
         let mut out = Vec::new();
         for round in 0..sc.count {
             out.push(tx.send(&t, &send_opts(&sc, round)?, &prio)?);
         }
-        Ok((out, Some(tx.datapath().afxdp_stats())))
+        Ok((out, tx.datapath().afxdp_stats()))
     })?;
     let sres = sender.join().map_err(|_| "sender thread panicked")?;
     let rres = receiver.join().map_err(|_| "receiver thread panicked")?;

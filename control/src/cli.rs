@@ -21,7 +21,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::model::{load_model, ModelError};
 use crate::optimizer::{self, OptError, Params, Solution};
-use crate::policy::{Policy, ThresholdSpec, DATA_QUEUES};
+use crate::policy::{Policy, PolicyError, ThresholdSpec, DATA_QUEUES};
 use crate::policy_file::{load_policy, policy_to_toml, FileError};
 use crate::render::{self, parse_port_list, sonic, PortListError, RenderError, Target};
 use crate::units::{parse_size, Asic, Bytes, UnitError};
@@ -54,10 +54,13 @@ pub enum Command {
 #[derive(Debug, Clone, Default, Args)]
 pub struct PolicyArgs {
     /// Lowest threshold T (queue 6, front layers), e.g. 64KiB (KiB = 1024, KB = 1000).
-    #[arg(long, value_name = "SIZE")]
+    // Values may start with '-' so that `--base-threshold -5` reaches the size parser and its
+    // clear message instead of failing in clap as an unknown flag (same for the other
+    // numeric flags below).
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub base_threshold: Option<String>,
     /// Step d >= 0: queue 6-k gets T*(1+k*d).
-    #[arg(long, value_name = "D")]
+    #[arg(long, value_name = "D", allow_negative_numbers = true)]
     pub step: Option<f64>,
     /// Ports: comma-separated; PREFIXa..b or PREFIXa..b:step expand (Ethernet0..60:4, 1/1..16).
     #[arg(long, value_name = "LIST")]
@@ -68,8 +71,8 @@ pub struct PolicyArgs {
     /// Policy file (TOML, or JSON by extension); the other flags override it.
     #[arg(long, value_name = "FILE")]
     pub policy: Option<PathBuf>,
-    /// Per-port buffer the thresholds must fit in (default 512KiB).
-    #[arg(long, value_name = "SIZE")]
+    /// Per-port buffer the thresholds must fit in (default 512KiB, at most 1GiB).
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub buffer: Option<String>,
     /// Name of the SONiC maps and profiles (default GRADWIRE).
     #[arg(long, value_name = "NAME")]
@@ -98,37 +101,37 @@ pub struct ThresholdArgs {
     #[arg(long, value_name = "FILE")]
     pub model: PathBuf,
     /// Port buffer B (default 512KiB).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub buffer: Option<String>,
     /// Small-gradient share θ (default 0.5).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub theta: Option<f64>,
     /// Total arrival rate λ (any unit, same as --service-rate; default 95).
-    #[arg(long, value_name = "RATE")]
+    #[arg(long, value_name = "RATE", allow_negative_numbers = true)]
     pub arrival_rate: Option<f64>,
     /// Total service rate μ (default 100).
-    #[arg(long, value_name = "RATE")]
+    #[arg(long, value_name = "RATE", allow_negative_numbers = true)]
     pub service_rate: Option<f64>,
     /// Packet size (default 1500).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub packet_size: Option<String>,
     /// c^S: small-gradient loss cost, one value or 7 (queue 0 first; default 1).
-    #[arg(long, value_name = "LIST")]
+    #[arg(long, value_name = "LIST", allow_hyphen_values = true)]
     pub cost_small: Option<String>,
     /// c^L: large-gradient loss cost, one value or 7 (queue 0 first; default 10).
-    #[arg(long, value_name = "LIST")]
+    #[arg(long, value_name = "LIST", allow_hyphen_values = true)]
     pub cost_large: Option<String>,
     /// Exponent e of f(r) = c·w·r^e (default 1).
-    #[arg(long, value_name = "E")]
+    #[arg(long, value_name = "E", allow_negative_numbers = true)]
     pub cost_exponent: Option<f64>,
     /// Do not weight costs by the queue's share of the model.
     #[arg(long)]
     pub no_share_weight: bool,
     /// Most buffer units in the exact search (default 1024).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub max_units: Option<u32>,
     /// Also compare with the arithmetic sequence for this step (besides the defaults).
-    #[arg(long, value_name = "D")]
+    #[arg(long, value_name = "D", allow_negative_numbers = true)]
     pub step: Option<f64>,
     /// Write a policy file with the optimised thresholds (for `render --policy`).
     #[arg(long, value_name = "FILE")]
@@ -143,7 +146,8 @@ pub struct ThresholdArgs {
 pub struct ValidateArgs {
     /// The policy file.
     pub file: PathBuf,
-    /// Also check it renders for this target (port names, units).
+    /// Also check it renders for this target (port names, units). Without it the port
+    /// names are still checked: all of them must be legal for at least one target.
     #[arg(long, value_name = "TARGET")]
     pub target: Option<Target>,
 }
@@ -259,19 +263,26 @@ pub fn build_policy(a: &PolicyArgs, target: Option<Target>) -> Result<Policy, Cl
                 (None, None, t) => t.clone(),
                 (Some(b), Some(d), _) => ThresholdSpec::Arithmetic { base: b, step: d },
                 (Some(b), None, ThresholdSpec::Arithmetic { step, .. }) => {
-                    ThresholdSpec::Arithmetic { base: b, step: *step }
+                    ThresholdSpec::Arithmetic {
+                        base: b,
+                        step: *step,
+                    }
                 }
                 (None, Some(d), ThresholdSpec::Arithmetic { base, .. }) => {
-                    ThresholdSpec::Arithmetic { base: *base, step: d }
+                    ThresholdSpec::Arithmetic {
+                        base: *base,
+                        step: d,
+                    }
                 }
-                (_, _, ThresholdSpec::Explicit(_)) => {
+                (b, _, ThresholdSpec::Explicit(_)) => {
+                    // Name the flag that was given alone, not the one that is missing.
                     return Err(CliError::Flag {
-                        flag: "base-threshold",
+                        flag: if b.is_some() { "base-threshold" } else { "step" },
                         message: format!(
                             "{} has explicit thresholds; give both --base-threshold and --step to replace them",
                             f.display()
                         ),
-                    })
+                    });
                 }
             };
             p
@@ -334,37 +345,114 @@ fn read_json(path: &Path) -> Result<serde_json::Value, CliError> {
     })
 }
 
-/// Run the command line `args` (program name first), writing results to `out`.
+/// Run the command line `args` (program name first), writing results to `out`. Warnings
+/// (see [`run_with_warnings`]) are dropped.
 pub fn run<I, T>(args: I, out: &mut dyn Write) -> Result<(), CliError>
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
+    run_with_warnings(args, out, &mut std::io::sink())
+}
+
+/// Run the command line `args` (program name first), writing results to `out` and
+/// warnings for the operator (things the output cannot change or cannot see, e.g. SONiC's
+/// lossless buffer settings) to `warn`. The binary passes stdout and stderr.
+pub fn run_with_warnings<I, T>(
+    args: I,
+    out: &mut dyn Write,
+    warn: &mut dyn Write,
+) -> Result<(), CliError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
     let cli = Cli::try_parse_from(args)?;
+    let mut warnings = Vec::new();
     let text = match cli.command {
-        Command::Render(a) => render_cmd(&a)?,
+        Command::Render(a) => render_cmd(&a, &mut warnings)?,
         Command::Thresholds(a) => thresholds_cmd(&a)?,
         Command::Validate(a) => validate_cmd(&a)?,
         Command::Diff(a) => diff_cmd(&a)?,
         Command::GenHwConfigs(a) => gen_cmd(&a)?,
     };
-    out.write_all(text.as_bytes()).map_err(CliError::Output)
+    out.write_all(text.as_bytes()).map_err(CliError::Output)?;
+    for w in &warnings {
+        let prefix = if w.starts_with("WARNING") {
+            "gradwire-ctl: "
+        } else {
+            ""
+        };
+        writeln!(warn, "{prefix}{w}").map_err(CliError::Output)?;
+    }
+    Ok(())
 }
 
-fn render_cmd(a: &RenderArgs) -> Result<String, CliError> {
-    let p = build_policy(&a.policy, Some(a.target))?;
-    match (&a.current, a.target) {
-        (None, t) => Ok(render::render(&p, t)?),
-        (Some(c), Target::SonicPatch) => {
-            render::check(&p, Target::SonicPatch)?;
-            let cur = read_json(c)?;
-            Ok(sonic::render_patch(&p, Some(&cur)).map_err(|e| with_file(e, c))?)
+/// The flag a policy error is about, when that value came from a flag (not the file).
+fn flag_of(a: &PolicyArgs, e: &PolicyError) -> Option<&'static str> {
+    let given = |v: bool, flag: &'static str| v.then_some(flag);
+    match e {
+        PolicyError::ZeroBase => given(a.base_threshold.is_some(), "base-threshold"),
+        PolicyError::BadStep { .. } | PolicyError::StepTooSmall { .. } => {
+            given(a.step.is_some(), "step")
         }
-        (Some(_), t) => Err(CliError::Flag {
-            flag: "current",
-            message: format!("only for --target sonic-patch (not {t}); see `gradwire-ctl diff`"),
-        }),
+        PolicyError::ThresholdOverflow { .. } => given(a.step.is_some(), "step")
+            .or_else(|| given(a.base_threshold.is_some(), "base-threshold")),
+        PolicyError::ZeroBuffer | PolicyError::BufferTooLarge { .. } => {
+            given(a.buffer.is_some(), "buffer")
+        }
+        PolicyError::BadName { .. } => given(a.name.is_some(), "name"),
+        PolicyError::DuplicatePort { .. } => given(a.ports.is_some(), "ports"),
+        _ => None,
     }
+}
+
+/// A render error, with policy errors about a flag's value reported against the flag
+/// (`--step: ...`) rather than the policy-file field (`field `thresholds.step`: ...`).
+fn flag_error(a: &PolicyArgs, e: RenderError) -> CliError {
+    match e {
+        RenderError::Policy(pe) => match flag_of(a, &pe) {
+            Some(flag) => {
+                let m = pe.to_string();
+                let message = m
+                    .strip_prefix("field `")
+                    .and_then(|r| r.split_once("`: "))
+                    .map_or(m.clone(), |(_, rest)| rest.to_string());
+                CliError::Flag { flag, message }
+            }
+            None => CliError::Render(RenderError::Policy(pe)),
+        },
+        e => CliError::Render(e),
+    }
+}
+
+fn render_cmd(a: &RenderArgs, warnings: &mut Vec<String>) -> Result<String, CliError> {
+    let p = build_policy(&a.policy, Some(a.target))?;
+    let fe = |e| flag_error(&a.policy, e);
+    let text = match (&a.current, a.target) {
+        (None, t) => render::render(&p, t).map_err(fe)?,
+        (Some(c), Target::SonicPatch) => {
+            render::check(&p, Target::SonicPatch).map_err(fe)?;
+            let cur = read_json(c)?;
+            let text = sonic::render_patch(&p, Some(&cur)).map_err(|e| with_file(e, c))?;
+            warnings.extend(sonic::warnings(&p, Some(&cur), false));
+            return Ok(text);
+        }
+        (Some(_), t) => {
+            return Err(CliError::Flag {
+                flag: "current",
+                message: format!(
+                    "only for --target sonic-patch (not {t}); see `gradwire-ctl diff`"
+                ),
+            })
+        }
+    };
+    match a.target {
+        Target::Sonic => warnings.extend(sonic::warnings(&p, None, true)),
+        Target::SonicPatch => warnings.extend(sonic::warnings(&p, None, false)),
+        _ => {}
+    }
+    Ok(text)
 }
 
 fn with_file(e: RenderError, path: &Path) -> RenderError {
@@ -376,6 +464,17 @@ fn with_file(e: RenderError, path: &Path) -> RenderError {
 
 fn validate_cmd(a: &ValidateArgs) -> Result<String, CliError> {
     let p = crate::policy_file::load_valid_policy(&a.file)?;
+    // Without --target, port names must still be legal for at least one target (all of
+    // them for the same one); with it, for that target.
+    let fits = render::targets_for_ports(&p.ports);
+    if a.target.is_none() && fits.is_empty() {
+        return Err(FileError::Field {
+            path: a.file.clone(),
+            field: "ports".into(),
+            message: render::no_target_message(&p.ports),
+        }
+        .into());
+    }
     if let Some(t) = a.target {
         render::render(&p, t)?;
     }
@@ -394,21 +493,36 @@ fn validate_cmd(a: &ValidateArgs) -> Result<String, CliError> {
         p.ports.len(),
         p.asic.map_or("-", |x| x.name())
     );
-    if let Some(t) = a.target {
-        let _ = writeln!(s, "  renders for {t}");
+    match a.target {
+        Some(t) => {
+            let _ = writeln!(s, "  renders for {t}");
+        }
+        None if !p.ports.is_empty() => {
+            let names: Vec<&str> = fits.iter().map(|t| t.name()).collect();
+            let _ = writeln!(
+                s,
+                "  port names legal for: {} (give --target to check one target fully)",
+                names.join(", ")
+            );
+        }
+        None => {}
     }
     Ok(s)
 }
 
 fn diff_cmd(a: &DiffArgs) -> Result<String, CliError> {
     let p = build_policy(&a.policy, Some(a.target))?;
-    render::check(&p, a.target)?;
+    render::check(&p, a.target).map_err(|e| flag_error(&a.policy, e))?;
     match a.target {
         Target::Sonic | Target::SonicPatch => {
             let cur = read_json(&a.current)?;
             let objs = sonic::objects(&p)?;
             let plan = sonic::plan(&objs, &cur).map_err(|e| with_file(e, &a.current))?;
-            Ok(sonic::render_changes(&plan))
+            let mut s = sonic::render_changes(&plan);
+            for w in sonic::warnings(&p, Some(&cur), false) {
+                let _ = writeln!(s, "# {w}");
+            }
+            Ok(s)
         }
         Target::Onyx | Target::Nvue => {
             let current = read(&a.current)?;

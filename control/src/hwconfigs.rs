@@ -38,6 +38,12 @@ pub struct HwConfig {
 
 const SN2100_SONIC_ARGS: [&str; 2] = ["--ports", "Ethernet0..60:4"];
 
+/// Base threshold for ports at 100G and at 25G, with d = 0.5 for both: thresholds T to 4T.
+/// The reference's DCTCP rule of thumb is about 3 KB per Gbit/s (~300 KB at 100G, ~75 KB
+/// at 25G); 64 KiB..256 KiB and 16 KiB..64 KiB stay below it and keep the 4:1 ratio.
+const BASE_100G: &str = "64KiB";
+const BASE_25G: &str = "16KiB";
+
 /// Every configuration.
 pub const HW_CONFIGS: &[HwConfig] = &[
     HwConfig {
@@ -47,7 +53,9 @@ pub const HW_CONFIGS: &[HwConfig] = &[
 `Ethernet4`, ..., `Ethernet60` (change `--ports` if yours differ). Thresholds T = 64 KiB, \
 d = 0.5: queue 6 (front layers) 64 KiB up to queue 0 (back layers) 256 KiB, each rounded up \
 to whole cells, in a 512 KiB per-port buffer. Queue 7 carries control (DSCP 48) with no \
-early drop; every queue is strict priority.",
+early drop; every queue is strict priority; PFC is off on every queue (the patch removes \
+`pfc_enable`, which a default Mellanox SONiC config sets to `3,4`). `qos-patch-25g.json` is \
+the same policy for ports running at 25G: T = 16 KiB, d = 0.5 (16 to 64 KiB).",
         files: &[
             HwFile {
                 name: "qos-config_db.json",
@@ -55,7 +63,7 @@ early drop; every queue is strict priority.",
                     "--target",
                     "sonic",
                     "--base-threshold",
-                    "64KiB",
+                    BASE_100G,
                     "--step",
                     "0.5",
                     "--asic",
@@ -70,7 +78,22 @@ early drop; every queue is strict priority.",
                     "--target",
                     "sonic-patch",
                     "--base-threshold",
-                    "64KiB",
+                    BASE_100G,
+                    "--step",
+                    "0.5",
+                    "--asic",
+                    "spectrum1",
+                    SN2100_SONIC_ARGS[0],
+                    SN2100_SONIC_ARGS[1],
+                ],
+            },
+            HwFile {
+                name: "qos-patch-25g.json",
+                args: &[
+                    "--target",
+                    "sonic-patch",
+                    "--base-threshold",
+                    BASE_25G,
                     "--step",
                     "0.5",
                     "--asic",
@@ -88,10 +111,19 @@ By hand: copy `qos-patch.json` to the switch and run `sudo config apply-patch qo
 This patch assumes the QoS tables and each port's `PORT_QOS_MAP` entry exist (they do after \
 SONiC's default QoS config); otherwise render an exact one with \
 `gradwire-ctl render --target sonic-patch --current running.json ...` where `running.json` \
-comes from `sonic-cfggen -d --print-data`. `qos-config_db.json` is the same content as a \
-config_db fragment (for `config load`, which merges without validation and does not remove \
-a WRED profile already on queue 7). Do not run `config qos reload` afterwards: it \
-regenerates QoS from the platform templates and overwrites this.",
+comes from `sonic-cfggen -d --print-data` (the exact patch also removes `QUEUE|EthernetN|a-b` \
+range entries such as `Ethernet0|3-4`, which this blind patch cannot see). \
+`qos-config_db.json` is the same content as a config_db fragment (for `config load`, which \
+merges without validation and removes nothing: neither a WRED profile already on queue 7 \
+nor `pfc_enable`). Do not run `config qos reload` afterwards: it regenerates QoS from the \
+platform templates and overwrites this.\n\n\
+Lossless buffers: gradwire does not change `tc_to_pg_map`, `BUFFER_PG` or `BUFFER_QUEUE` \
+(not in the reference it renders against). A default Mellanox SONiC config has lossless \
+entries for priority groups and queues 3-4; `gradwire-ctl diff` and the dry run list the \
+ones it finds. Move them to lossy profiles with your SONiC version's buffer tools.\n\n\
+Persistence: `config apply-patch` changes the running CONFIG_DB only. The reference lists no \
+command that saves it for the next boot, so `switch-apply.sh --save` refuses; save by hand \
+with your SONiC version's documented command.",
     },
     HwConfig {
         dir: "sn2100-onyx",
@@ -100,26 +132,45 @@ regenerates QoS from the platform templates and overwrites this.",
 policy as the SONiC config: T = 64 KiB, d = 0.5, thresholds in whole KB (1024 B). Read the \
 comments at the top of `qos.onyx` first: no documented Onyx command changes the DSCP -> \
 priority map, and Onyx's default map sends DSCP 48 (control) to priority 6, not 7. Check \
-and fix the map on the switch by hand before relying on this config.",
-        files: &[HwFile {
-            name: "qos.onyx",
-            args: &[
-                "--target",
-                "onyx",
-                "--base-threshold",
-                "64KiB",
-                "--step",
-                "0.5",
-                "--asic",
-                "spectrum1",
-                "--ports",
-                "1/1..16",
-            ],
-        }],
+and fix the map on the switch by hand before relying on this config. `qos-25g.onyx` is the \
+same for ports running at 25G: T = 16 KiB, d = 0.5 (16 to 64 KB).",
+        files: &[
+            HwFile {
+                name: "qos.onyx",
+                args: &[
+                    "--target",
+                    "onyx",
+                    "--base-threshold",
+                    BASE_100G,
+                    "--step",
+                    "0.5",
+                    "--asic",
+                    "spectrum1",
+                    "--ports",
+                    "1/1..16",
+                ],
+            },
+            HwFile {
+                name: "qos-25g.onyx",
+                args: &[
+                    "--target",
+                    "onyx",
+                    "--base-threshold",
+                    BASE_25G,
+                    "--step",
+                    "0.5",
+                    "--asic",
+                    "spectrum1",
+                    "--ports",
+                    "1/1..16",
+                ],
+            },
+        ],
         apply: "`scripts/switch-apply.sh --target onyx --host admin@SWITCH --config \
 hw-configs/sn2100-onyx/qos.onyx` shows what it would send (dry run); `--apply` sends the \
 commands (comments stripped) over ssh in configuration mode. By hand: paste the non-comment \
-lines in `configure terminal`.",
+lines in `configure terminal`. The reference lists no Onyx command that writes the running \
+configuration for the next boot, so `--save` refuses; save by hand.",
     },
     HwConfig {
         dir: "cumulus-spectrum2",
@@ -133,7 +184,7 @@ apply to every port, so there is no port list. All 64 DSCPs are mapped explicitl
                 "--target",
                 "nvue",
                 "--base-threshold",
-                "64KiB",
+                BASE_100G,
                 "--step",
                 "0.5",
                 "--asic",
@@ -142,18 +193,23 @@ apply to every port, so there is no port list. All 64 DSCPs are mapped explicitl
         }],
         apply: "`scripts/switch-apply.sh --target nvue --host cumulus@SWITCH --config \
 hw-configs/cumulus-spectrum2/qos.nvue` (dry run; `--apply` runs it over ssh). By hand: \
-`bash qos.nvue` on the switch; its last line, `nv config apply`, commits. For a Spectrum-1 \
+`bash qos.nvue` on the switch; its last line, `nv config apply`, commits (the reference does \
+not say whether that survives a reboot, and lists no save command). For a Spectrum-1 \
 switch regenerate with `--asic spectrum1`.",
     },
     HwConfig {
         dir: "connectx-25g",
         title: "Hosts with ConnectX NICs at 25G",
         about: "Host side of the policy: trust DSCP, DSCP -> priority, priority -> traffic \
-class, strict priority, no PFC. Two equivalent scripts: `mlnx-qos.sh` (NVIDIA `mlnx_qos`, \
-from MLNX_OFED / mlnx-tools) and `dcb.sh` (iproute2 `dcb`, upstream drivers). The NIC \
-settings do not depend on link speed, so they are the same as for 100G; what differs is \
-the switch side: at 25G use smaller thresholds, e.g. `--base-threshold 16KiB --step 0.5` \
-(16 to 64 KiB, in line with the ~3 KB per Gbit/s, ~75 KB at 25G, DCTCP rule of thumb).",
+class, strict priority, PFC off on every priority. Two equivalent scripts: `mlnx-qos.sh` \
+(NVIDIA `mlnx_qos`, from MLNX_OFED / mlnx-tools) and `dcb.sh` (iproute2 `dcb`, upstream \
+drivers). They are byte-identical to the ones in `connectx-100g` on purpose: hosts do not \
+mark or drop by threshold, so nothing on the NIC depends on link speed.\n\n\
+What differs at 25G is the switch side: use T = 16 KiB, d = 0.5 (16 to 64 KiB, below the \
+~3 KB per Gbit/s, ~75 KB at 25G, DCTCP rule of thumb). Ready-made: \
+`../sn2100-sonic/qos-patch-25g.json` and `../sn2100-onyx/qos-25g.onyx`; for another switch, \
+render with `gradwire-ctl render --target sonic-patch|onyx|nvue --base-threshold 16KiB \
+--step 0.5 --asic ASIC --ports ...`.",
         files: &[
             HwFile {
                 name: "mlnx-qos.sh",
@@ -171,9 +227,14 @@ settings do not survive a reboot or driver reload: run the script from your prov
     HwConfig {
         dir: "connectx-100g",
         title: "Hosts with ConnectX NICs at 100G",
-        about: "Host side of the policy, as for 25G (the NIC settings do not depend on link \
-speed). The matching switch configs in this directory's siblings use T = 64 KiB, d = 0.5 \
-(64 to 256 KiB, below the ~300 KB per-port DCTCP rule of thumb at 100G).",
+        about: "Host side of the policy: trust DSCP, DSCP -> priority, priority -> traffic \
+class, strict priority, PFC off on every priority. The scripts are byte-identical to the \
+ones in `connectx-25g` on purpose (nothing on the NIC depends on link speed).\n\n\
+What differs at 100G is the switch side: T = 64 KiB, d = 0.5 (64 to 256 KiB, below the \
+~300 KB per-port DCTCP rule of thumb at 100G). Ready-made: `../sn2100-sonic/qos-patch.json` \
+(or `qos-config_db.json`), `../sn2100-onyx/qos.onyx` and `../cumulus-spectrum2/qos.nvue`; \
+for another switch, render with `gradwire-ctl render --target sonic-patch|onyx|nvue \
+--base-threshold 64KiB --step 0.5 --asic ASIC --ports ...`.",
         files: &[
             HwFile {
                 name: "mlnx-qos.sh",

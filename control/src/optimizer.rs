@@ -413,7 +413,7 @@ impl Problem {
             let mut best: Option<(usize, f64)> = None;
             for (k, bk) in b.iter().enumerate() {
                 let gain = large(k, *bk) - large(k, bk.saturating_add(1));
-                if gain > 0.0 && best.map_or(true, |(_, g)| gain > g) {
+                if gain > 0.0 && best.is_none_or(|(_, g)| gain > g) {
                     best = Some((k, gain));
                 }
             }
@@ -721,7 +721,7 @@ pub fn best_arithmetic(
             if let Some(sol) = evaluate_thresholds(&s, &th)? {
                 let better = best
                     .as_ref()
-                    .map_or(true, |(_, b)| sol.total_cost < b.total_cost);
+                    .is_none_or(|(_, b)| sol.total_cost < b.total_cost);
                 if better {
                     *best = Some((base, sol));
                 }
@@ -854,7 +854,7 @@ mod tests {
                     .map(|(a, b)| (f64::from(*a), f64::from(*b)))
                     .collect();
                 let c = pr.cost(&a);
-                if best.map_or(true, |b| c < b) {
+                if best.is_none_or(|b| c < b) {
                     *best = Some(c);
                 }
                 return;

@@ -34,6 +34,12 @@ pub enum UnitError {
         /// What was given.
         input: String,
     },
+    /// A number that is not a size: negative, fractional, or not a number at all.
+    #[error("{input} is not a size: give a whole number of bytes >= 0 (e.g. 65536) or a string with a unit (e.g. \"64KiB\", \"64KB\"; K = 1000, Ki = 1024)")]
+    NotWholeBytes {
+        /// What was given, as written.
+        input: String,
+    },
     /// An unknown ASIC name.
     #[error(
         "unknown ASIC {input:?} (known: spectrum1, spectrum2, spectrum3, spectrum4, spectrum5)"
@@ -152,14 +158,21 @@ pub fn parse_size(s: &str) -> Result<Bytes, UnitError> {
         .ok_or_else(|| UnitError::Overflow { input: s.into() })
 }
 
-/// A size as written in a policy or model file: a number of bytes or a string with a unit.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A size as written in a policy file: a number of bytes or a string with a unit.
+///
+/// Deserialising accepts any number or string, so that a wrong one (`base = -5`,
+/// `base = 1.5`) reaches [`SizeValue::bytes`], whose error the policy-file reader reports
+/// with the field's name and the accepted forms. Other types (arrays, tables, booleans) are
+/// refused by the parser with the same list of accepted forms.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
 pub enum SizeValue {
     /// Bytes.
     Bytes(u64),
     /// A string for [`parse_size`].
     Text(String),
+    /// A number that is not a whole number of bytes (negative or fractional), as written.
+    Invalid(String),
 }
 
 impl SizeValue {
@@ -168,7 +181,36 @@ impl SizeValue {
         match self {
             SizeValue::Bytes(b) => Ok(Bytes(*b)),
             SizeValue::Text(t) => parse_size(t),
+            SizeValue::Invalid(v) => Err(UnitError::NotWholeBytes { input: v.clone() }),
         }
+    }
+}
+
+impl<'de> Deserialize<'de> for SizeValue {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = SizeValue;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "a size: a whole number of bytes >= 0 (e.g. 65536) or a string with a unit (e.g. \"64KiB\")",
+                )
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<SizeValue, E> {
+                Ok(SizeValue::Bytes(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<SizeValue, E> {
+                Ok(u64::try_from(v)
+                    .map_or_else(|_| SizeValue::Invalid(v.to_string()), SizeValue::Bytes))
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<SizeValue, E> {
+                Ok(SizeValue::Invalid(format!("{v:?}")))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<SizeValue, E> {
+                Ok(SizeValue::Text(v.to_string()))
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -310,6 +352,26 @@ mod tests {
         assert_eq!(Asic::Spectrum3.cell_size(), Bytes(144));
         assert_eq!(Asic::Spectrum5.cell_size(), Bytes(192));
         assert!("tomahawk".parse::<Asic>().is_err());
+    }
+
+    #[test]
+    fn size_values_deserialise_every_number() {
+        let v = |t: &str| serde_json::from_str::<SizeValue>(t);
+        assert_eq!(v("65536").unwrap(), SizeValue::Bytes(65536));
+        assert_eq!(v("\"64KiB\"").unwrap().bytes(), Ok(Bytes(65536)));
+        assert_eq!(v("-5").unwrap(), SizeValue::Invalid("-5".into()));
+        assert_eq!(v("1.5").unwrap(), SizeValue::Invalid("1.5".into()));
+        let e = v("-5").unwrap().bytes().unwrap_err().to_string();
+        assert!(
+            e.contains("-5 is not a size") && e.contains("\"64KiB\""),
+            "{e}"
+        );
+        let e = v("[1]").unwrap_err().to_string();
+        assert!(e.contains("a whole number of bytes"), "{e}");
+        let e = toml::from_str::<std::collections::BTreeMap<String, SizeValue>>("x = true")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a whole number of bytes"), "{e}");
     }
 
     proptest! {

@@ -102,7 +102,12 @@ fn usage_errors_exit_2_and_bad_values_exit_1() {
         "Ethernet0",
     ]);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("thresholds.base"), "{}", stderr(&o));
+    // a flag's value is reported against the flag, not the policy-file field
+    assert!(
+        stderr(&o).contains("--base-threshold: the base threshold T must be > 0"),
+        "{}",
+        stderr(&o)
+    );
     let o = ctl(&[
         "render",
         "--target",
@@ -176,6 +181,233 @@ fn bad_policy_files_name_file_and_field() {
     let o = ctl(&["validate", "/nonexistent/policy.toml"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("/nonexistent/policy.toml"));
+}
+
+/// Negative values reach gradwire's own validation (clap used to reject them as unknown
+/// flags), and errors about a flag's value name the flag.
+#[test]
+fn negative_numbers_get_clear_flag_errors() {
+    let render = |extra: &[&str]| {
+        let mut a = vec!["render", "--target", "sonic", "--ports", "Ethernet0"];
+        a.extend_from_slice(extra);
+        ctl(&a)
+    };
+    let o = render(&["--base-threshold", "64KiB", "--step", "-0.5"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("--step: the step d must be a finite number >= 0, got -0.5"),
+        "{e}"
+    );
+    assert!(
+        !e.contains("thresholds.step") && !e.contains("unexpected argument"),
+        "{e}"
+    );
+    let o = render(&["--base-threshold", "-5", "--step", "0.5"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("--base-threshold: \"-5\" is not a size"), "{e}");
+    let o = render(&[
+        "--base-threshold",
+        "64KiB",
+        "--step",
+        "0.5",
+        "--buffer",
+        "-1MiB",
+    ]);
+    assert!(stderr(&o).contains("--buffer:"), "{}", stderr(&o));
+    let o = render(&[
+        "--base-threshold",
+        "64KiB",
+        "--step",
+        "0.5",
+        "--buffer",
+        "2GiB",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("--buffer:") && e.contains("1 GiB"), "{e}");
+    let o = ctl(&[
+        "thresholds",
+        "--model",
+        models().join("vgg16.toml").to_str().unwrap(),
+        "--theta",
+        "-0.5",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("theta"), "{}", stderr(&o));
+    let o = ctl(&[
+        "thresholds",
+        "--model",
+        models().join("vgg16.toml").to_str().unwrap(),
+        "--step",
+        "-1",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--step:"), "{}", stderr(&o));
+}
+
+/// With a policy of explicit thresholds, a lone --step is what is wrong, not a missing
+/// --base-threshold.
+#[test]
+fn explicit_policy_with_a_lone_flag_names_that_flag() {
+    let f = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/custom-policy.toml");
+    let f = f.to_str().unwrap();
+    for (flag, value) in [("--step", "1"), ("--base-threshold", "64KiB")] {
+        let o = ctl(&["render", "--target", "sonic", "--policy", f, flag, value]);
+        assert_eq!(o.status.code(), Some(1));
+        let e = stderr(&o);
+        assert!(
+            e.starts_with(&format!("gradwire-ctl: {flag}: ")) && e.contains("explicit thresholds"),
+            "{flag}: {e}"
+        );
+    }
+}
+
+/// A negative or fractional size in a policy file names the field and the accepted forms
+/// (it used to be serde's "did not match any variant of untagged enum SizeValue").
+#[test]
+fn bad_sizes_in_policy_files_name_the_field_and_the_forms() {
+    for (text, field, given) in [
+        (
+            "[thresholds]\nbase = -5\nstep = 0.5\n",
+            "thresholds.base",
+            "-5",
+        ),
+        (
+            "port_buffer = 1.5\n[thresholds]\nbase = 1\nstep = 0.5\n",
+            "port_buffer",
+            "1.5",
+        ),
+        (
+            "[thresholds]\nqueues = [7, 6, 5, 4, 3, 2, -1]\n",
+            "thresholds.queues[6]",
+            "-1",
+        ),
+    ] {
+        let f = tmp("sizes.toml");
+        std::fs::write(&f, text).unwrap();
+        let o = ctl(&["validate", f.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1), "{text}");
+        let e = stderr(&o);
+        assert!(
+            e.contains(&format!("field `{field}`: {given} is not a size")),
+            "{text}: {e}"
+        );
+        assert!(e.contains("65536") && e.contains("64KiB"), "{text}: {e}");
+        assert!(!e.contains("untagged enum"), "{text}: {e}");
+    }
+    let f = tmp("sizes.json");
+    std::fs::write(&f, r#"{"thresholds": {"base": -5, "step": 0.5}}"#).unwrap();
+    let o = ctl(&["validate", f.to_str().unwrap()]);
+    assert!(
+        stderr(&o).contains("field `thresholds.base`: -5 is not a size"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// A threshold too large to round up to cells is an overflow error, not a saturated
+/// 18446744073709551615 B blamed on the buffer; a buffer above 1 GiB is refused.
+#[test]
+fn overflow_and_huge_buffers_are_validation_errors() {
+    let f = tmp("huge.toml");
+    std::fs::write(
+        &f,
+        "asic = \"spectrum1\"\n[thresholds]\nqueues = [\"18446744073709551615\", 6, 5, 4, 3, 2, 1]\n",
+    )
+    .unwrap();
+    let o = ctl(&["validate", f.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains("queue 0") && e.contains("overflow"), "{e}");
+    assert!(!e.contains("exceeds the port buffer"), "{e}");
+    std::fs::write(
+        &f,
+        "port_buffer = \"2GiB\"\n[thresholds]\nbase = \"64KiB\"\nstep = 0.5\n",
+    )
+    .unwrap();
+    let o = ctl(&["validate", f.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("field `port_buffer`") && e.contains("1 GiB"),
+        "{e}"
+    );
+}
+
+/// `validate FILE` without --target still checks port names: all must be legal for at
+/// least one target.
+#[test]
+fn validate_without_target_checks_port_names() {
+    for (ports, needle) in [
+        (r#"["Ethernet0", "1/1"]"#, "mix"),
+        (
+            r#"["a b"]"#,
+            "\"a b\" is not a legal port name for any target",
+        ),
+    ] {
+        let f = tmp("ports.toml");
+        std::fs::write(
+            &f,
+            format!("ports = {ports}\n[thresholds]\nbase = \"64KiB\"\nstep = 0.5\n"),
+        )
+        .unwrap();
+        let o = ctl(&["validate", f.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(1), "{ports}: {}", stdout(&o));
+        let e = stderr(&o);
+        assert!(
+            e.contains("field `ports`") && e.contains(needle),
+            "{ports}: {e}"
+        );
+    }
+    let f = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/custom-policy.toml");
+    let o = ctl(&["validate", f.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("port names legal for: sonic, sonic-patch, mlnx-qos, dcb"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+/// Rendering SONiC warns on stderr (the JSON on stdout stays clean) about what the output
+/// cannot change: PFC / lossless buffers, and for the fragment, pfc_enable itself.
+#[test]
+fn sonic_render_warns_about_pfc_and_buffers() {
+    let base = [
+        "--base-threshold",
+        "64KiB",
+        "--step",
+        "0.5",
+        "--ports",
+        "Ethernet0",
+    ];
+    let mut a = vec!["render", "--target", "sonic"];
+    a.extend_from_slice(&base);
+    let o = ctl(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let _: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let e = stderr(&o);
+    assert!(e.contains("cannot remove PORT_QOS_MAP pfc_enable"), "{e}");
+    assert!(e.contains("BUFFER_PG") && e.contains("BUFFER_QUEUE"), "{e}");
+    let cur = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sonic-running.json");
+    let mut a = vec![
+        "render",
+        "--target",
+        "sonic-patch",
+        "--current",
+        cur.to_str().unwrap(),
+    ];
+    a.extend_from_slice(&base);
+    let o = ctl(&a);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let _: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let e = stderr(&o);
+    assert!(
+        e.contains("BUFFER_PG|Ethernet0|3-4") && e.contains("BUFFER_QUEUE|Ethernet0|3-4"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -109,6 +109,88 @@ fn sonic_patch_against_running_config() {
     check("sonic-diff.txt", &ctl(&args));
 }
 
+fn patch_ops(text: &str) -> Vec<(String, String)> {
+    let ops: Vec<serde_json::Value> = serde_json::from_str(text).unwrap();
+    ops.iter()
+        .map(|o| {
+            (
+                o["op"].as_str().unwrap().to_string(),
+                o["path"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Default Mellanox SONiC keeps `pfc_enable "3,4"`, making data queues 3 and 4 lossless;
+/// gradwire's policy has PFC off on every queue, so the patch must remove it (exact patch)
+/// or leave it absent (blind patch: add then remove).
+#[test]
+fn sonic_patches_turn_pfc_off() {
+    let cur = dir().join("fixtures/sonic-running.json");
+    let mut args = vec!["--ports", "Ethernet0,Ethernet4", "--current"];
+    args.push(cur.to_str().unwrap());
+    let ops = patch_ops(&render(
+        "sonic-patch",
+        &with(&SWITCH, &[])
+            .into_iter()
+            .chain(args)
+            .collect::<Vec<_>>(),
+    ));
+    assert!(
+        ops.contains(&("remove".into(), "/PORT_QOS_MAP/Ethernet0/pfc_enable".into())),
+        "{ops:?}"
+    );
+    // Ethernet4 has no pfc_enable: nothing to remove there
+    assert!(!ops
+        .iter()
+        .any(|(_, p)| p == "/PORT_QOS_MAP/Ethernet4/pfc_enable"));
+    let ops = patch_ops(&render(
+        "sonic-patch",
+        &with(&SWITCH, &["--ports", "Ethernet0,Ethernet4"]),
+    ));
+    for port in ["Ethernet0", "Ethernet4"] {
+        let path = format!("/PORT_QOS_MAP/{port}/pfc_enable");
+        let last = ops.iter().rposition(|(_, p)| *p == path).expect("touched");
+        assert_eq!(ops[last].0, "remove", "{ops:?}");
+    }
+}
+
+/// `QUEUE|Ethernet0|3-4` range entries on the policy's ports are removed before the
+/// per-queue entries are added; other ports' ranges stay.
+#[test]
+fn sonic_patch_removes_queue_ranges() {
+    let cur = dir().join("fixtures/sonic-running-ranges.json");
+    let cur = cur.to_str().unwrap();
+    let text = render(
+        "sonic-patch",
+        &with(&SWITCH, &["--ports", "Ethernet0,Ethernet4", "--current"])
+            .into_iter()
+            .chain([cur])
+            .collect::<Vec<_>>(),
+    );
+    check("sonic-patch-ranges.json", &text);
+    let ops = patch_ops(&text);
+    let pos = |path: &str| ops.iter().position(|(_, p)| p == path);
+    for key in [
+        "Ethernet0|0-2",
+        "Ethernet0|3-4",
+        "Ethernet0|5-6",
+        "Ethernet4|3-4",
+    ] {
+        let i = pos(&format!("/QUEUE/{key}")).unwrap_or_else(|| panic!("{key}: {ops:?}"));
+        assert_eq!(ops[i].0, "remove");
+        let port = key.split('|').next().unwrap();
+        let first_add = pos(&format!("/QUEUE/{port}|0")).unwrap();
+        assert!(i < first_add, "{key} removed before the per-queue entries");
+    }
+    assert!(pos("/QUEUE/Ethernet8|3-4").is_none(), "not a policy port");
+    assert_eq!(
+        ops.iter().filter(|(o, _)| o == "remove").count(),
+        4 + 2,
+        "{ops:?}"
+    );
+}
+
 #[test]
 fn onyx() {
     check(

@@ -24,7 +24,9 @@ fn every_role_the_issue_asks_for_is_there() {
     for f in [
         "sn2100-sonic/qos-config_db.json",
         "sn2100-sonic/qos-patch.json",
+        "sn2100-sonic/qos-patch-25g.json",
         "sn2100-onyx/qos.onyx",
+        "sn2100-onyx/qos-25g.onyx",
         "cumulus-spectrum2/qos.nvue",
         "connectx-25g/mlnx-qos.sh",
         "connectx-25g/dcb.sh",
@@ -126,7 +128,7 @@ fn host_scripts_run_with_fake_tools() {
     let text = std::fs::read_to_string(&log).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines.len(), 3 * 2 + 3, "{text}");
+    assert_eq!(lines.len(), 4 * 2 + 4, "{text}");
     assert_eq!(lines[0], "dcb apptrust set dev eth9 order dscp pcp");
     assert!(
         lines[1].starts_with("dcb app replace dev eth9 dscp-prio 0:0 "),
@@ -139,9 +141,49 @@ fn host_scripts_run_with_fake_tools() {
     assert!(lines[2].ends_with(
         "tc-tsa 0:strict 1:strict 2:strict 3:strict 4:strict 5:strict 6:strict 7:strict"
     ));
-    assert!(lines[3].contains("dev eth10"));
-    assert_eq!(lines[6], "mlnx_qos -i eth9 --trust dscp");
-    assert_eq!(lines[7].matches("--dscp2prio set,").count(), 64);
-    assert!(lines[7].contains("--dscp2prio set,48,7"));
-    assert_eq!(lines[8], "mlnx_qos -i eth9 -p 0,1,2,3,4,5,6,7 -s strict,strict,strict,strict,strict,strict,strict,strict");
+    // PFC explicitly off on every priority (DLCP drops, it does not pause)
+    assert_eq!(
+        lines[3],
+        "dcb pfc set dev eth9 prio-pfc 0:off 1:off 2:off 3:off 4:off 5:off 6:off 7:off"
+    );
+    assert!(lines[4].contains("dev eth10"));
+    assert_eq!(lines[8], "mlnx_qos -i eth9 --trust dscp");
+    assert_eq!(lines[9].matches("--dscp2prio set,").count(), 64);
+    assert!(lines[9].contains("--dscp2prio set,48,7"));
+    assert_eq!(lines[10], "mlnx_qos -i eth9 -p 0,1,2,3,4,5,6,7 -s strict,strict,strict,strict,strict,strict,strict,strict");
+    assert_eq!(lines[11], "mlnx_qos -i eth9 -f 0,0,0,0,0,0,0,0");
+}
+
+/// 25G and 100G each ship switch thresholds for their speed (the host scripts are the
+/// same on purpose), and the host READMEs point at the matching switch files.
+#[test]
+fn each_speed_has_its_switch_config() {
+    let files = generate().unwrap();
+    let q6 = |f: &str| -> u64 {
+        let ops: Vec<serde_json::Value> = serde_json::from_str(&files[f]).unwrap();
+        let wred = ops
+            .iter()
+            .find(|o| o["path"] == "/WRED_PROFILE/GRADWIRE_Q6")
+            .unwrap();
+        wred["value"]["green_min_threshold"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    // Spectrum-1 cells: 16 KiB -> 16416 B, 64 KiB -> 65568 B
+    assert_eq!(q6("sn2100-sonic/qos-patch-25g.json"), 16416);
+    assert_eq!(q6("sn2100-sonic/qos-patch.json"), 65568);
+    assert!(files["sn2100-onyx/qos-25g.onyx"]
+        .contains("interface ethernet 1/1 traffic-class 6 congestion-control both minimum-absolute 16 maximum-absolute 16"));
+    let r25 = &files["connectx-25g/README.md"];
+    let r100 = &files["connectx-100g/README.md"];
+    assert!(
+        r25.contains("qos-patch-25g.json") && r25.contains("qos-25g.onyx") && r25.contains("16KiB"),
+        "{r25}"
+    );
+    assert!(
+        r100.contains("qos-patch.json") && r100.contains("64KiB") && !r100.contains("-25g."),
+        "{r100}"
+    );
 }

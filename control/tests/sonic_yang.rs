@@ -223,13 +223,15 @@ fn patched(p: &Policy) -> Value {
         doc["PORT_QOS_MAP"][port] = serde_json::json!({});
     }
     for op in ops {
-        assert_eq!(op["op"], "add");
         let path: Vec<&str> = op["path"].as_str().unwrap()[1..].split('/').collect();
-        let value = op["value"].clone();
-        match path.as_slice() {
-            [t, k] => doc[*t][*k] = value,
-            [t, k, f] => doc[*t][*k][*f] = value,
-            other => panic!("unexpected path {other:?}"),
+        match (op["op"].as_str().unwrap(), path.as_slice()) {
+            ("add", [t, k]) => doc[*t][*k] = op["value"].clone(),
+            ("add", [t, k, f]) => doc[*t][*k][*f] = op["value"].clone(),
+            // only the add-then-remove of a field that must be absent (pfc_enable)
+            ("remove", [t, k, f]) => {
+                assert!(doc[*t][*k].as_object_mut().unwrap().remove(*f).is_some());
+            }
+            other => panic!("unexpected op {other:?}"),
         }
     }
     doc
@@ -313,7 +315,7 @@ proptest! {
                                       nports in 1usize..5, name in "[A-Za-z0-9][-A-Za-z0-9_]{0,24}") {
         let mut p = policy(base, step);
         p.asic = Asic::ALL.get(ai).copied();
-        p.port_buffer = Bytes(u64::MAX / 2);
+        p.port_buffer = gradwire_control::policy::MAX_PORT_BUFFER;
         p.name = name;
         for (d, tc) in map.iter().enumerate() { p.dscp_to_tc[d] = *tc; }
         p.dscp_to_tc[48] = 7;

@@ -153,6 +153,71 @@ fn sonic_apply_fetches_patches_and_applies_through_ssh() {
         .unwrap()
         .iter()
         .any(|op| op["op"] == "remove" && op["path"] == "/QUEUE/Ethernet0|7/wred_profile"));
+    // PFC off: the fixture's pfc_enable "3,4" goes
+    assert!(patch
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|op| op["op"] == "remove" && op["path"] == "/PORT_QOS_MAP/Ethernet0/pfc_enable"));
+    // the operator is told the change is not persisted, and about lossless buffers
+    assert!(text.contains("running CONFIG_DB only"), "{text}");
+    assert!(text.contains("BUFFER_PG|Ethernet0|3-4"), "{text}");
+}
+
+/// `--apply --current FILE` would patch against a possibly stale file: refused, and
+/// nothing is contacted.
+#[test]
+fn sonic_apply_refuses_a_saved_current_config() {
+    let fake = fake_ssh("sonic-apply-current");
+    let cur = root().join("control/tests/fixtures/sonic-running.json");
+    let mut args = vec![
+        "--target",
+        "sonic",
+        "--host",
+        "admin@sw1",
+        "--apply",
+        "--yes",
+        "--current",
+        cur.to_str().unwrap(),
+    ];
+    args.extend_from_slice(&POLICY);
+    let o = apply_script(&fake, &args);
+    let text = out(&o);
+    assert_eq!(o.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("--current is for dry runs") && text.contains("stale"),
+        "{text}"
+    );
+    assert!(!fake.log.exists(), "refused before contacting anything");
+}
+
+/// No target's persistence command is in the reference: --save says so and does nothing.
+#[test]
+fn save_is_refused_with_the_reason() {
+    let fake = fake_ssh("save");
+    let cfg = root().join("hw-configs/sn2100-onyx/qos.onyx");
+    for (target, extra, needle) in [
+        ("sonic", &POLICY[..], "running CONFIG_DB"),
+        ("onyx", &["--config", cfg.to_str().unwrap()][..], "Onyx"),
+        ("nvue", &POLICY[..5], "nv config apply"),
+    ] {
+        let mut args = vec![
+            "--target", target, "--host", "sw", "--apply", "--yes", "--save",
+        ];
+        args.extend_from_slice(extra);
+        let o = apply_script(&fake, &args);
+        let text = out(&o);
+        assert_eq!(o.status.code(), Some(2), "{target}: {text}");
+        assert!(
+            text.contains("--save: the reference") && text.contains(needle),
+            "{target}: {text}"
+        );
+        assert!(text.contains("nothing was done"), "{target}: {text}");
+    }
+    assert!(
+        !fake.log.exists(),
+        "--save refused before contacting anything"
+    );
 }
 
 #[test]

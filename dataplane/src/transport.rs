@@ -795,6 +795,17 @@ impl<D: Datapath> Sender<D> {
         Ok(Sender { dp, ctrl, cfg })
     }
 
+    /// A sender over an already connected control channel (e.g. one connected with retries
+    /// while the receiver starts up).
+    pub fn with_channel(
+        ctrl: TcpCtrl,
+        dp: D,
+        cfg: TransferConfig,
+    ) -> Result<Sender<D>, TransferError> {
+        cfg.validate()?;
+        Ok(Sender { dp, ctrl, cfg })
+    }
+
     /// Send a tensor, tagging each segment with `prio`.
     pub fn send(
         &mut self,

@@ -7,6 +7,7 @@
 use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
 use std::time::{Duration, Instant};
 
+use gradwire::afxdp::engine::{Engine, EngineConfig};
 use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath};
 use gradwire::control::LossBound;
 use gradwire::datapath::fault::{FaultConfig, FaultInjector};
@@ -27,6 +28,8 @@ const DSCP: u8 = 10;
 enum Kind {
     Afxdp,
     Udp,
+    /// Pinned per-queue workers on queues 0 and 1.
+    Engine,
 }
 
 fn cfg() -> TransferConfig {
@@ -48,6 +51,20 @@ fn datapath(kind: Kind, ip: IpAddr, loss: f64) -> Box<dyn Datapath> {
                 c.fault_drop = vec![(DSCP, loss)];
             }
             Box::new(AfXdpDatapath::open(c).expect("AF_XDP datapath"))
+        }
+        Kind::Engine => {
+            let mut c = AfXdpConfig::new("gw0", local);
+            c.socket.hugepages = false;
+            c.queues = vec![0, 1];
+            if loss > 0.0 {
+                c.fault_drop = vec![(DSCP, loss)];
+            }
+            let cores = if std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2 {
+                vec![0, 1]
+            } else {
+                vec![]
+            };
+            Box::new(Engine::start(EngineConfig { afxdp: c, cores }).expect("AF_XDP engine"))
         }
         Kind::Udp => {
             let dp = UdpDatapath::bind(local, UdpConfig::default()).expect("UDP datapath");
@@ -114,19 +131,8 @@ fn transfer(
     let sender = tb
         .spawn_in(0, move || {
             let dp = datapath(tx, tx_ip, 0.0);
-            let ctrl = SocketAddr::new(rx_ip, CTRL_PORT);
-            let deadline = Instant::now() + Duration::from_secs(10);
-            let mut dp = Some(dp);
-            let mut s = loop {
-                match Sender::connect(ctrl, dp.take().unwrap(), cfg()) {
-                    Ok(s) => break s,
-                    Err(e) => {
-                        assert!(Instant::now() < deadline, "receiver never listened: {e}");
-                        std::thread::sleep(Duration::from_millis(20));
-                        dp = Some(datapath(tx, tx_ip, 0.0));
-                    }
-                }
-            };
+            let ctrl = connect_retry(SocketAddr::new(rx_ip, CTRL_PORT));
+            let mut s = Sender::with_channel(ctrl, dp, cfg()).unwrap();
             let t = pattern(elems, 99);
             let opts = SendOptions {
                 loss_bound: Some(LossBound::from_fraction(bound).unwrap()),
@@ -151,6 +157,20 @@ fn transfer(
         r.delivered_fraction
     );
     (s, r)
+}
+
+/// Connect the control channel, retrying while the receiver starts up.
+fn connect_retry(addr: SocketAddr) -> gradwire::channel::TcpCtrl {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match gradwire::channel::TcpCtrl::connect(addr, Duration::from_secs(1), None) {
+            Ok(c) => return c,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "receiver never listened: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
 }
 
 fn testbed() -> Option<Testbed> {
@@ -391,4 +411,32 @@ fn malformed_and_foreign_packets_are_dropped_counted_and_touch_nothing() {
     assert_eq!(xdp.drop_truncated.packets, 1, "{xdp:?}");
     assert_eq!(xdp.drop_not_allowed.packets, 5, "{xdp:?}");
     assert_eq!(stats.queues[0].rx_malformed, 0);
+}
+
+#[test]
+fn engine_with_pinned_workers_on_two_queues() {
+    if !require_root("afxdp engine") {
+        return;
+    }
+    let tb = Testbed::up(&TestbedConfig {
+        queues: 2,
+        ..TestbedConfig::default()
+    })
+    .expect("testbed");
+    for (loss, bound) in [(0.0, 0.01), (0.05, 0.01), (0.05, 0.0)] {
+        let (s, r) = transfer(&tb, Kind::Engine, Kind::Engine, 64 << 20, loss, bound);
+        if bound == 0.0 {
+            assert_eq!(r.received_segments, r.segments);
+        }
+        assert!(s.stats.packets >= u64::from(r.received_segments));
+        eprintln!(
+            "engine loss {loss} bound {bound}: delivered {:.4} rounds {} fct {:?}",
+            r.delivered_fraction, r.rounds, r.fct
+        );
+    }
+    // Interop with the single-thread datapath and kernel UDP.
+    let (_, r) = transfer(&tb, Kind::Engine, Kind::Udp, 8 << 20, 0.0, 0.0);
+    assert_eq!(r.received_segments, r.segments);
+    let (_, r) = transfer(&tb, Kind::Afxdp, Kind::Engine, 8 << 20, 0.0, 0.0);
+    assert_eq!(r.received_segments, r.segments);
 }

@@ -196,7 +196,7 @@ pub fn port_is_legal(target: Target, port: &str) -> bool {
         Target::Nvue => port.strip_prefix("swp").is_some_and(|rest| {
             let mut it = rest.splitn(2, 's');
             let base = it.next().unwrap_or("");
-            digits(base) && it.next().map_or(true, digits)
+            digits(base) && it.next().is_none_or(digits)
         }),
         Target::MlnxQos | Target::Dcb => {
             !port.is_empty()
@@ -207,6 +207,38 @@ pub fn port_is_legal(target: Target, port: &str) -> bool {
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-')
         }
+    }
+}
+
+/// The targets for which every one of `ports` is a legal name, in [`Target::ALL`] order
+/// (every target when `ports` is empty).
+pub fn targets_for_ports(ports: &[String]) -> Vec<Target> {
+    Target::ALL
+        .into_iter()
+        .filter(|t| ports.iter().all(|p| port_is_legal(*t, p)))
+        .collect()
+}
+
+/// Why no target accepts all of `ports`, for messages: a port no target accepts, or the
+/// fact that the names mix the forms of different targets.
+pub fn no_target_message(ports: &[String]) -> String {
+    let forms: Vec<String> = [Target::Sonic, Target::Onyx, Target::Nvue, Target::Dcb]
+        .into_iter()
+        .map(|t| t.port_form().to_string())
+        .collect();
+    match ports
+        .iter()
+        .find(|p| Target::ALL.into_iter().all(|t| !port_is_legal(t, p)))
+    {
+        Some(p) => format!(
+            "{p:?} is not a legal port name for any target; expected one of: {}",
+            forms.join("; ")
+        ),
+        None => format!(
+            "the port names mix the forms of different targets, so no one target accepts all of them ({}); expected one of: {}",
+            ports.join(","),
+            forms.join("; ")
+        ),
     }
 }
 
@@ -385,6 +417,25 @@ mod tests {
         assert!(!port_is_legal(Dcb, "$(reboot)"));
         assert!(!port_is_legal(Dcb, "sixteen-chars-xx"));
         assert!(!port_is_legal(Dcb, ".."));
+    }
+
+    #[test]
+    fn targets_for_port_lists() {
+        let v = |l: &[&str]| -> Vec<String> { l.iter().map(|s| s.to_string()).collect() };
+        assert_eq!(targets_for_ports(&[]), Target::ALL.to_vec());
+        assert_eq!(
+            targets_for_ports(&v(&["Ethernet0", "Ethernet4"])),
+            [
+                Target::Sonic,
+                Target::SonicPatch,
+                Target::MlnxQos,
+                Target::Dcb
+            ]
+        );
+        assert_eq!(targets_for_ports(&v(&["1/1"])), [Target::Onyx]);
+        assert!(targets_for_ports(&v(&["Ethernet0", "1/1"])).is_empty());
+        assert!(no_target_message(&v(&["Ethernet0", "1/1"])).contains("mix"));
+        assert!(no_target_message(&v(&["a b"])).contains("\"a b\" is not a legal port name"));
     }
 
     #[test]

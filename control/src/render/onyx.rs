@@ -52,7 +52,10 @@ pub(super) fn render(policy: &Policy) -> Result<String, RenderError> {
         applied[q] = match policy.asic {
             Some(a) => bytes
                 .round_up_to_cells(a.cell_size())
-                .unwrap_or(Bytes(u64::MAX)),
+                .ok_or(RenderError::OutOfRange {
+                    target: Target::Onyx,
+                    what: format!("queue {q}: {k} KB overflows when rounded up to cells"),
+                })?,
             None => bytes,
         };
         if applied[q] > policy.port_buffer {
@@ -74,7 +77,14 @@ pub(super) fn render(policy: &Policy) -> Result<String, RenderError> {
         "(scripts/switch-apply.sh strips them).".into(),
         String::new(),
     ];
-    c.extend(summary_lines(policy, &th));
+    // The table shows what Onyx applies: the request rounded up to whole KB, then (with a
+    // known ASIC) to whole cells, the same numbers as the per-queue lines below it.
+    let mut shown = th;
+    for t in shown.iter_mut() {
+        t.effective = applied[usize::from(t.queue)];
+    }
+    c.extend(summary_lines(policy, &shown));
+    c.push("(effective B: rounded up to whole KB first, then to cells, as Onyx applies it)".into());
     c.push(String::new());
     c.push("Onyx thresholds are whole KB (1 KB = 1024 B), rounded up from the request:".into());
     for t in th.iter().rev() {
@@ -173,4 +183,49 @@ pub(super) fn render(policy: &Policy) -> Result<String, RenderError> {
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::policy::{Policy, ThresholdSpec};
+    use crate::units::{Asic, Bytes};
+
+    /// The summary table's "effective B" column and the "applied as" lines agree: both are
+    /// the request rounded up to whole KB, then to whole cells.
+    #[test]
+    fn summary_effective_is_what_onyx_applies() {
+        let mut p = Policy::gradwire(ThresholdSpec::Explicit([
+            Bytes(409600),
+            Bytes(307200),
+            Bytes(204800),
+            Bytes(153600),
+            Bytes(102400),
+            Bytes(50000),
+            Bytes(20000),
+        ]));
+        p.asic = Some(Asic::Spectrum3);
+        p.port_buffer = Bytes(1 << 20);
+        p.ports = vec!["1/1".into()];
+        let text = super::render(&p).unwrap();
+        for q in 0..7u8 {
+            let applied: u64 = text
+                .lines()
+                .find(|l| l.starts_with(&format!("#   traffic class {q}: ")))
+                .and_then(|l| l.rsplit("= ").next())
+                .and_then(|v| v.trim_end_matches(" B").parse().ok())
+                .unwrap();
+            let row: Vec<&str> = text
+                .lines()
+                .find(|l| l.starts_with(&format!("#   {q}    ")))
+                .unwrap()
+                .split_whitespace()
+                .collect();
+            assert_eq!(row[3], applied.to_string(), "queue {q}: {row:?}");
+        }
+        // 20000 B -> 20 KB = 20480 B -> 143 cells of 144 B = 20592 B, not 20016 B.
+        assert!(
+            text.contains("#   6          20000        20592  46"),
+            "{text}"
+        );
+    }
 }

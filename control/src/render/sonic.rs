@@ -10,7 +10,19 @@
 //!   `green_max_threshold` in bytes, `green_drop_probability` `100`;
 //! - `QUEUE|port|q` for queues 0..=7 of every port: the scheduler, and the WRED profile on
 //!   data queues only; the control queue must have none (so no early drop);
-//! - `PORT_QOS_MAP|port`: `dscp_to_tc_map` and `tc_to_queue_map`.
+//! - `PORT_QOS_MAP|port`: `dscp_to_tc_map` and `tc_to_queue_map`, and no `pfc_enable`:
+//!   gradwire's policy has PFC off on every queue (DLCP drops, it does not pause), while a
+//!   default Mellanox SONiC config keeps `pfc_enable` `"3,4"`, which would make data queues 3
+//!   and 4 lossless. The patch removes the field; the `config_db.json` fragment cannot (it is
+//!   merged by `config load`), so rendering it warns.
+//!
+//! Against a running config the patch also removes `QUEUE|port|a-b` range entries on the
+//! policy's ports before adding the per-queue entries, so no range keeps binding an old
+//! scheduler or WRED profile to the same queues.
+//!
+//! The buffer configuration (`BUFFER_PG`, `BUFFER_QUEUE`, and the `tc_to_pg_map` field) is not
+//! in the reference gradwire renders against, so it is left alone; [`warnings`] tells the
+//! operator what to check there.
 //!
 //! Packets are all green (nothing polices them), so yellow and red settings are left alone.
 
@@ -103,6 +115,8 @@ pub fn objects(policy: &Policy) -> Result<Vec<Object>, RenderError> {
             fields: vec![
                 ("dscp_to_tc_map", Some(policy.name.clone())),
                 ("tc_to_queue_map", Some(policy.name.clone())),
+                // PFC off on every queue: the field must be absent (no value means "none").
+                ("pfc_enable", None),
             ],
         });
     }
@@ -202,6 +216,14 @@ pub enum Change {
         /// Current value (JSON text).
         old: String,
     },
+    /// A whole entry must go: a `QUEUE|port|a-b` range on one of the policy's ports,
+    /// replaced by the per-queue entries.
+    RemoveEntry {
+        /// `TABLE|key`.
+        object: String,
+        /// Current entry (JSON text).
+        old: String,
+    },
 }
 
 /// Patch and changes against a running config, plus the number of fields already right.
@@ -266,6 +288,30 @@ pub fn plan(objs: &[Object], current: &Value) -> Result<Plan, RenderError> {
             continue;
         };
         let cur_table = as_object(cur_table, &format!("table {t}"))?;
+        if t == "QUEUE" {
+            // Range keys (`Ethernet0|3-4`) on the policy's ports go first, so that the
+            // per-queue entries added below are the only ones binding those queues.
+            let ports: Vec<&str> = mine
+                .iter()
+                .filter_map(|o| o.key.rsplit_once('|').map(|(p, _)| p))
+                .collect();
+            for (key, old) in cur_table {
+                let Some((port, idx)) = key.rsplit_once('|') else {
+                    continue;
+                };
+                if idx.contains('-') && index_range(idx).is_some() && ports.contains(&port) {
+                    plan.ops.push(PatchOp {
+                        op: "remove",
+                        path: ptr(&[t, key]),
+                        value: None,
+                    });
+                    plan.changes.push(Change::RemoveEntry {
+                        object: format!("{t}|{key}"),
+                        old: old.to_string(),
+                    });
+                }
+            }
+        }
         for o in mine {
             let Some(cur_obj) = cur_table.get(&o.key) else {
                 plan.ops.push(PatchOp {
@@ -330,20 +376,36 @@ pub fn plan(objs: &[Object], current: &Value) -> Result<Plan, RenderError> {
 /// The patch without a running config. It assumes the six tables exist and every port has
 /// a `PORT_QOS_MAP` entry (true after SONiC's default QoS config): gradwire's own objects
 /// and the `QUEUE` entries are added whole (overwriting any earlier ones of the same key),
-/// the two `PORT_QOS_MAP` fields one by one so the port's other QoS fields stay. Give the
-/// running config ([`plan`]) for a patch that is exact on any switch.
+/// the `PORT_QOS_MAP` fields one by one so the port's other QoS fields stay. A field that
+/// must be absent (`pfc_enable`) gets `add` (of an empty value) then `remove`: JSON Patch
+/// `remove` fails on a missing member, and the pair leaves the field absent whether or not
+/// it was there. Range entries (`QUEUE|Ethernet0|3-4`) cannot be seen without the running
+/// config; give it ([`plan`]) for a patch that is exact on any switch.
 pub fn blind_ops(objs: &[Object]) -> Vec<PatchOp> {
     let mut ops = Vec::new();
     for t in TABLES {
         for o in objs.iter().filter(|o| o.table == t) {
             if t == "PORT_QOS_MAP" {
                 for (f, v) in &o.fields {
-                    if let Some(v) = v {
-                        ops.push(PatchOp {
+                    let path = ptr(&[t, &o.key, f]);
+                    match v {
+                        Some(v) => ops.push(PatchOp {
                             op: "add",
-                            path: ptr(&[t, &o.key, f]),
+                            path,
                             value: Some(Json::Str(v.clone())),
-                        });
+                        }),
+                        None => {
+                            ops.push(PatchOp {
+                                op: "add",
+                                path: path.clone(),
+                                value: Some(Json::Str(String::new())),
+                            });
+                            ops.push(PatchOp {
+                                op: "remove",
+                                path,
+                                value: None,
+                            });
+                        }
                     }
                 }
             } else {
@@ -387,12 +449,19 @@ pub fn render_patch(policy: &Policy, current: Option<&Value>) -> Result<String, 
     Ok(ops_json(&ops).pretty())
 }
 
-/// The plan's changes as text, one line per field, after a summary line.
+/// The plan's changes as text, one line per field (or removed range entry), after a
+/// summary line.
 pub fn render_changes(plan: &Plan) -> String {
-    let (mut add, mut rep, mut rem) = (0, 0, 0);
+    let (mut add, mut rep, mut rem, mut entries) = (0, 0, 0, 0);
     let mut body = String::new();
     for c in &plan.changes {
         match c {
+            Change::RemoveEntry { object, old } => {
+                entries += 1;
+                body.push_str(&format!(
+                    "- {object} (whole range entry, replaced by per-queue entries; was {old})\n"
+                ));
+            }
             Change::Add {
                 object,
                 field,
@@ -416,10 +485,152 @@ pub fn render_changes(plan: &Plan) -> String {
             }
         }
     }
+    let ranges = if entries > 0 {
+        format!(", {entries} QUEUE range entries to remove")
+    } else {
+        String::new()
+    };
     format!(
-        "# sonic: {add} fields to add, {rep} to change, {rem} to remove, {} already as wanted\n{body}",
+        "# sonic: {add} fields to add, {rep} to change, {rem} to remove{ranges}, {} already as wanted\n{body}",
         plan.unchanged
     )
+}
+
+/// `a` or `a-b` with a <= b, both queue or priority-group indices 0..=7.
+fn index_range(s: &str) -> Option<(u8, u8)> {
+    let num = |x: &str| {
+        (!x.is_empty() && x.len() <= 2 && x.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| x.parse::<u8>().ok())
+            .flatten()
+            .filter(|v| *v < gradwire_qos::NUM_QUEUES)
+    };
+    match s.split_once('-') {
+        Some((a, b)) => {
+            let (a, b) = (num(a)?, num(b)?);
+            (a <= b).then_some((a, b))
+        }
+        None => num(s).map(|a| (a, a)),
+    }
+}
+
+/// The buffer tables gradwire reads (to warn) but never writes: they are not in the
+/// reference it renders against.
+const BUFFER_TABLES: [&str; 2] = ["BUFFER_PG", "BUFFER_QUEUE"];
+
+/// Warnings for the operator about what the SONiC output does not change: lossless (PFC)
+/// buffer settings, and, without a running config, `pfc_enable` and range keys the output
+/// cannot see. `fragment` is true for the `config_db.json` fragment, which cannot remove
+/// fields. Each string is one line.
+pub fn warnings(policy: &Policy, current: Option<&Value>, fragment: bool) -> Vec<String> {
+    let mut w = Vec::new();
+    let ports = policy.ports.join(",");
+    w.push("WARNING: PFC and lossless buffers.".into());
+    w.push(
+        "  gradwire's policy has PFC off on every queue (DLCP drops, it does not pause).".into(),
+    );
+    if fragment {
+        w.push(
+            "  This config_db fragment cannot remove PORT_QOS_MAP pfc_enable: `config load`".into(),
+        );
+        w.push(
+            "  merges fields, so a pfc_enable already on the switch (a default Mellanox SONiC"
+                .into(),
+        );
+        w.push("  config has \"3,4\") stays and keeps data queues 3 and 4 lossless. Use".into());
+        w.push("  --target sonic-patch (with --current), which removes it.".into());
+    } else {
+        w.push(format!(
+            "  The patch leaves no PORT_QOS_MAP pfc_enable on {ports} (removed where present)."
+        ));
+    }
+    let mut found = Vec::new();
+    if let Some(cur) = current {
+        for port in &policy.ports {
+            let pfc: Vec<u8> = cur
+                .get("PORT_QOS_MAP")
+                .and_then(|t| t.get(port))
+                .and_then(|o| o.get("pfc_enable"))
+                .and_then(Value::as_str)
+                .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+                .unwrap_or_default();
+            for table in BUFFER_TABLES {
+                let Some(entries) = cur.get(table).and_then(Value::as_object) else {
+                    continue;
+                };
+                for (key, entry) in entries {
+                    let Some((p, idx)) = key.rsplit_once('|') else {
+                        continue;
+                    };
+                    let Some((a, b)) = index_range(idx) else {
+                        continue;
+                    };
+                    let lossless_name = entry.to_string().to_ascii_lowercase().contains("lossless");
+                    let had_pfc = pfc.iter().any(|q| (a..=b).contains(q));
+                    if p == port && (lossless_name || had_pfc) {
+                        found.push(format!("    {table}|{key}: {entry}"));
+                    }
+                }
+            }
+        }
+    }
+    w.push("  gradwire does not change tc_to_pg_map or the buffer tables (BUFFER_PG,".into());
+    w.push("  BUFFER_QUEUE): they are not in the reference it renders against.".into());
+    let has_tables = current.is_some_and(|c| BUFFER_TABLES.iter().any(|t| c.get(t).is_some()));
+    match current {
+        Some(_) if !has_tables => {
+            w.push(
+                "  The running config given has neither table, so gradwire cannot list the".into(),
+            );
+            w.push("  entries to check.".into());
+        }
+        Some(_) if found.is_empty() => {
+            w.push(
+                "  The running config has no BUFFER_PG/BUFFER_QUEUE entry on these ports that"
+                    .into(),
+            );
+            w.push("  names a lossless profile or covers a priority with PFC enabled.".into());
+        }
+        Some(_) => {
+            w.push(
+                "  These entries on the policy's ports still look lossless (the profile name"
+                    .into(),
+            );
+            w.push("  says lossless, or they cover a priority that has PFC enabled now):".into());
+            w.extend(found);
+        }
+        None => {
+            w.push(
+                "  Without the running config (--current) gradwire cannot see them; a default"
+                    .into(),
+            );
+            w.push(
+                "  Mellanox SONiC config has lossless BUFFER_PG and BUFFER_QUEUE entries for 3-4."
+                    .into(),
+            );
+        }
+    }
+    w.push(
+        "  Check on the switch that no lossless (PFC) buffer profile is left on the priority"
+            .into(),
+    );
+    w.push(
+        "  groups and queues that carry gradwire data (queues 0-6; 3-4 on a default Mellanox"
+            .into(),
+    );
+    w.push(
+        "  SONiC config), and move them to lossy profiles with your SONiC version's buffer".into(),
+    );
+    w.push("  tools; until then those queues may not drop the way DLCP expects.".into());
+    if current.is_none() && !fragment {
+        w.push(
+            "WARNING: without --current the patch cannot see QUEUE range entries such as".into(),
+        );
+        w.push(
+            "  `QUEUE|Ethernet0|3-4`, which would keep binding the old scheduler and WRED".into(),
+        );
+        w.push("  profile; render with --current (from `sonic-cfggen -d --print-data`) to remove them.".into());
+    }
+    w
 }
 
 #[cfg(test)]
@@ -573,8 +784,17 @@ mod tests {
             doc["DSCP_TO_TC_MAP"]["AZURE"],
             before["DSCP_TO_TC_MAP"]["AZURE"]
         );
-        assert_eq!(doc["PORT_QOS_MAP"]["Ethernet0"]["pfc_enable"], "3,4");
+        // PFC off on every queue: the default "3,4" goes, the port's other fields stay.
+        assert!(p
+            .ops
+            .iter()
+            .any(|o| o.op == "remove" && o.path == "/PORT_QOS_MAP/Ethernet0/pfc_enable"));
+        assert!(doc["PORT_QOS_MAP"]["Ethernet0"].get("pfc_enable").is_none());
         let text = render_changes(&p);
+        assert!(
+            text.contains("- PORT_QOS_MAP|Ethernet0: pfc_enable (was \"3,4\")"),
+            "{text}"
+        );
         assert!(
             text.contains("- QUEUE|Ethernet0|7: wred_profile (was \"AZURE_LOSSLESS\")"),
             "{text}"
@@ -595,7 +815,77 @@ mod tests {
         });
         apply(&mut doc, &blind_ops(&objs));
         contains(&doc, &objs);
-        assert_eq!(doc["PORT_QOS_MAP"]["Ethernet0"]["pfc_enable"], "3");
+        // pfc_enable ends absent whether it was there (Ethernet0) or not (Ethernet4).
+        assert!(doc["PORT_QOS_MAP"]["Ethernet0"].get("pfc_enable").is_none());
+        assert!(doc["PORT_QOS_MAP"]["Ethernet4"].get("pfc_enable").is_none());
+    }
+
+    #[test]
+    fn queue_range_entries_on_policy_ports_are_removed_first() {
+        let objs = objects(&policy()).unwrap();
+        let mut doc = serde_json::json!({
+            "SCHEDULER": {"scheduler.1": {"type": "DWRR", "weight": "15"}},
+            "WRED_PROFILE": {"AZURE_LOSSLESS": {"ecn": "ecn_all"}},
+            "QUEUE": {
+                "Ethernet0|3-4": {"scheduler": "scheduler.1", "wred_profile": "AZURE_LOSSLESS"},
+                "Ethernet0|0-2": {"scheduler": "scheduler.1"},
+                "Ethernet4|5": {"scheduler": "scheduler.1"},
+                "Ethernet8|3-4": {"scheduler": "scheduler.1", "wred_profile": "AZURE_LOSSLESS"}
+            },
+            "PORT_QOS_MAP": {"Ethernet0": {}, "Ethernet4": {}}
+        });
+        let p = plan(&objs, &doc).unwrap();
+        let pos = |path: &str| p.ops.iter().position(|o| o.path == path);
+        let range = pos("/QUEUE/Ethernet0|3-4").expect("range removed");
+        assert_eq!(p.ops[range].op, "remove");
+        assert_eq!(p.ops[pos("/QUEUE/Ethernet0|0-2").unwrap()].op, "remove");
+        assert!(
+            range < pos("/QUEUE/Ethernet0|3").unwrap(),
+            "removed before the adds"
+        );
+        assert!(pos("/QUEUE/Ethernet8|3-4").is_none(), "not a policy port");
+        apply(&mut doc, &p.ops);
+        contains(&doc, &objs);
+        let queue = doc["QUEUE"].as_object().unwrap();
+        assert!(!queue.contains_key("Ethernet0|3-4") && !queue.contains_key("Ethernet0|0-2"));
+        assert!(queue.contains_key("Ethernet8|3-4"));
+        let text = render_changes(&p);
+        assert!(text.contains("2 QUEUE range entries to remove"), "{text}");
+        assert!(
+            text.contains("- QUEUE|Ethernet0|3-4 (whole range entry"),
+            "{text}"
+        );
+        // idempotent
+        assert!(plan(&objs, &doc).unwrap().ops.is_empty());
+    }
+
+    #[test]
+    fn warnings_name_lossless_buffer_entries() {
+        let cur = serde_json::json!({
+            "PORT_QOS_MAP": {"Ethernet0": {"pfc_enable": "3,4"}},
+            "BUFFER_PG": {
+                "Ethernet0|3-4": {"profile": "pg_lossless_100000_5m_profile"},
+                "Ethernet0|0": {"profile": "ingress_lossy_profile"},
+                "Ethernet8|3-4": {"profile": "pg_lossless_100000_5m_profile"}
+            },
+            "BUFFER_QUEUE": {
+                "Ethernet4|3-4": {"profile": "egress_lossless_profile"},
+                "Ethernet0|3-4": {"profile": "NULL"}
+            }
+        });
+        let w = warnings(&policy(), Some(&cur), false).join("\n");
+        assert!(w.contains("BUFFER_PG|Ethernet0|3-4"), "{w}");
+        assert!(w.contains("BUFFER_QUEUE|Ethernet4|3-4"), "{w}");
+        assert!(
+            w.contains("BUFFER_QUEUE|Ethernet0|3-4"),
+            "PFC was on for 3-4: {w}"
+        );
+        assert!(!w.contains("Ethernet0|0:"), "lossy: {w}");
+        assert!(!w.contains("Ethernet8"), "not a policy port: {w}");
+        let w = warnings(&policy(), None, true).join("\n");
+        assert!(w.contains("cannot remove PORT_QOS_MAP pfc_enable"), "{w}");
+        let w = warnings(&policy(), None, false).join("\n");
+        assert!(w.contains("QUEUE range entries"), "{w}");
     }
 
     #[test]

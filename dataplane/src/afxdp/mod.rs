@@ -20,6 +20,7 @@
 //! The layering follows s2n-quic-xdp: [`syscall`] (the raw calls), [`umem`], [`ring`],
 //! [`socket`], and this module on top; only the first three contain `unsafe`.
 
+pub mod engine;
 pub mod neigh;
 pub mod ring;
 pub mod socket;

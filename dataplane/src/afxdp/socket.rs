@@ -158,12 +158,26 @@ impl XskSocket {
         {
             BindMode::ZeroCopy
         } else {
-            syscall::bind(&fd, ifindex, queue, libc::XDP_COPY | wake).map_err(|e| {
-                io::Error::new(
-                    e.kind(),
-                    format!("bind AF_XDP socket to ifindex {ifindex} queue {queue}: {e}"),
-                )
-            })?;
+            // A socket just closed on this queue is released asynchronously by the kernel;
+            // until then bind says EBUSY. Retry briefly rather than fail a quick restart.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            loop {
+                match syscall::bind(&fd, ifindex, queue, libc::XDP_COPY | wake) {
+                    Ok(()) => break,
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EBUSY)
+                            && std::time::Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                    Err(e) => {
+                        return Err(io::Error::new(
+                            e.kind(),
+                            format!("bind AF_XDP socket to ifindex {ifindex} queue {queue}: {e}"),
+                        ))
+                    }
+                }
+            }
             BindMode::Copy
         };
         Ok(XskSocket {

@@ -186,6 +186,10 @@ pub struct Mapping {
 // Concurrent access rules are enforced by the types that hand out views of it.
 unsafe impl Send for Mapping {}
 
+// SAFETY: sharing a Mapping only shares its address; every access to the bytes goes through
+// `umem::SharedUmem`, whose unsafe accessors require the caller to own the frame it touches.
+unsafe impl Sync for Mapping {}
+
 impl Mapping {
     /// Anonymous private mapping, optionally on huge pages.
     pub fn anonymous(len: usize, huge: bool) -> io::Result<Mapping> {

@@ -5,6 +5,7 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use super::syscall::Mapping;
 
@@ -17,7 +18,7 @@ static FALLBACK_SAID: AtomicBool = AtomicBool::new(false);
 /// A frame area registered with an AF_XDP socket.
 #[derive(Debug)]
 pub struct Umem {
-    map: Mapping,
+    map: Arc<Mapping>,
     frame_size: u32,
     frames: u32,
     hugepages: bool,
@@ -44,7 +45,7 @@ impl Umem {
             match Mapping::anonymous(huge_len, true) {
                 Ok(map) => {
                     return Ok(Umem {
-                        map,
+                        map: Arc::new(map),
                         frame_size,
                         frames,
                         hugepages: true,
@@ -61,7 +62,7 @@ impl Umem {
             }
         }
         Ok(Umem {
-            map: Mapping::anonymous(len, false)?,
+            map: Arc::new(Mapping::anonymous(len, false)?),
             frame_size,
             frames,
             hugepages: false,
@@ -125,6 +126,65 @@ impl Umem {
         let start = self.check(addr, len)?;
         // SAFETY: in range (see `check`); `&mut self` makes this the only view from userspace,
         // and the caller writes only frames it owns (not on FILL or TX).
+        Some(unsafe { std::slice::from_raw_parts_mut(self.map.ptr().as_ptr().add(start), len) })
+    }
+}
+
+/// A second handle on a UMEM's memory for another thread.
+///
+/// Frames move between threads by *ownership*: a frame address is held by exactly one party
+/// at a time (the kernel while on FILL or TX, the worker while it processes it, the API thread
+/// while it has been lent a received or free frame through a channel), and only that party
+/// touches the frame's bytes. The accessors are `unsafe` because that discipline is the
+/// caller's to keep; `engine` is the only user.
+#[derive(Debug, Clone)]
+pub struct SharedUmem {
+    map: Arc<Mapping>,
+    frame_size: u32,
+    frames: u32,
+}
+
+impl Umem {
+    /// A handle for another thread (see [`SharedUmem`]).
+    pub fn share(&self) -> SharedUmem {
+        SharedUmem {
+            map: Arc::clone(&self.map),
+            frame_size: self.frame_size,
+            frames: self.frames,
+        }
+    }
+}
+
+impl SharedUmem {
+    fn check(&self, addr: u64, len: usize) -> Option<usize> {
+        let start = usize::try_from(addr).ok()?;
+        let end = start.checked_add(len)?;
+        let frame_end =
+            (addr & !(u64::from(self.frame_size) - 1)) as usize + self.frame_size as usize;
+        (end <= self.frames as usize * self.frame_size as usize && end <= frame_end)
+            .then_some(start)
+    }
+
+    /// The bytes `[addr, addr+len)` within one frame.
+    ///
+    /// # Safety
+    /// The caller must own the frame holding `addr` (nobody writes it for the lifetime of the
+    /// returned slice).
+    pub unsafe fn get(&self, addr: u64, len: usize) -> Option<&[u8]> {
+        let start = self.check(addr, len)?;
+        // SAFETY: in range (checked); the caller guarantees no concurrent writer.
+        Some(unsafe { std::slice::from_raw_parts(self.map.ptr().as_ptr().add(start), len) })
+    }
+
+    /// The bytes `[addr, addr+len)` within one frame, writable.
+    ///
+    /// # Safety
+    /// The caller must own the frame holding `addr` exclusively (nobody else reads or writes
+    /// it for the lifetime of the returned slice).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn get_mut(&self, addr: u64, len: usize) -> Option<&mut [u8]> {
+        let start = self.check(addr, len)?;
+        // SAFETY: in range (checked); the caller guarantees exclusive access to the frame.
         Some(unsafe { std::slice::from_raw_parts_mut(self.map.ptr().as_ptr().add(start), len) })
     }
 }
