@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what gradwire needs on a Debian machine (run as root). Idempotent and quiet when
-# everything is already there. Rust itself comes from rustup (1.80 or newer).
+# everything is already there. Rust itself comes from rustup (1.82 or newer).
 set -euo pipefail
 
 need_pkgs=()
@@ -27,6 +27,6 @@ if ! command -v cargo >/dev/null 2>&1; then
     done
 fi
 if ! command -v cargo >/dev/null 2>&1; then
-    echo "deps: cargo not found: install Rust 1.80 or newer with rustup (https://rustup.rs)" >&2
+    echo "deps: cargo not found: install Rust 1.82 or newer with rustup (https://rustup.rs)" >&2
     exit 1
 fi

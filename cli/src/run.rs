@@ -544,7 +544,8 @@ pub fn recv(a: &RecvArgs) -> Res {
     let data = a
         .data
         .unwrap_or_else(|| SocketAddr::new(a.listen.ip(), a.listen.port().wrapping_add(1)));
-    pin(c, 1)?;
+    // A lone receiver pins to the first of --cores (the demo uses the second).
+    pin(c, 0)?;
     let mut dp = host_datapath(c, data, c.inject_loss, "recv")?;
     let stats_file = crate::stats::StatsFile::new("recv", c.datapath.name());
     let listener =

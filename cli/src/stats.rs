@@ -156,7 +156,11 @@ pub fn print_afxdp(who: &str, st: &AfXdpStats) {
 }
 
 fn alive(pid: i32) -> bool {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+    // EPERM: the process exists but belongs to someone else.
+    !matches!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None),
+        Err(nix::errno::Errno::ESRCH)
+    )
 }
 
 /// Stats of live gradwire processes.

@@ -80,6 +80,9 @@ pub struct TransferConfig {
     pub control_dscp: Option<u8>,
     /// Default loss bounds per stage.
     pub loss_defaults: LossDefaults,
+    /// The receiver gives up after this many retransmission passes in a row that deliver
+    /// nothing new (the control channel works but the data path does not); 0 never.
+    pub max_futile_passes: u32,
 }
 
 impl Default for TransferConfig {
@@ -92,6 +95,7 @@ impl Default for TransferConfig {
             connect_timeout: Duration::from_secs(10),
             control_dscp: Some(DEFAULT_CONTROL_DSCP),
             loss_defaults: LossDefaults::default(),
+            max_futile_passes: crate::proto::receiver::DEFAULT_MAX_FUTILE_PASSES,
         }
     }
 }
@@ -629,6 +633,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
             return Err(TransferError::Protocol { flow, source });
         }
     };
+    flow.set_max_futile_passes(cfg.max_futile_passes);
     let flow_id = flow.id();
     let proto = |source| TransferError::Protocol {
         flow: flow_id,

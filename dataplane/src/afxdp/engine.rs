@@ -514,7 +514,9 @@ impl Datapath for Engine {
     }
 
     fn max_datagram(&self) -> usize {
-        (self.cfg.socket.frame_size as usize - frame::header_len(self.cfg.local.is_ipv6()))
+        // See AfXdpDatapath::max_datagram: room behind the kernel's RX headroom.
+        (self.cfg.socket.frame_size as usize)
+            .saturating_sub(super::RX_HEADROOM + frame::header_len(self.cfg.local.is_ipv6()))
             .min(65_507)
     }
 
@@ -554,9 +556,11 @@ impl Datapath for Engine {
             // completed it and the worker no longer touches it, so the API thread owns it
             // exclusively until it is sent back in a Transmit command.
             let Some(buf) = (unsafe { self.workers[qi].umem.get_mut(addr, fs) }) else {
+                self.workers[qi].pool.push(addr);
                 break;
             };
             let Some(dgram) = buf.get_mut(hdr..hdr + max_dgram) else {
+                self.workers[qi].pool.push(addr);
                 break;
             };
             let Some((len, meta)) = fill(dgram) else {
@@ -591,6 +595,7 @@ impl Datapath for Engine {
             };
             // SAFETY: as above; the frame is still exclusively ours.
             let Some(buf) = (unsafe { self.workers[qi].umem.get_mut(addr, fs) }) else {
+                self.workers[qi].pool.push(addr);
                 break;
             };
             match frame::emit_headers(buf, &fm, len.min(max_dgram)) {

@@ -39,6 +39,10 @@ use crate::wire::Ecn;
 
 pub use socket::{BindMode, BusyPoll, KernelStats, SocketConfig};
 
+/// Bytes the kernel leaves in front of a received packet in its UMEM frame
+/// (`XDP_PACKET_HEADROOM`).
+pub const RX_HEADROOM: usize = 256;
+
 /// How a thread waits for packets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PollMode {
@@ -474,8 +478,10 @@ impl Datapath for AfXdpDatapath {
     }
 
     fn max_datagram(&self) -> usize {
-        let frame_room =
-            self.cfg.socket.frame_size as usize - frame::header_len(self.cfg.local.is_ipv6());
+        // Received frames start XDP_PACKET_HEADROOM (256 B) into their UMEM frame in copy
+        // mode, so a datagram must fit behind that as well as behind our own headers.
+        let frame_room = (self.cfg.socket.frame_size as usize)
+            .saturating_sub(RX_HEADROOM + frame::header_len(self.cfg.local.is_ipv6()));
         frame_room.min(65_507)
     }
 
@@ -511,10 +517,13 @@ impl Datapath for AfXdpDatapath {
                 break;
             };
             let frame_size = self.cfg.socket.frame_size as usize;
-            let Some(buf) = self.queues[qi].sock.umem.get_mut(addr, frame_size) else {
-                break;
-            };
-            let Some(dgram) = buf.get_mut(hdr..hdr + max_dgram) else {
+            let Some(dgram) = self.queues[qi]
+                .sock
+                .umem
+                .get_mut(addr, frame_size)
+                .and_then(|buf| buf.get_mut(hdr..hdr + max_dgram))
+            else {
+                self.queues[qi].free_tx.push(addr);
                 break;
             };
             let Some((len, meta)) = fill(dgram) else {
@@ -544,6 +553,7 @@ impl Datapath for AfXdpDatapath {
             };
             let q = &mut self.queues[qi];
             let Some(buf) = q.sock.umem.get_mut(addr, frame_size) else {
+                q.free_tx.push(addr);
                 break;
             };
             match frame::emit_headers(buf, &fm, len.min(max_dgram)) {

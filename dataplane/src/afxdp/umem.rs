@@ -113,7 +113,7 @@ impl Umem {
     }
 
     /// The bytes `[addr, addr+len)`, if they lie within one frame.
-    pub fn get(&self, addr: u64, len: usize) -> Option<&[u8]> {
+    pub(crate) fn get(&self, addr: u64, len: usize) -> Option<&[u8]> {
         let start = self.check(addr, len)?;
         // SAFETY: `check` proved the range lies inside the mapping. The kernel writes a frame
         // only while it owns it (on the FILL ring until it appears on RX); the caller reads
@@ -122,7 +122,7 @@ impl Umem {
     }
 
     /// The bytes `[addr, addr+len)` mutably, if they lie within one frame.
-    pub fn get_mut(&mut self, addr: u64, len: usize) -> Option<&mut [u8]> {
+    pub(crate) fn get_mut(&mut self, addr: u64, len: usize) -> Option<&mut [u8]> {
         let start = self.check(addr, len)?;
         // SAFETY: in range (see `check`); `&mut self` makes this the only view from userspace,
         // and the caller writes only frames it owns (not on FILL or TX).

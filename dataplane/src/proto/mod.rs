@@ -111,6 +111,17 @@ pub enum ProtoError {
         /// The active flow.
         expected: FlowId,
     },
+    /// Retransmission passes keep delivering nothing: the data path is broken while the
+    /// control channel works (e.g. an MTU the data path cannot carry, a firewall).
+    #[error("{passes} passes in a row delivered no new segment ({received} of {total} received): the data path is not delivering")]
+    NoDataProgress {
+        /// Consecutive futile passes.
+        passes: u32,
+        /// Segments received.
+        received: u32,
+        /// Segments in the tensor.
+        total: u32,
+    },
     /// A retransmission request for segments that do not exist.
     #[error("retransmission request for segments {start}..{end} of a {count}-segment tensor")]
     BadRanges {

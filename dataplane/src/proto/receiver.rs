@@ -138,7 +138,15 @@ pub struct ReceiverFlow {
     finish_pending: bool,
     meter: RateMeter,
     stats: ReceiverStats,
+    /// Segments placed when the previous FlowStop arrived, and how many passes in a row
+    /// delivered nothing new.
+    placed_at_stop: u64,
+    futile_passes: u32,
+    max_futile_passes: u32,
 }
+
+/// Default for [`ReceiverFlow::set_max_futile_passes`].
+pub const DEFAULT_MAX_FUTILE_PASSES: u32 = 8;
 
 impl ReceiverFlow {
     /// Validate a FlowStart against what is registered. On success returns the flow and the
@@ -231,6 +239,9 @@ impl ReceiverFlow {
                 start_ns: now_ns,
                 ..ReceiverStats::default()
             },
+            placed_at_stop: 0,
+            futile_passes: 0,
+            max_futile_passes: DEFAULT_MAX_FUTILE_PASSES,
         };
         let accept = CtrlMsg::FlowAccept {
             job_id: id.job,
@@ -241,6 +252,12 @@ impl ReceiverFlow {
         let mut flow = flow;
         flow.check_bound(now_ns);
         Ok((flow, accept))
+    }
+
+    /// Give up (with [`ProtoError::NoDataProgress`]) after this many passes in a row that
+    /// deliver no new segment; 0 never gives up.
+    pub fn set_max_futile_passes(&mut self, n: u32) {
+        self.max_futile_passes = n;
     }
 
     /// The flow.
@@ -364,6 +381,19 @@ impl ReceiverFlow {
                 // FlowFinish is already on its way; the sender will confirm.
                 ReceiverPhase::FinishSent | ReceiverPhase::Done => Ok(None),
                 ReceiverPhase::Receiving => {
+                    if self.stats.placed == self.placed_at_stop {
+                        self.futile_passes += 1;
+                    } else {
+                        self.futile_passes = 0;
+                    }
+                    self.placed_at_stop = self.stats.placed;
+                    if self.max_futile_passes > 0 && self.futile_passes >= self.max_futile_passes {
+                        return Err(ProtoError::NoDataProgress {
+                            passes: self.futile_passes,
+                            received: self.bitmap.count_ones(),
+                            total: self.layout.count(),
+                        });
+                    }
                     let ranges = self.bitmap.missing_ranges(MAX_RANGES);
                     self.stats.retransmit_requests += 1;
                     self.stats.segments_requested +=

@@ -702,3 +702,53 @@ fn empty_tensor_finishes_at_once() {
     );
     assert!(s.next_segment().is_none());
 }
+
+#[test]
+fn a_data_path_that_delivers_nothing_ends_in_an_error() {
+    let mut q = Pair::new(3600, 0.0);
+    q.r.set_max_futile_passes(2);
+    // First FlowStop: nothing arrived yet, one futile pass, ask again.
+    assert!(q
+        .r
+        .on_ctrl(
+            CtrlMsg::FlowStop {
+                pass: 0,
+                segments_sent: 10
+            },
+            0
+        )
+        .unwrap()
+        .is_some());
+    // Second one with still nothing new: give up, naming the counts.
+    assert_eq!(
+        q.r.on_ctrl(
+            CtrlMsg::FlowStop {
+                pass: 1,
+                segments_sent: 10
+            },
+            0
+        ),
+        Err(ProtoError::NoDataProgress {
+            passes: 2,
+            received: 0,
+            total: 10
+        })
+    );
+    // Progress in between resets the count.
+    let mut p = Pair::new(3600, 0.0);
+    p.r.set_max_futile_passes(2);
+    let msgs = p.pass(|i| i != 3);
+    let Some(req) = msgs
+        .into_iter()
+        .find(|m| matches!(m, CtrlMsg::RetransmitRequest { .. }))
+    else {
+        panic!()
+    };
+    p.s.on_ctrl(req, p.now).unwrap();
+    let msgs = p.pass(|_| true);
+    assert!(
+        msgs.iter()
+            .any(|m| matches!(m, CtrlMsg::RetransmitRequest { .. })),
+        "one futile pass is tolerated"
+    );
+}

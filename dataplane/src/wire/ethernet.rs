@@ -27,6 +27,9 @@ pub mod ethertype {
     pub const IPV6: u16 = 0x86dd;
     /// IEEE 802.1Q VLAN tag (TPID).
     pub const VLAN: u16 = 0x8100;
+    /// IEEE 802.1ad service tag (TPID); parsed like an 802.1Q tag (the XDP classifier accepts
+    /// both, so the user-space parser must too).
+    pub const QINQ: u16 = 0x88A8;
 }
 
 /// Field offsets.
@@ -73,7 +76,7 @@ impl<T: AsRef<[u8]>> Packet<T> {
     /// Checks that the buffer holds the whole header (including the VLAN tag if present).
     pub fn check_len(&self) -> Result<()> {
         let len = self.buffer.as_ref().len();
-        if len < HEADER_LEN || (self.ethertype() == ethertype::VLAN && len < VLAN_HEADER_LEN) {
+        if len < HEADER_LEN || (self.is_tagged() && len < VLAN_HEADER_LEN) {
             return Err(Error::Truncated);
         }
         Ok(())
@@ -113,7 +116,7 @@ impl<T: AsRef<[u8]>> Packet<T> {
 
     /// Whether the frame carries an 802.1Q tag.
     pub fn is_tagged(&self) -> bool {
-        self.ethertype() == ethertype::VLAN
+        matches!(self.ethertype(), ethertype::VLAN | ethertype::QINQ)
     }
 
     /// The 802.1Q tag control information, if tagged.
@@ -304,7 +307,7 @@ mod tests {
     proptest! {
         #[test]
         fn repr_round_trip(src in any::<[u8; 6]>(), dst in any::<[u8; 6]>(),
-                           et in any::<u16>().prop_filter("not a tag", |e| *e != ethertype::VLAN),
+                           et in any::<u16>().prop_filter("not a tag", |e| *e != ethertype::VLAN && *e != ethertype::QINQ),
                            vlan in proptest::option::of(0u16..=MAX_VID),
                            payload in proptest::collection::vec(any::<u8>(), 0..64)) {
             let r = Repr { src_addr: src, dst_addr: dst, ethertype: et, vlan };
