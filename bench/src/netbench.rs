@@ -62,6 +62,11 @@ pub struct BenchArgs {
     /// Busy-poll instead of wake-on-demand (needs a core per thread).
     #[arg(long)]
     pub busy_poll: bool,
+    /// XDP attach mode for the AF_XDP runs: auto, native or generic. Generic by default:
+    /// on veth, native XDP copies every skb-borne packet into a page-pool page first
+    /// (`skb_pp_cow_data`), which measured slower than generic mode (docs/benchmarks.md).
+    #[arg(long, default_value = "generic")]
+    pub xdp_mode: gradwire_ebpf::AttachMode,
     /// AF_XDP through the engine: one pinned worker per queue (`--cores` are the workers').
     #[arg(long)]
     pub engine: bool,
@@ -77,6 +82,9 @@ pub struct BenchArgs {
     /// Phases to run.
     #[arg(long, value_delimiter = ',', default_value = "tx,rx,transfer")]
     pub phases: Vec<String>,
+    /// Datapaths to run (both by default; one alone is useful under a profiler).
+    #[arg(long, value_delimiter = ',', default_value = "afxdp,udp")]
+    pub datapaths: Vec<String>,
     /// One JSON object: {"afxdp": {...}, "udp": {...}, "ratio_pps": {...}, ...}.
     #[arg(long)]
     pub json: bool,
@@ -188,6 +196,7 @@ fn afxdp_config(a: &BenchArgs, ip: IpAddr) -> AfXdpConfig {
     let mut c = AfXdpConfig::new("gw0", SocketAddr::new(ip, DATA_PORT));
     c.queues = (0..a.queues).collect();
     c.batch = a.batch;
+    c.xdp_mode = a.xdp_mode;
     c.socket.frame_size = a.frame_size;
     if a.busy_poll {
         c.poll = PollMode::BusyPoll;
@@ -516,7 +525,15 @@ pub fn run(a: &BenchArgs) -> Res {
         ..TestbedConfig::default()
     })?;
     let mut res = [DatapathResult::default(), DatapathResult::default()];
+    for d in &a.datapaths {
+        if !["afxdp", "udp"].contains(&d.as_str()) {
+            return Err(format!("unknown datapath {d:?} (afxdp, udp)").into());
+        }
+    }
     for (i, kind) in [Kind::Afxdp, Kind::Udp].into_iter().enumerate() {
+        if !a.datapaths.iter().any(|d| d == kind.name()) {
+            continue;
+        }
         for p in &a.phases {
             if !a.json {
                 eprintln!("gradwire bench: {} {} ...", kind.name(), p);
@@ -548,8 +565,8 @@ pub fn run(a: &BenchArgs) -> Res {
             "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
             "link": "veth pair between two network namespaces",
             "seconds": a.seconds, "payload": a.payload, "batch": a.batch, "queues": a.queues,
-            "busy_poll": a.busy_poll, "engine": a.engine, "frame_size": a.frame_size, "cores": a.cores,
-            "transfer_size": a.size, "transfer_count": a.count,
+            "busy_poll": a.busy_poll, "engine": a.engine, "xdp_mode": a.xdp_mode, "frame_size": a.frame_size, "cores": a.cores,
+            "transfer_size": a.size, "transfer_count": a.count, "datapaths": a.datapaths,
         }),
         afxdp: x,
         udp: u,

@@ -371,6 +371,13 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
     if !gradwire::testbed::is_root() {
         return Err("gradwire demo --datapath afxdp needs root (it creates network namespaces and attaches XDP programs); run it with sudo, or use --datapath udp".into());
     }
+    // The demo's links are veth, where native XDP first copies every skb-borne packet into a
+    // page-pool page; generic mode measured faster there (docs/benchmarks.md).
+    let mut c = c.clone();
+    if c.afxdp.xdp_mode == gradwire_ebpf::AttachMode::Auto {
+        c.afxdp.xdp_mode = gradwire_ebpf::AttachMode::Generic;
+    }
+    let c = &c;
     let queues = c.afxdp.queues.iter().max().map_or(1, |q| q + 1);
     let tb = Testbed::up(&TestbedConfig {
         queues,

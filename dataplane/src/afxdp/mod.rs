@@ -93,7 +93,7 @@ impl AfXdpConfig {
             local,
             socket: SocketConfig::default(),
             batch: 64,
-            poll: PollMode::WakeOnDemand { spin: 64 },
+            poll: PollMode::WakeOnDemand { spin: 4 },
             xdp_mode: AttachMode::Auto,
             neighbors: Vec::new(),
             allowlist: None,
