@@ -28,7 +28,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, RecvTimeoutError, Sender, TryRecvError};
-use gradwire_ebpf::{XdpConfig, XdpProgram};
+use gradwire_ebpf::XdpProgram;
 use nix::sys::eventfd::{EfdFlags, EventFd};
 
 use super::neigh;
@@ -36,8 +36,7 @@ use super::socket::{BindMode, XskSocket};
 use super::umem::SharedUmem;
 use super::{syscall, AfXdpConfig, AfXdpError, AfXdpStats, KernelStats, PollMode, QueueStats};
 use crate::datapath::{Datapath, DatapathError, DatapathStats, Deliver, Fill, RxMeta};
-use crate::wire::frame::{self, FrameMeta};
-use crate::wire::Ecn;
+use crate::wire::frame;
 
 /// Engine configuration: the AF_XDP settings plus the cores of the workers.
 #[derive(Debug, Clone, PartialEq)]
@@ -297,55 +296,13 @@ impl Engine {
                 "core {c} does not exist on this machine"
             )));
         }
-        if cfg.batch == 0 || cfg.batch > sc.ring_size as usize || sc.frames < 2 * sc.ring_size {
-            return Err(AfXdpError::Config(format!(
-                "batch {} must be within 1..=ring size {}, and frames {} at least twice the ring size",
-                cfg.batch, sc.ring_size, sc.frames
-            )));
-        }
-        if cfg.local.port() == 0 {
-            return Err(AfXdpError::Config(
-                "the local UDP port must be set (the classifier matches on it)".into(),
-            ));
-        }
-        let ifindex = nix::net::if_::if_nametoindex(cfg.ifname.as_str()).map_err(|source| {
-            AfXdpError::NoInterface {
-                ifname: cfg.ifname.clone(),
-                source,
-            }
-        })?;
-        let src_mac = neigh::interface_mac(&cfg.ifname).ok_or_else(|| {
-            AfXdpError::Config(format!("interface {} has no Ethernet address", cfg.ifname))
-        })?;
-        let xerr = |source| AfXdpError::Xdp {
-            ifname: cfg.ifname.clone(),
-            source,
-        };
-        let mut xc = XdpConfig::new(vec![cfg.local.port()]);
-        xc.mode = cfg.xdp_mode;
-        xc.allowlist = cfg.allowlist.clone();
-        for &(dscp, p) in &cfg.fault_drop {
-            *xc.fault_drop.get_mut(usize::from(dscp)).ok_or_else(|| {
-                AfXdpError::Config(format!("fault injection DSCP {dscp} is not within 0..=63"))
-            })? = p;
-        }
-        let xdp = XdpProgram::attach(ifindex, &xc).map_err(xerr)?;
+        let attached = cfg.attach()?;
         let (rx_tx, rx) = unbounded();
         let stop = Arc::new(AtomicBool::new(false));
         let failure = Arc::new(Mutex::new(None));
         let mut workers = Vec::new();
         for (i, &q) in cfg.queues.iter().enumerate() {
-            let sock = XskSocket::bind(ifindex, q, &sc).map_err(|source| AfXdpError::Socket {
-                ifname: cfg.ifname.clone(),
-                queue: q,
-                hint: if source.raw_os_error() == Some(libc::EINVAL) {
-                    " (does the interface have that many queues?)"
-                } else {
-                    ""
-                },
-                source,
-            })?;
-            xdp.register_xsk(q, sock.fd().as_fd()).map_err(xerr)?;
+            let sock = cfg.bind_queue(&attached, q)?;
             let half = sc.frames / 2;
             let refill: Vec<u64> = (0..half.min(sc.ring_size))
                 .map(|f| sock.umem.frame_addr(f))
@@ -420,6 +377,7 @@ impl Engine {
             });
         }
         let neigh_map = cfg.neighbors.iter().copied().collect();
+        let super::Attached { xdp, src_mac, .. } = attached;
         Ok(Engine {
             cfg,
             workers,
@@ -583,16 +541,9 @@ impl Datapath for Engine {
             };
             self.neigh.insert(meta.dst.ip(), dst_mac);
             self.ident = self.ident.wrapping_add(1);
-            let fm = FrameMeta {
-                src_mac: self.src_mac,
-                dst_mac,
-                src: self.cfg.local,
-                dst: meta.dst,
-                dscp: meta.tos >> 2,
-                ecn: Ecn::from_bits(meta.tos),
-                hop_limit: self.cfg.hop_limit,
-                ident: self.ident,
-            };
+            let fm = self
+                .cfg
+                .frame_meta(self.src_mac, dst_mac, &meta, self.ident);
             // SAFETY: as above; the frame is still exclusively ours.
             let Some(buf) = (unsafe { self.workers[qi].umem.get_mut(addr, fs) }) else {
                 self.workers[qi].pool.push(addr);

@@ -239,17 +239,25 @@ impl std::fmt::Debug for AfXdpDatapath {
     }
 }
 
-impl AfXdpDatapath {
-    /// Attach the classifier to `cfg.ifname` and bind one socket per queue.
-    pub fn open(cfg: AfXdpConfig) -> Result<AfXdpDatapath, AfXdpError> {
-        let sc = &cfg.socket;
-        if cfg.queues.is_empty() {
+/// What both the single-thread datapath and the engine set up first: a checked configuration,
+/// the interface, and the classifier attached to it.
+pub(crate) struct Attached {
+    pub(crate) ifindex: u32,
+    pub(crate) src_mac: [u8; 6],
+    pub(crate) xdp: XdpProgram,
+}
+
+impl AfXdpConfig {
+    /// Check the configuration and attach the XDP classifier to the interface.
+    pub(crate) fn attach(&self) -> Result<Attached, AfXdpError> {
+        let sc = &self.socket;
+        if self.queues.is_empty() {
             return Err(AfXdpError::Config("at least one queue is needed".into()));
         }
-        if cfg.batch == 0 || cfg.batch > sc.ring_size as usize {
+        if self.batch == 0 || self.batch > sc.ring_size as usize {
             return Err(AfXdpError::Config(format!(
                 "batch {} must be within 1..=ring size {}",
-                cfg.batch, sc.ring_size
+                self.batch, sc.ring_size
             )));
         }
         if sc.frames < 2 * sc.ring_size {
@@ -260,55 +268,98 @@ impl AfXdpDatapath {
                 2 * sc.ring_size
             )));
         }
-        if cfg.local.port() == 0 {
+        if self.local.port() == 0 {
             return Err(AfXdpError::Config(
                 "the local UDP port must be set (the classifier matches on it)".into(),
             ));
         }
-        let ifindex = nix::net::if_::if_nametoindex(cfg.ifname.as_str()).map_err(|source| {
+        let ifindex = nix::net::if_::if_nametoindex(self.ifname.as_str()).map_err(|source| {
             AfXdpError::NoInterface {
-                ifname: cfg.ifname.clone(),
+                ifname: self.ifname.clone(),
                 source,
             }
         })?;
-        let src_mac = neigh::interface_mac(&cfg.ifname).ok_or_else(|| {
-            AfXdpError::Config(format!("interface {} has no Ethernet address", cfg.ifname))
+        let src_mac = neigh::interface_mac(&self.ifname).ok_or_else(|| {
+            AfXdpError::Config(format!("interface {} has no Ethernet address", self.ifname))
         })?;
-        let xerr = |source| AfXdpError::Xdp {
-            ifname: cfg.ifname.clone(),
-            source,
-        };
-        let mut xc = XdpConfig::new(vec![cfg.local.port()]);
-        xc.mode = cfg.xdp_mode;
-        xc.allowlist = cfg.allowlist.clone();
-        for &(dscp, p) in &cfg.fault_drop {
+        let mut xc = XdpConfig::new(vec![self.local.port()]);
+        xc.mode = self.xdp_mode;
+        xc.allowlist = self.allowlist.clone();
+        for &(dscp, p) in &self.fault_drop {
             let slot = xc.fault_drop.get_mut(usize::from(dscp)).ok_or_else(|| {
                 AfXdpError::Config(format!("fault injection DSCP {dscp} is not within 0..=63"))
             })?;
             *slot = p;
         }
-        let xdp = XdpProgram::attach(ifindex, &xc).map_err(xerr)?;
+        let xdp = XdpProgram::attach(ifindex, &xc).map_err(|e| self.xdp_err(e))?;
+        Ok(Attached {
+            ifindex,
+            src_mac,
+            xdp,
+        })
+    }
+
+    pub(crate) fn xdp_err(&self, source: gradwire_ebpf::XdpError) -> AfXdpError {
+        AfXdpError::Xdp {
+            ifname: self.ifname.clone(),
+            source,
+        }
+    }
+
+    /// Bind the socket of queue `q` and register it with the classifier.
+    pub(crate) fn bind_queue(&self, a: &Attached, q: u32) -> Result<socket::XskSocket, AfXdpError> {
+        let sock = socket::XskSocket::bind(a.ifindex, q, &self.socket).map_err(|source| {
+            let hint = match source.raw_os_error() {
+                Some(libc::EPERM) => " (AF_XDP needs root or CAP_NET_RAW+CAP_NET_ADMIN)",
+                Some(libc::EINVAL) => {
+                    " (does the interface have that many queues? see `ethtool -l`)"
+                }
+                Some(libc::ENOMEM) => " (raise `ulimit -l` for locked memory)",
+                Some(libc::EBUSY) => " (another AF_XDP socket is bound to this queue)",
+                _ => "",
+            };
+            AfXdpError::Socket {
+                ifname: self.ifname.clone(),
+                queue: q,
+                source,
+                hint,
+            }
+        })?;
+        a.xdp
+            .register_xsk(q, std::os::fd::AsFd::as_fd(sock.fd()))
+            .map_err(|e| self.xdp_err(e))?;
+        Ok(sock)
+    }
+
+    /// The Ethernet/IP/UDP header fields of a datagram to `meta.dst` via `dst_mac`.
+    pub(crate) fn frame_meta(
+        &self,
+        src_mac: [u8; 6],
+        dst_mac: [u8; 6],
+        meta: &crate::datapath::TxMeta,
+        ident: u16,
+    ) -> FrameMeta {
+        FrameMeta {
+            src_mac,
+            dst_mac,
+            src: self.local,
+            dst: meta.dst,
+            dscp: meta.tos >> 2,
+            ecn: Ecn::from_bits(meta.tos),
+            hop_limit: self.hop_limit,
+            ident,
+        }
+    }
+}
+
+impl AfXdpDatapath {
+    /// Attach the classifier to `cfg.ifname` and bind one socket per queue.
+    pub fn open(cfg: AfXdpConfig) -> Result<AfXdpDatapath, AfXdpError> {
+        let attached = cfg.attach()?;
+        let sc = &cfg.socket;
         let mut queues = Vec::with_capacity(cfg.queues.len());
         for &q in &cfg.queues {
-            let sock = socket::XskSocket::bind(ifindex, q, sc).map_err(|source| {
-                let hint = match source.raw_os_error() {
-                    Some(libc::EPERM) => " (AF_XDP needs root or CAP_NET_RAW+CAP_NET_ADMIN)",
-                    Some(libc::EINVAL) => {
-                        " (does the interface have that many queues? see `ethtool -l`)"
-                    }
-                    Some(libc::ENOMEM) => " (raise `ulimit -l` for locked memory)",
-                    Some(libc::EBUSY) => " (another AF_XDP socket is bound to this queue)",
-                    _ => "",
-                };
-                AfXdpError::Socket {
-                    ifname: cfg.ifname.clone(),
-                    queue: q,
-                    source,
-                    hint,
-                }
-            })?;
-            xdp.register_xsk(q, std::os::fd::AsFd::as_fd(sock.fd()))
-                .map_err(xerr)?;
+            let sock = cfg.bind_queue(&attached, q)?;
             // The first half of the frames feed the FILL ring, the second half are for TX.
             let half = sc.frames / 2;
             let umem_frame = |i| sock.umem.frame_addr(i);
@@ -332,6 +383,7 @@ impl AfXdpDatapath {
             queues.push(queue);
         }
         let neigh_map = cfg.neighbors.iter().copied().collect();
+        let Attached { xdp, src_mac, .. } = attached;
         Ok(AfXdpDatapath {
             queues,
             xdp,
@@ -541,16 +593,9 @@ impl Datapath for AfXdpDatapath {
                 }
             };
             self.ident = self.ident.wrapping_add(1);
-            let fm = FrameMeta {
-                src_mac: self.src_mac,
-                dst_mac,
-                src: self.cfg.local,
-                dst: meta.dst,
-                dscp: meta.tos >> 2,
-                ecn: Ecn::from_bits(meta.tos),
-                hop_limit: self.cfg.hop_limit,
-                ident: self.ident,
-            };
+            let fm = self
+                .cfg
+                .frame_meta(self.src_mac, dst_mac, &meta, self.ident);
             let q = &mut self.queues[qi];
             let Some(buf) = q.sock.umem.get_mut(addr, frame_size) else {
                 q.free_tx.push(addr);
