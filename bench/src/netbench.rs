@@ -386,6 +386,7 @@ fn transfer_phase(tb: &Testbed, kind: Kind, a: &BenchArgs) -> Res<PhaseResult> {
     let elems = a.size / 4;
     let cfg = TransferConfig {
         idle_timeout: Duration::from_secs(30),
+        batch: a.batch,
         ..TransferConfig::default()
     };
     let barrier = Arc::new(Barrier::new(3));
