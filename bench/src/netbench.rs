@@ -184,10 +184,8 @@ fn pin(cores: &[usize], i: usize) {
         if ENGINE_OWNS_CORES.load(Ordering::Relaxed) {
             return;
         }
-        if let Some(id) =
-            core_affinity::get_core_ids().and_then(|ids| ids.into_iter().find(|x| x.id == c))
-        {
-            core_affinity::set_for_current(id);
+        if !core_affinity::set_for_current(core_affinity::CoreId { id: c }) {
+            eprintln!("gradwire bench: cannot pin to core {c}; running unpinned");
         }
     }
 }
@@ -521,6 +519,7 @@ pub fn run(a: &BenchArgs) -> Res {
             return Err(format!("unknown phase {p:?} (tx, rx, transfer)").into());
         }
     }
+    ENGINE_OWNS_CORES.store(a.engine, Ordering::Relaxed);
     let tb = Testbed::up(&TestbedConfig {
         queues: a.queues,
         ..TestbedConfig::default()

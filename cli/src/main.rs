@@ -21,10 +21,16 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("gradwire: error: {e}");
+            let mut shown = e.to_string();
+            eprintln!("gradwire: error: {shown}");
             let mut src = std::error::Error::source(&*e);
             while let Some(s) = src {
-                eprintln!("  caused by: {s}");
+                // Most of our errors already quote their source; say each thing once.
+                let text = s.to_string();
+                if !shown.contains(&text) {
+                    eprintln!("  caused by: {text}");
+                    shown = text;
+                }
                 src = s.source();
             }
             ExitCode::FAILURE

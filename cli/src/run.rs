@@ -112,9 +112,7 @@ fn pin(c: &Common, i: usize) -> Res {
         return Ok(());
     }
     if let Some(&core) = c.afxdp.cores.get(i) {
-        let ok = core_affinity::get_core_ids()
-            .and_then(|ids| ids.into_iter().find(|id| id.id == core))
-            .is_some_and(core_affinity::set_for_current);
+        let ok = core_affinity::set_for_current(core_affinity::CoreId { id: core });
         if !ok {
             return Err(format!("cannot pin to core {core} (see nproc)").into());
         }

@@ -663,12 +663,15 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         };
     while !flow.is_done() {
         let t = now();
-        let got = dp
-            .recv(cfg.batch, period, &mut |meta: &RxMeta, d: &[u8]| {
-                place(&mut flow, &mut rejected, meta, d, t)
-            })
-            .map_err(dp_err(dp.name()))?;
-        if got > 0 {
+        let seen = |f: &ReceiverFlow| f.stats().placed + f.stats().duplicates;
+        let before = seen(&flow);
+        dp.recv(cfg.batch, period, &mut |meta: &RxMeta, d: &[u8]| {
+            place(&mut flow, &mut rejected, meta, d, t)
+        })
+        .map_err(dp_err(dp.name()))?;
+        // Only data of this flow is progress: junk aimed at the port must not keep a stalled
+        // transfer alive.
+        if seen(&flow) > before {
             last_progress = Instant::now();
         }
         while let Some(m) = flow.poll(now()) {
@@ -683,13 +686,17 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
                 // Data sent before FlowStop may still sit in the socket: place it before
                 // deciding what to ask for again.
                 let t = now();
-                while dp
-                    .recv(cfg.batch, Duration::ZERO, &mut |meta: &RxMeta, d: &[u8]| {
-                        place(&mut flow, &mut rejected, meta, d, t)
-                    })
-                    .map_err(dp_err(dp.name()))?
-                    > 0
-                {}
+                // Bounded: a flood on the data port cannot hold the control channel hostage.
+                for _ in 0..1024 {
+                    let n = dp
+                        .recv(cfg.batch, Duration::ZERO, &mut |meta: &RxMeta, d: &[u8]| {
+                            place(&mut flow, &mut rejected, meta, d, t)
+                        })
+                        .map_err(dp_err(dp.name()))?;
+                    if n == 0 {
+                        break;
+                    }
+                }
                 while let Some(m) = flow.poll(now()) {
                     ctrl.send(&m)?;
                 }

@@ -120,10 +120,22 @@ impl std::fmt::Debug for Engine {
     }
 }
 
+/// Pin the calling thread to `core`. The core is named directly: `get_core_ids` only lists
+/// the cores of the caller's current affinity mask, which a pinned parent narrows.
 fn pin(core: usize) -> bool {
-    core_affinity::get_core_ids()
-        .and_then(|ids| ids.into_iter().find(|c| c.id == core))
-        .is_some_and(core_affinity::set_for_current)
+    core_affinity::set_for_current(core_affinity::CoreId { id: core })
+}
+
+/// Cores the machine has online.
+fn online_cores() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .max(
+            nix::unistd::sysconf(nix::unistd::SysconfVar::_NPROCESSORS_ONLN)
+                .ok()
+                .flatten()
+                .map_or(0, |n| n as usize),
+        )
 }
 
 struct Worker {
@@ -289,9 +301,7 @@ impl Engine {
                 cfg.queues.len()
             )));
         }
-        if let Some(c) = cores.iter().find(|&&c| {
-            core_affinity::get_core_ids().is_none_or(|ids| !ids.iter().any(|i| i.id == c))
-        }) {
+        if let Some(c) = cores.iter().find(|&&c| c >= online_cores()) {
             return Err(AfXdpError::Config(format!(
                 "core {c} does not exist on this machine"
             )));

@@ -18,7 +18,8 @@
 //! NAPI with `recvfrom(MSG_DONTWAIT)` instead, for pinned cores on real hosts.
 //!
 //! The layering follows s2n-quic-xdp: [`syscall`] (the raw calls), [`umem`], [`ring`],
-//! [`socket`], and this module on top; only the first three contain `unsafe`.
+//! [`socket`], and this module on top; only the first three and [`engine`] (frames lent
+//! between threads) contain `unsafe`.
 
 pub mod engine;
 pub mod neigh;

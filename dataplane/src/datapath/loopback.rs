@@ -104,7 +104,9 @@ impl Datapath for Loopback {
                 match self.rx.recv_timeout(timeout) {
                     Ok(d) => d,
                     Err(RecvTimeoutError::Timeout) => break,
-                    Err(RecvTimeoutError::Disconnected) => return Err(DatapathError::Closed),
+                    // The peer went away: like a silent network, nothing more arrives; the
+                    // control channel, not the data path, reports a vanished peer.
+                    Err(RecvTimeoutError::Disconnected) => break,
                 }
             } else {
                 match self.rx.try_recv() {

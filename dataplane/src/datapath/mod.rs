@@ -3,7 +3,7 @@
 //! A datapath sends a batch of datagrams (gradwire header + payload; the datapath owns any
 //! encapsulation below it) and receives a batch, handing each datagram to a callback as a
 //! borrowed slice so the caller can copy the payload once, straight into the tensor. The
-//! callback style lets a kernel-bypass datapath (AF_XDP, a later issue) lend its UMEM frames
+//! callback style lets a kernel-bypass datapath ([`crate::afxdp`]) lend its UMEM frames
 //! without an intermediate copy, and lets the transmit side write payloads directly into the
 //! datapath's own buffers.
 //!
@@ -11,6 +11,8 @@
 //! - [`loopback::Loopback`]: an in-memory pair, for deterministic tests and demos.
 //! - [`udp::UdpDatapath`]: kernel UDP sockets with `sendmmsg`/`recvmmsg`, the portable path
 //!   and the baseline kernel bypass has to beat.
+//! - [`crate::afxdp::AfXdpDatapath`] and [`crate::afxdp::engine::Engine`]: AF_XDP sockets
+//!   behind gradwire's XDP classifier, single-threaded or with pinned per-queue workers.
 //! - [`fault::FaultInjector`]: wraps any datapath and drops, duplicates, reorders or delays
 //!   what it receives, seeded, so loss tests do not need netem.
 
