@@ -93,8 +93,9 @@ pub fn print_afxdp_value(who: &str, st: &Value) {
     {
         let k = q.get("kernel").cloned().unwrap_or(Value::Null);
         println!(
-            "  queue {} {} hugepages={}  rx {} pkts {} B  tx {} pkts {} B  malformed {}  tx_ring_full {}  fill_empty {}  sleeps {}  kicks {}",
+            "  queue {}{} {} hugepages={}  rx {} pkts {} B  tx {} pkts {} B  malformed {}  tx_ring_full {}  fill_empty {}  sleeps {}  kicks {}",
             u(q, "queue"),
+            q.get("core").and_then(Value::as_u64).map_or(String::new(), |c| format!(" (core {c})")),
             q.get("mode").and_then(Value::as_str).unwrap_or("?"),
             q.get("hugepages").and_then(Value::as_bool).unwrap_or(false),
             u(q, "rx_packets"),

@@ -81,6 +81,7 @@ struct WorkerStats {
 
 struct WorkerHandle {
     queue: u32,
+    core: Option<usize>,
     mode: BindMode,
     hugepages: bool,
     umem: SharedUmem,
@@ -333,6 +334,7 @@ impl Engine {
             let stats = Arc::new(WorkerStats::default());
             let handle = WorkerHandle {
                 queue: q,
+                core: cores.get(i).copied(),
                 mode: sock.mode(),
                 hugepages: sock.hugepages(),
                 umem: sock.umem.share(),
@@ -428,6 +430,7 @@ impl Engine {
                     let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
                     QueueStats {
                         queue: w.queue,
+                        core: w.core,
                         mode: Some(w.mode),
                         hugepages: w.hugepages,
                         rx_packets: l(&s.rx_packets),

@@ -145,6 +145,8 @@ pub enum AfXdpError {
 pub struct QueueStats {
     /// Queue id.
     pub queue: u32,
+    /// Core the queue's worker is pinned to (engine with cores; None otherwise).
+    pub core: Option<usize>,
     /// Copy or zero-copy.
     pub mode: Option<BindMode>,
     /// UMEM on huge pages.
