@@ -14,9 +14,11 @@
 //!
 //! `control/models/` ships ResNet-50, VGG-16 and BERT-base, with how each count was derived.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+
+use crate::policy_file::{decode, read_text, FileError};
 
 /// One layer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,44 +50,11 @@ fn default_bpp() -> u32 {
     4
 }
 
-/// Why a model file cannot be used.
+/// A model file that cannot be used. Same causes and messages as a policy file's
+/// ([`FileError`]: unreadable, bad TOML/JSON, or an unusable field).
 #[derive(Debug, thiserror::Error)]
-pub enum ModelError {
-    /// Reading failed.
-    #[error("{path}: cannot read: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// Bad TOML or wrong field types or names.
-    #[error("{path}: {source}")]
-    Toml {
-        /// The file.
-        path: PathBuf,
-        /// Parser message with line, column and key.
-        source: toml::de::Error,
-    },
-    /// Bad JSON or wrong field types or names.
-    #[error("{path}: {source}")]
-    Json {
-        /// The file.
-        path: PathBuf,
-        /// Parser message with line and column.
-        source: serde_json::Error,
-    },
-    /// A field that parses but is unusable.
-    #[error("{path}: field `{field}`: {message}")]
-    Field {
-        /// The file.
-        path: PathBuf,
-        /// Dotted field name.
-        field: String,
-        /// What is wrong.
-        message: String,
-    },
-}
+#[error(transparent)]
+pub struct ModelError(#[from] pub FileError);
 
 impl DnnModel {
     /// Sum of the layers' parameters (saturating).
@@ -102,10 +71,12 @@ impl DnnModel {
 
     /// Check the model; `path` is for messages.
     pub fn check(&self, path: &Path) -> Result<(), ModelError> {
-        let err = |field: String, message: String| ModelError::Field {
-            path: path.into(),
-            field,
-            message,
+        let err = |field: String, message: String| {
+            ModelError(FileError::Field {
+                path: path.into(),
+                field,
+                message,
+            })
         };
         if self.layers.is_empty() {
             return Err(err("layers".into(), "no layers".into()));
@@ -143,28 +114,14 @@ impl DnnModel {
 
 /// Parse model text (TOML, or JSON by `path`'s extension) and check it.
 pub fn parse_model(path: &Path, text: &str) -> Result<DnnModel, ModelError> {
-    let m: DnnModel = if crate::policy_file::is_json(path) {
-        serde_json::from_str(text).map_err(|source| ModelError::Json {
-            path: path.into(),
-            source,
-        })?
-    } else {
-        toml::from_str(text).map_err(|source| ModelError::Toml {
-            path: path.into(),
-            source,
-        })?
-    };
+    let m: DnnModel = decode(path, text)?;
     m.check(path)?;
     Ok(m)
 }
 
 /// Read, parse and check a model file.
 pub fn load_model(path: &Path) -> Result<DnnModel, ModelError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-        path: path.into(),
-        source,
-    })?;
-    parse_model(path, &text)
+    parse_model(path, &read_text(path)?)
 }
 
 #[cfg(test)]

@@ -162,8 +162,9 @@ pub fn is_json(path: &Path) -> bool {
         .is_some_and(|e| e.eq_ignore_ascii_case("json"))
 }
 
-/// Parse file text (TOML or JSON by `path`'s extension) into a [`PolicyFile`].
-pub fn parse_policy_file(path: &Path, text: &str) -> Result<PolicyFile, FileError> {
+/// Decode file text as TOML, or as JSON when `path` ends in `.json`; errors name the file.
+/// Policy and model files share it.
+pub fn decode<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T, FileError> {
     if is_json(path) {
         serde_json::from_str(text).map_err(|source| FileError::Json {
             path: path.into(),
@@ -177,13 +178,23 @@ pub fn parse_policy_file(path: &Path, text: &str) -> Result<PolicyFile, FileErro
     }
 }
 
+/// Read a file's text; the error names the file.
+pub fn read_text(path: &Path) -> Result<String, FileError> {
+    std::fs::read_to_string(path).map_err(|source| FileError::Io {
+        path: path.into(),
+        source,
+    })
+}
+
+/// Parse file text (TOML or JSON by `path`'s extension) into a [`PolicyFile`].
+pub fn parse_policy_file(path: &Path, text: &str) -> Result<PolicyFile, FileError> {
+    decode(path, text)
+}
+
 /// Read, parse and convert a policy file. The result is not yet validated (flags may
 /// still change it); call [`Policy::validate`].
 pub fn load_policy(path: &Path) -> Result<Policy, FileError> {
-    let text = std::fs::read_to_string(path).map_err(|source| FileError::Io {
-        path: path.into(),
-        source,
-    })?;
+    let text = read_text(path)?;
     let file = parse_policy_file(path, &text)?;
     policy_from_file(path, &file)
 }
