@@ -20,7 +20,7 @@
 //! signals after handing them work (wake-on-demand), or spin (busy-poll).
 #![allow(unsafe_code)]
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -105,7 +105,7 @@ pub struct Engine {
     failure: Arc<Mutex<Option<String>>>,
     xdp: XdpProgram,
     src_mac: [u8; 6],
-    neigh: std::collections::HashMap<IpAddr, [u8; 6]>,
+    neigh: neigh::Neighbors,
     ident: u16,
     tx_next: usize,
     tx_ring_full: u64,
@@ -388,7 +388,7 @@ impl Engine {
                 ..handle
             });
         }
-        let neigh_map = cfg.neighbors.iter().copied().collect();
+        let neigh_map = neigh::Neighbors::new(&cfg.neighbors);
         let super::Attached { xdp, src_mac, .. } = attached;
         Ok(Engine {
             cfg,
@@ -539,20 +539,14 @@ impl Datapath for Engine {
                 break;
             };
             filled += 1;
-            let dst_mac = match self
-                .neigh
-                .get(&meta.dst.ip())
-                .copied()
-                .or_else(|| neigh::resolve(meta.dst.ip(), Duration::from_secs(1)))
-            {
-                Some(m) => m,
-                None => {
+            let dst_mac = match self.neigh.mac(meta.dst.ip()) {
+                Ok(m) => m,
+                Err(e) => {
                     self.workers[qi].pool.push(addr);
-                    result = Err(DatapathError::NoNeighbor(meta.dst.ip()));
+                    result = Err(e);
                     break;
                 }
             };
-            self.neigh.insert(meta.dst.ip(), dst_mac);
             self.ident = self.ident.wrapping_add(1);
             let fm = self
                 .cfg

@@ -28,7 +28,6 @@ pub mod socket;
 pub mod syscall;
 pub mod umem;
 
-use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
@@ -225,7 +224,7 @@ pub struct AfXdpDatapath {
     queues: Vec<Queue>,
     xdp: XdpProgram,
     src_mac: [u8; 6],
-    neigh: HashMap<IpAddr, [u8; 6]>,
+    neigh: neigh::Neighbors,
     ident: u16,
     tx_next: usize,
     rx_next: usize,
@@ -385,7 +384,7 @@ impl AfXdpDatapath {
             queue.refill();
             queues.push(queue);
         }
-        let neigh_map = cfg.neighbors.iter().copied().collect();
+        let neigh_map = neigh::Neighbors::new(&cfg.neighbors);
         let Attached { xdp, src_mac, .. } = attached;
         Ok(AfXdpDatapath {
             queues,
@@ -420,16 +419,6 @@ impl AfXdpDatapath {
     /// The XDP classifier (counters, fault injection, allowlist).
     pub fn xdp(&self) -> &XdpProgram {
         &self.xdp
-    }
-
-    fn neighbor(&mut self, ip: IpAddr) -> Result<[u8; 6], DatapathError> {
-        if let Some(m) = self.neigh.get(&ip) {
-            return Ok(*m);
-        }
-        let mac =
-            neigh::resolve(ip, Duration::from_secs(1)).ok_or(DatapathError::NoNeighbor(ip))?;
-        self.neigh.insert(ip, mac);
-        Ok(mac)
     }
 
     /// Wait for RX on any queue (wake-on-demand) or spin (busy-poll) up to `timeout`.
@@ -586,7 +575,7 @@ impl Datapath for AfXdpDatapath {
                 break;
             };
             filled += 1;
-            let dst_mac = match self.neighbor(meta.dst.ip()) {
+            let dst_mac = match self.neigh.mac(meta.dst.ip()) {
                 Ok(m) => m,
                 Err(e) => {
                     self.queues[qi].free_tx.push(addr);

@@ -6,8 +6,37 @@
 //! one kernel UDP datagram to the peer's discard port and reads again. IPv6 peers need a
 //! static neighbour in the configuration.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
+
+use crate::datapath::DatapathError;
+
+/// Peers' Ethernet addresses: the configured static entries, then whatever the kernel's
+/// table resolves, cached so the per-packet path is one hash lookup.
+#[derive(Debug, Default)]
+pub struct Neighbors {
+    cache: HashMap<IpAddr, [u8; 6]>,
+}
+
+impl Neighbors {
+    /// A cache seeded with static entries.
+    pub fn new(statics: &[(IpAddr, [u8; 6])]) -> Neighbors {
+        Neighbors {
+            cache: statics.iter().copied().collect(),
+        }
+    }
+
+    /// The MAC of `ip`, resolving (at most one second) on first use.
+    pub fn mac(&mut self, ip: IpAddr) -> Result<[u8; 6], DatapathError> {
+        if let Some(m) = self.cache.get(&ip) {
+            return Ok(*m);
+        }
+        let mac = resolve(ip, Duration::from_secs(1)).ok_or(DatapathError::NoNeighbor(ip))?;
+        self.cache.insert(ip, mac);
+        Ok(mac)
+    }
+}
 
 /// The Ethernet address of `ifname` in the calling thread's network namespace.
 pub fn interface_mac(ifname: &str) -> Option<[u8; 6]> {
