@@ -2,7 +2,7 @@
 //! generator) run it in-process.
 //!
 //! ```text
-//! gradwire-ctl render --target sonic|sonic-patch|onyx|nvue|mlnx-qos|dcb
+//! gradwire-ctl render --target sonic|sonic-patch|onyx|nvue|mlnx-qos|dcb|fabric
 //!                     --base-threshold 64KiB --step 0.5 --ports Ethernet0..60:4
 //!                     [--asic spectrum1] [--policy FILE] [--buffer 512KiB] [--current FILE]
 //! gradwire-ctl thresholds --model FILE [--buffer SIZE] [--theta 0.5] [--arrival-rate 95]
@@ -82,7 +82,7 @@ pub struct PolicyArgs {
 /// `render`.
 #[derive(Debug, Args)]
 pub struct RenderArgs {
-    /// sonic, sonic-patch, onyx, nvue, mlnx-qos or dcb.
+    /// sonic, sonic-patch, onyx, nvue, mlnx-qos, dcb or fabric.
     #[arg(long, value_name = "TARGET")]
     pub target: Target,
     /// Policy flags.

@@ -93,6 +93,10 @@ pub struct XdpConfig {
     pub fault_drop: [f64; NUM_DSCP],
     /// How to attach (ignored by [`XdpProgram::load_detached`](crate::XdpProgram::load_detached)).
     pub mode: AttachMode,
+    /// Switch-port mode, for the emulated switch: every frame (any protocol) goes to the
+    /// AF_XDP socket of its queue and is counted in `switched`; `ports`, the allowlist and
+    /// fault injection are not consulted.
+    pub switch_port: bool,
 }
 
 impl XdpConfig {
@@ -103,6 +107,7 @@ impl XdpConfig {
             allowlist: None,
             fault_drop: [0.0; NUM_DSCP],
             mode: AttachMode::Auto,
+            switch_port: false,
         }
     }
 

@@ -47,8 +47,8 @@ pub struct ClassCounter {
 /// A snapshot of every classifier counter, summed over CPUs.
 ///
 /// Invariant: `gradwire = drop_truncated + drop_not_allowed + drop_fault + redirected +
-/// to_kernel`, and every frame the program saw is counted in exactly one of `gradwire` and
-/// `passed`. `classes` counts every gradwire packet that passed the length checks, *before*
+/// to_kernel`, and every frame the program saw is counted in exactly one of `gradwire`,
+/// `passed` and `switched` (switch-port mode). `classes` counts every gradwire packet that passed the length checks, *before*
 /// the allowlist and fault injection (it shows what arrived on the wire), so its sum is
 /// `gradwire - drop_truncated`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -67,6 +67,9 @@ pub struct XdpCounters {
     pub drop_not_allowed: Counter,
     /// Gradwire dropped by fault injection.
     pub drop_fault: Counter,
+    /// Switch-port mode: every frame, handed to the AF_XDP socket of its queue (or to the
+    /// kernel when the queue has none).
+    pub switched: Counter,
     /// Packets with ECN = CE (3), all DSCPs.
     pub ce_packets: u64,
     /// Bytes of those.
@@ -124,6 +127,7 @@ impl XdpCounters {
             drop_truncated: self.drop_truncated.since(&earlier.drop_truncated),
             drop_not_allowed: self.drop_not_allowed.since(&earlier.drop_not_allowed),
             drop_fault: self.drop_fault.since(&earlier.drop_fault),
+            switched: self.switched.since(&earlier.switched),
             ce_packets: self.ce_packets.saturating_sub(earlier.ce_packets),
             ce_bytes: self.ce_bytes.saturating_sub(earlier.ce_bytes),
             classes,

@@ -32,12 +32,12 @@ use types::{gw_addr_key, gw_allow_value, gw_config, gw_counter, gw_fault_prob};
 
 // The encoders below write every field; these pin the sizes they were written for (no hidden
 // padding that would reach the kernel uninitialised or unhashed).
-const _: () = assert!(size_of::<gw_config>() == 8 + 2 * GW_MAX_PORTS as usize);
+const _: () = assert!(size_of::<gw_config>() == 12 + 2 * GW_MAX_PORTS as usize);
 const _: () = assert!(size_of::<gw_addr_key>() == 20);
 const _: () = assert!(size_of::<gw_allow_value>() == 4);
 const _: () = assert!(size_of::<gw_fault_prob>() == 4);
 const _: () = assert!(size_of::<gw_counter>() == 16);
-const _: () = assert!(GW_CNT_MAX == 7 && GW_NUM_CLASSES == 4 * GW_NUM_DSCP);
+const _: () = assert!(GW_CNT_MAX == 8 && GW_NUM_CLASSES == 4 * GW_NUM_DSCP);
 
 fn put_u16(buf: &mut [u8], off: usize, v: u16) {
     buf[off..off + 2].copy_from_slice(&v.to_ne_bytes());
@@ -55,8 +55,18 @@ fn get_u64(buf: &[u8], off: usize) -> u64 {
 
 /// `struct gw_config` bytes. `ports` must hold at most `GW_MAX_PORTS` entries (validated by
 /// the caller); unused slots stay 0.
-pub(crate) fn encode_config(enabled: bool, allowlist_enabled: bool, ports: &[u16]) -> Vec<u8> {
+pub(crate) fn encode_config(
+    enabled: bool,
+    allowlist_enabled: bool,
+    switch_port: bool,
+    ports: &[u16],
+) -> Vec<u8> {
     let mut buf = vec![0u8; size_of::<gw_config>()];
+    put_u32(
+        &mut buf,
+        offset_of!(gw_config, switch_port),
+        u32::from(switch_port),
+    );
     put_u32(&mut buf, offset_of!(gw_config, enabled), u32::from(enabled));
     put_u32(
         &mut buf,

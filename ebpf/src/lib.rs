@@ -316,6 +316,7 @@ pub struct XdpProgram {
     maps: Maps,
     enabled: bool,
     allowlist_enabled: bool,
+    switch_port: bool,
     ports: Vec<u16>,
     prog_id: u32,
     obj: Object,
@@ -372,6 +373,7 @@ impl XdpProgram {
             maps,
             enabled: true,
             allowlist_enabled: config.allowlist.is_some(),
+            switch_port: config.switch_port,
             ports: config.ports.clone(),
             prog_id,
             obj,
@@ -476,7 +478,12 @@ impl XdpProgram {
     }
 
     fn write_config(&self) -> Result<(), XdpError> {
-        let value = encode_config(self.enabled, self.allowlist_enabled, &self.ports);
+        let value = encode_config(
+            self.enabled,
+            self.allowlist_enabled,
+            self.switch_port,
+            &self.ports,
+        );
         self.maps
             .config
             .update(&0u32.to_ne_bytes(), &value, MapFlags::ANY)
@@ -613,6 +620,7 @@ impl XdpProgram {
             drop_truncated: g(GW_CNT_DROP_TRUNCATED)?,
             drop_not_allowed: g(GW_CNT_DROP_NOT_ALLOWED)?,
             drop_fault: g(GW_CNT_DROP_FAULT)?,
+            switched: g(GW_CNT_SWITCHED)?,
             ..XdpCounters::default()
         };
         for idx in 0..GW_NUM_CLASSES {

@@ -631,3 +631,34 @@ fn invalid_configs_are_refused_before_loading() {
 fn load_err(c: &XdpConfig) -> Option<XdpError> {
     gradwire_ebpf::XdpProgram::load_detached(c).err()
 }
+
+#[test]
+fn switch_port_mode_hands_every_frame_to_the_socket_slot() {
+    root_or_skip!("switch_port_mode_hands_every_frame_to_the_socket_slot");
+    let mut c = cfg();
+    c.switch_port = true;
+    // Neither the allowlist nor fault injection applies to a switch port.
+    c.allowlist = Some(vec![IpAddr::V4(SRC4)]);
+    c.fault_drop[0] = 1.0;
+    let p = load(&c);
+    let frames = [
+        Frame::v4().build(),
+        Frame::v4().src4(FOREIGN4).build(),
+        Frame::v4().port(OTHER_PORT).build(),
+        Frame::v4().body(3).build(),
+        Frame::v6().build(),
+        arp(),
+    ];
+    let bytes: u64 = frames.iter().map(|f| f.len() as u64).sum();
+    for f in &frames {
+        // No socket is registered (and a test run performs no redirect): the fallback.
+        let (v, out) = p.test_run(f).unwrap();
+        assert_eq!(v, XDP_PASS);
+        assert_eq!(&out, f, "switch mode must not modify the frame");
+    }
+    let k = p.counters().unwrap();
+    assert_eq!(k.switched.packets, frames.len() as u64);
+    assert_eq!(k.switched.bytes, bytes);
+    assert_eq!(k.gradwire.packets + k.passed.packets, 0);
+    assert!(k.classes.is_empty());
+}

@@ -8,6 +8,7 @@
 //! | [`Target::Nvue`] | Cumulus NVUE `nv set` commands | bytes |
 //! | [`Target::MlnxQos`] | `mlnx_qos` shell script for ConnectX hosts | none (hosts do not mark) |
 //! | [`Target::Dcb`] | iproute2 `dcb` shell script | none |
+//! | [`Target::Fabric`] | JSON for gradwire's emulated switch (`fabric/`) | bytes |
 //!
 //! Only syntax listed in `/work/shared/reference/switch-qos-formats.md` is emitted. Where a
 //! target has no known command for part of the policy (Onyx's DSCP map, removing an NVUE
@@ -20,6 +21,7 @@ use std::str::FromStr;
 
 use crate::policy::{Policy, PolicyError, QueueThreshold, DATA_QUEUES};
 
+pub mod fabric;
 mod host;
 mod json;
 mod nvue;
@@ -43,17 +45,20 @@ pub enum Target {
     MlnxQos,
     /// Linux host, iproute2 `dcb`.
     Dcb,
+    /// gradwire's emulated switch (`gradwire-fabric`).
+    Fabric,
 }
 
 impl Target {
     /// Every target.
-    pub const ALL: [Target; 6] = [
+    pub const ALL: [Target; 7] = [
         Target::Sonic,
         Target::SonicPatch,
         Target::Onyx,
         Target::Nvue,
         Target::MlnxQos,
         Target::Dcb,
+        Target::Fabric,
     ];
 
     /// Name on the command line.
@@ -65,6 +70,7 @@ impl Target {
             Target::Nvue => "nvue",
             Target::MlnxQos => "mlnx-qos",
             Target::Dcb => "dcb",
+            Target::Fabric => "fabric",
         }
     }
 
@@ -79,7 +85,9 @@ impl Target {
             Target::Sonic | Target::SonicPatch => "EthernetN (SONiC port name)",
             Target::Onyx => "U/P or U/P/S (Onyx interface ethernet name, e.g. 1/1)",
             Target::Nvue => "swpN or swpNsM (Cumulus port name)",
-            Target::MlnxQos | Target::Dcb => "a Linux interface name: 1..15 of A-Z a-z 0-9 _ . -",
+            Target::MlnxQos | Target::Dcb | Target::Fabric => {
+                "a Linux interface name: 1..15 of A-Z a-z 0-9 _ . -"
+            }
         }
     }
 }
@@ -97,7 +105,7 @@ impl FromStr for Target {
             .into_iter()
             .find(|t| t.name() == s)
             .ok_or_else(|| {
-                format!("unknown target {s:?} (sonic, sonic-patch, onyx, nvue, mlnx-qos, dcb)")
+                format!("unknown target {s:?} (sonic, sonic-patch, onyx, nvue, mlnx-qos, dcb, fabric)")
             })
     }
 }
@@ -162,6 +170,7 @@ pub fn render(policy: &Policy, target: Target) -> Result<String, RenderError> {
         Target::Nvue => nvue::render(policy),
         Target::MlnxQos => host::render_mlnx_qos(policy),
         Target::Dcb => host::render_dcb(policy),
+        Target::Fabric => fabric::render(policy),
     }
 }
 
@@ -198,7 +207,7 @@ pub fn port_is_legal(target: Target, port: &str) -> bool {
             let base = it.next().unwrap_or("");
             digits(base) && it.next().is_none_or(digits)
         }),
-        Target::MlnxQos | Target::Dcb => {
+        Target::MlnxQos | Target::Dcb | Target::Fabric => {
             !port.is_empty()
                 && port.len() <= 15
                 && port != "."
@@ -429,7 +438,8 @@ mod tests {
                 Target::Sonic,
                 Target::SonicPatch,
                 Target::MlnxQos,
-                Target::Dcb
+                Target::Dcb,
+                Target::Fabric
             ]
         );
         assert_eq!(targets_for_ports(&v(&["1/1"])), [Target::Onyx]);

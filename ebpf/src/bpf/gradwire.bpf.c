@@ -9,6 +9,10 @@
  * queue. Everything else goes to the kernel untouched (XDP_PASS), so ssh,
  * ARP and the TCP control channel keep working with the program attached.
  *
+ * In switch-port mode (config.switch_port, used by the emulated switch) every
+ * frame goes to the queue's AF_XDP socket, counted SWITCHED, and nothing
+ * below applies.
+ *
  * Order of decisions for a gradwire packet (see README.md):
  *   1. count GRADWIRE
  *   2. length checks          -> XDP_DROP, DROP_TRUNCATED (not in `classes`)
@@ -135,6 +139,15 @@ int gradwire_xdp(struct xdp_md *ctx)
 	cfg = bpf_map_lookup_elem(&config, &zero);
 	if (!cfg || !cfg->enabled)
 		goto pass;
+
+	if (cfg->switch_port) {
+		/* An emulated switch forwards everything (ARP, TCP, gradwire);
+		 * it parses and counts in user space. */
+		long sw = bpf_redirect_map(&xsks, ctx->rx_queue_index, XDP_PASS);
+
+		count(&globals, GW_CNT_SWITCHED, frame_len);
+		return sw;
+	}
 
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > data_end)

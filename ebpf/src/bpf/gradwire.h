@@ -47,7 +47,8 @@ enum gw_limits {
 /* Index into the `globals` PERCPU_ARRAY. Invariant (per CPU, hence in sum):
  *   GRADWIRE = DROP_TRUNCATED + DROP_NOT_ALLOWED + DROP_FAULT
  *            + REDIRECTED + TO_KERNEL
- * and every packet the program sees is either GRADWIRE or PASSED. */
+ * and every packet the program sees is exactly one of GRADWIRE, PASSED and
+ * SWITCHED. */
 enum gw_counter_index {
 	/* UDP to a configured port (whatever happened next). */
 	GW_CNT_GRADWIRE = 0,
@@ -64,7 +65,10 @@ enum gw_counter_index {
 	GW_CNT_DROP_NOT_ALLOWED = 5,
 	/* gradwire dropped by fault injection: XDP_DROP. */
 	GW_CNT_DROP_FAULT = 6,
-	GW_CNT_MAX = 7,
+	/* switch-port mode: any frame, handed to the AF_XDP socket of its
+	 * queue (or XDP_PASS when the queue has none). */
+	GW_CNT_SWITCHED = 7,
+	GW_CNT_MAX = 8,
 };
 
 /* `config` ARRAY map, one entry (key 0). */
@@ -73,6 +77,10 @@ struct gw_config {
 	__u32 enabled;
 	/* 1: gradwire packets whose source is not in `allowlist` are dropped. */
 	__u32 allowlist_enabled;
+	/* 1: switch-port mode for the emulated switch (fabric/): every frame,
+	 * whatever its protocol, goes to the AF_XDP socket of its queue, counted
+	 * SWITCHED and nothing else; no classification, allowlist or faults. */
+	__u32 switch_port;
 	/* Host byte order; 0 = unused slot. */
 	__u16 ports[GW_MAX_PORTS];
 };
