@@ -23,6 +23,7 @@
 
 pub mod engine;
 pub mod neigh;
+pub mod port;
 pub mod ring;
 pub mod socket;
 pub mod syscall;

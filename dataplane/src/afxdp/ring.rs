@@ -105,6 +105,13 @@ impl<T: Copy> Ring<T> {
         self.size - prod.wrapping_sub(self.cached)
     }
 
+    /// Producer side (TX): entries published and not yet consumed by the kernel.
+    pub fn pending(&mut self) -> u32 {
+        let prod = self.word(self.producer).load(Ordering::Relaxed);
+        self.cached = self.word(self.consumer).load(Ordering::Acquire);
+        prod.wrapping_sub(self.cached)
+    }
+
     /// Producer side: write as many of `items` as fit and publish them; returns how many.
     pub fn produce(&mut self, items: &[T]) -> usize {
         let mut free = self.free() as usize;
