@@ -351,17 +351,7 @@ impl Testbed {
     }
 
     fn add_netns(&mut self, ns: &str) -> Result<()> {
-        if netns_path(ns).exists() {
-            // Only possible if a previous process with our pid died without cleanup and its
-            // reaper was killed too (pid recycled); the name proves the namespace is ours.
-            delete_netns(ns)?;
-        }
-        ip(None, &["netns", "add", ns])?;
-        self.created.push(ns.to_owned());
-        // Before any interface exists, so that new interfaces inherit `default`.
-        disable_ipv6(ns)?;
-        ip(Some(ns), &["-n", ns, "link", "set", "lo", "up"])?;
-        Ok(())
+        create_netns(ns, |ns| self.created.push(ns.to_owned()))
     }
 
     /// Creates the veth pairs (and the bridge).
@@ -596,9 +586,9 @@ impl Drop for Testbed {
     }
 }
 
-/// The process that removes this testbed's namespaces if we die without tearing down.
+/// The process that removes a testbed's namespaces if we die without tearing down.
 #[derive(Debug)]
-struct Reaper {
+pub struct Reaper {
     child: Child,
     stdin: Option<ChildStdin>,
 }
@@ -611,7 +601,8 @@ impl Reaper {
 for ns do ip -n "$ns" link del gw0 2>/dev/null; ip netns del "$ns" 2>/dev/null; done
 exit 0"#;
 
-    fn spawn(namespaces: &[String]) -> io::Result<Reaper> {
+    /// Starts the reaper for `namespaces`.
+    pub fn spawn(namespaces: &[String]) -> io::Result<Reaper> {
         let mut child = Command::new("/bin/sh")
             .arg("-c")
             .arg(Self::SCRIPT)
@@ -632,7 +623,7 @@ exit 0"#;
 
     /// Tells the reaper that teardown happened (`done`) or that it should delete the
     /// namespaces now (closing its pipe), then reaps it, bounded.
-    fn finish(mut self, done: bool) {
+    pub fn finish(mut self, done: bool) {
         if let Some(mut stdin) = self.stdin.take() {
             if done {
                 // If the reaper is already gone the write fails; nothing to do about it.
@@ -645,6 +636,43 @@ exit 0"#;
             let _ = self.child.wait();
         }
     }
+}
+
+/// Creates namespace `ns` (deleting a leftover of that name first: names carry their
+/// creator's pid, so a leftover is ours), calls `created` once it exists (so the caller can
+/// record it for teardown before anything else can fail), disables IPv6 and sets `lo` up.
+pub fn create_netns(ns: &str, created: impl FnOnce(&str)) -> Result<()> {
+    if netns_path(ns).exists() {
+        // Only possible if a previous process with our pid died without cleanup and its
+        // reaper was killed too (pid recycled); the name proves the namespace is ours.
+        delete_netns(ns)?;
+    }
+    ip(None, &["netns", "add", ns])?;
+    created(ns);
+    // Before any interface exists, so that new interfaces inherit `default`.
+    disable_ipv6(ns)?;
+    ip(Some(ns), &["-n", ns, "link", "set", "lo", "up"])?;
+    Ok(())
+}
+
+/// Feeds `batch` (one `ip` command per line, without the leading `ip`) to `ip -n netns -batch -`.
+pub fn ip_batch(netns: &str, batch: String) -> Result<()> {
+    run(&Cmd {
+        program: "ip",
+        args: vec!["-n".into(), netns.to_owned(), "-batch".into(), "-".into()],
+        netns: Some(netns),
+        stdin: Some(batch),
+        timeout: COMMAND_TIMEOUT,
+    })
+    .map(drop)
+}
+
+/// A fresh name prefix `gw<pid>t<n>` for namespaces of a testbed built outside this module
+/// (the fabric's); names `<prefix>-<node>` with `node` of a-z 0-9 are recognised by
+/// [`cleanup_stale`] like this module's own.
+pub fn new_netns_prefix() -> String {
+    let id = NEXT_TESTBED.fetch_add(1, Ordering::Relaxed);
+    format!("{PREFIX}{}t{id}", std::process::id())
 }
 
 /// Runs `f` on a new thread inside network namespace `netns` (a name under [`NETNS_DIR`]) and
@@ -847,7 +875,13 @@ fn creator_pid(name: &str) -> Option<u32> {
     let valid_tail = rest == "sw"
         || rest
             .strip_prefix('h')
-            .is_some_and(|i| !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()));
+            .is_some_and(|i| !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()))
+        || rest.strip_prefix('-').is_some_and(|node| {
+            !node.is_empty()
+                && node
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        });
     if !valid_tail {
         return None;
     }
@@ -868,7 +902,7 @@ fn pid_alive(pid: u32) -> bool {
 }
 
 /// Deletes namespace `ns`; `Ok(false)` if it did not exist.
-fn delete_netns(ns: &str) -> Result<bool> {
+pub fn delete_netns(ns: &str) -> Result<bool> {
     if !netns_path(ns).exists() {
         return Ok(false);
     }
@@ -1109,7 +1143,13 @@ mod tests {
         assert_eq!(creator_pid("gw1234t0h0"), Some(1234));
         assert_eq!(creator_pid("gw1234t17h253"), Some(1234));
         assert_eq!(creator_pid("gw99t3sw"), Some(99));
+        // The fabric's testbeds: `<prefix>-<node>`.
+        assert_eq!(creator_pid("gw1234t2-leaf0"), Some(1234));
         for other in [
+            "gw1234t2-",
+            "gw1234t2-Leaf",
+            "gw1234t2-a-b",
+            "gwtls-leaf0",
             "gwshh0",
             "gwshsw",
             "gwk-1234-a",

@@ -12,7 +12,7 @@
 //! attaches it.
 
 use std::io;
-use std::os::fd::{AsFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd, RawFd};
 
 use gradwire_ebpf::{AttachMode, XdpConfig, XdpCounters, XdpError, XdpProgram};
 
@@ -105,12 +105,11 @@ impl RawPort {
         mode: AttachMode,
         cfg: &SocketConfig,
     ) -> Result<RawPort, RawPortError> {
-        let ifindex = nix::net::if_::if_nametoindex(ifname).map_err(|source| {
-            RawPortError::NoInterface {
+        let ifindex =
+            nix::net::if_::if_nametoindex(ifname).map_err(|source| RawPortError::NoInterface {
                 ifname: ifname.to_owned(),
                 source,
-            }
-        })?;
+            })?;
         // The port list is not consulted in switch-port mode but must be valid.
         let mut xc = XdpConfig::new(vec![1]);
         xc.switch_port = true;
@@ -120,13 +119,12 @@ impl RawPort {
             source,
         };
         let xdp = XdpProgram::attach(ifindex, &xc).map_err(xdp_err)?;
-        let sock = socket::XskSocket::bind(ifindex, 0, cfg).map_err(|source| {
-            RawPortError::Socket {
+        let sock =
+            socket::XskSocket::bind(ifindex, 0, cfg).map_err(|source| RawPortError::Socket {
                 ifname: ifname.to_owned(),
                 queue: 0,
                 source,
-            }
-        })?;
+            })?;
         xdp.register_xsk(0, sock.fd().as_fd()).map_err(xdp_err)?;
         // The first half of the frames feed the FILL ring, the second half are for TX.
         let half = cfg.frames / 2;
@@ -158,6 +156,11 @@ impl RawPort {
     }
 
     /// The socket's fd, to wait on with `poll()`.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.sock.fd().as_fd()
+    }
+
+    /// The socket's raw fd.
     pub fn raw_fd(&self) -> RawFd {
         self.sock.raw_fd()
     }
@@ -263,8 +266,7 @@ impl RawPort {
             }
             self.tx_descs.clear();
             // Zero-copy transmits when the driver asks to be woken.
-            if pushed > 0 && self.sock.mode() == BindMode::ZeroCopy && self.sock.tx.needs_wakeup()
-            {
+            if pushed > 0 && self.sock.mode() == BindMode::ZeroCopy && self.sock.tx.needs_wakeup() {
                 self.stats.kicks += 1;
                 syscall::kick(self.sock.raw_fd())?;
             }

@@ -1,0 +1,742 @@
+//! Topology files: hosts, switches, links (rate, delay, loss) and the QoS policy, and the
+//! plan derived from them (addresses, MAC addresses, interface names, routes). Pure: reading
+//! the file is the only I/O, building namespaces is [`crate::netns`]'s job.
+//!
+//! ```toml
+//! name = "incast"                 # 1..=8 of a-z 0-9; namespaces are named after it
+//! policy = "fabric-policy.toml"   # a gradwire-ctl policy file, relative to this file
+//!
+//! [defaults]                      # for every link that does not say otherwise
+//! rate = "1Gbit"                  # bit/s: bit, Kbit, Mbit, Gbit (decimal)
+//! delay = "20us"                  # one-way propagation: ns, us, ms
+//! loss = 0.0                      # probability a packet is lost on the link
+//! ecmp = "flow"                   # per switch: flow (5-tuple hash) or packet (spraying)
+//!
+//! [[switch]]
+//! name = "s0"
+//!
+//! [[host]]
+//! name = "h"                      # with count: h0, h1, ...
+//! count = 3
+//! uplink = "s0"                   # one link to this switch, with the defaults
+//!
+//! [[link]]                        # switch-switch links (or host-switch without `uplink`)
+//! a = "s0"
+//! b = "s1"
+//! rate = "10Gbit"
+//! ```
+//!
+//! Addressing (all inside 198.18.0.0/15): host `i` (in file order after expansion) gets
+//! `198.18.1.0 + i` as a /32, a route to 198.18.0.0/15 via the virtual gateway
+//! [`GATEWAY`] on its uplink, and permanent neighbour entries mapping the gateway and every
+//! other host to the switch port's MAC, so neither the kernel nor an AF_XDP sender ever ARPs.
+//! Switches route each host's /32 over all shortest paths (hop count), ECMP among them.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+
+use gradwire_control::policy::{Policy, ThresholdSpec};
+use gradwire_control::policy_file;
+use gradwire_control::render::fabric::FabricQos;
+use gradwire_control::units::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// The virtual gateway every host routes through (no interface holds it).
+pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 254);
+
+/// Interface name of every host's uplink.
+pub const HOST_IFNAME: &str = "eth0";
+
+/// Largest number of hosts (addresses 198.18.1.0 .. 198.19.255.255 would allow more; the
+/// bound keeps setup time and MAC numbering simple).
+pub const MAX_HOSTS: usize = 1000;
+
+/// Largest number of switches, and of ports on one switch.
+pub const MAX_SWITCHES: usize = 64;
+/// Ports per switch.
+pub const MAX_PORTS: usize = 64;
+
+/// Why a topology is not usable. Every message names the file and the field.
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    /// Reading or decoding the file.
+    #[error(transparent)]
+    File(#[from] policy_file::FileError),
+    /// A semantic problem.
+    #[error("{path}: {msg}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        msg: String,
+    },
+}
+
+/// ECMP mode of a switch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Ecmp {
+    /// Hash of (source, destination, protocol, ports): one path per flow.
+    #[default]
+    Flow,
+    /// Round robin per packet over the equal-cost ports (spraying).
+    Packet,
+}
+
+impl fmt::Display for Ecmp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Ecmp::Flow => "flow",
+            Ecmp::Packet => "packet",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DefaultsFile {
+    rate: Option<String>,
+    delay: Option<String>,
+    loss: Option<f64>,
+    ecmp: Option<Ecmp>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SwitchFile {
+    name: String,
+    ecmp: Option<Ecmp>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HostFile {
+    name: String,
+    count: Option<usize>,
+    uplink: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LinkFile {
+    a: String,
+    b: String,
+    rate: Option<String>,
+    delay: Option<String>,
+    loss: Option<f64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TopologyFile {
+    name: String,
+    policy: Option<String>,
+    #[serde(default)]
+    defaults: DefaultsFile,
+    #[serde(default, rename = "switch")]
+    switches: Vec<SwitchFile>,
+    #[serde(default, rename = "host")]
+    hosts: Vec<HostFile>,
+    #[serde(default, rename = "link")]
+    links: Vec<LinkFile>,
+}
+
+/// Rate, delay and loss of a link (both directions).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LinkSpec {
+    /// Bits per second.
+    pub rate_bps: u64,
+    /// One-way propagation delay, ns.
+    pub delay_ns: u64,
+    /// Loss probability per packet.
+    pub loss: f64,
+}
+
+/// A host of the plan.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HostPlan {
+    /// Name from the file (expanded).
+    pub name: String,
+    /// Its address (/32).
+    pub ip: Ipv4Addr,
+    /// MAC of its `eth0`.
+    pub mac: [u8; 6],
+    /// Switch it hangs off.
+    pub switch: usize,
+    /// Port of that switch.
+    pub port: usize,
+}
+
+/// One port of a switch.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PortPlan {
+    /// Interface name inside the switch namespace (`p0`, `p1`, ...).
+    pub ifname: String,
+    /// Its MAC.
+    pub mac: [u8; 6],
+    /// What is at the other end.
+    pub peer: Peer,
+    /// MAC at the other end (the next hop the switch writes as destination).
+    pub peer_mac: [u8; 6],
+    /// The link's rate, delay and loss (egress of this port).
+    pub link: LinkSpec,
+}
+
+/// The other end of a switch port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Peer {
+    /// Host index.
+    Host(usize),
+    /// (switch index, port index).
+    Switch(usize, usize),
+}
+
+/// A switch of the plan.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SwitchPlan {
+    /// Name from the file.
+    pub name: String,
+    /// ECMP mode.
+    pub ecmp: Ecmp,
+    /// Ports, in link order.
+    pub ports: Vec<PortPlan>,
+    /// Destination host address -> equal-cost egress ports (sorted).
+    pub routes: BTreeMap<Ipv4Addr, Vec<usize>>,
+}
+
+/// A validated topology with everything derived.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Topology {
+    /// Name (namespace prefix).
+    pub name: String,
+    /// The file it came from (for messages), if any.
+    pub source: Option<PathBuf>,
+    /// The queue configuration of every switch port.
+    pub qos: FabricQos,
+    /// Hosts.
+    pub hosts: Vec<HostPlan>,
+    /// Switches.
+    pub switches: Vec<SwitchPlan>,
+}
+
+/// Parses a rate: `"<number><unit>"` with unit bit, Kbit, Mbit, Gbit (decimal, as tc writes
+/// them; also bps/Kbps/Mbps/Gbps meaning bits).
+pub fn parse_rate(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num.parse().map_err(|_| {
+        format!("rate {s:?}: expected a number followed by bit, Kbit, Mbit or Gbit")
+    })?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "bit" | "bps" | "b/s" => 1.0,
+        "kbit" | "kbps" => 1e3,
+        "mbit" | "mbps" => 1e6,
+        "gbit" | "gbps" => 1e9,
+        "" => {
+            return Err(format!(
+                "rate {s:?}: a unit is required (bit, Kbit, Mbit, Gbit)"
+            ))
+        }
+        u => {
+            return Err(format!(
+                "rate {s:?}: unknown unit {u:?} (bit, Kbit, Mbit, Gbit)"
+            ))
+        }
+    };
+    let bps = v * mult;
+    if !(1e3..=4e11).contains(&bps) {
+        return Err(format!("rate {s:?}: must be within 1Kbit..400Gbit"));
+    }
+    Ok(bps.round() as u64)
+}
+
+/// Parses a duration: `"<number><unit>"` with unit ns, us, ms or s.
+pub fn parse_delay(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("delay {s:?}: expected a number followed by ns, us, ms or s"))?;
+    let mult = match unit.trim() {
+        "ns" => 1.0,
+        "us" | "µs" => 1e3,
+        "ms" => 1e6,
+        "s" => 1e9,
+        _ => return Err(format!("delay {s:?}: unit must be ns, us, ms or s")),
+    };
+    let ns = v * mult;
+    if !(0.0..=10e9).contains(&ns) {
+        return Err(format!("delay {s:?}: must be within 0..10s"));
+    }
+    Ok(ns.round() as u64)
+}
+
+fn legal_name(s: &str, max: usize) -> bool {
+    !s.is_empty()
+        && s.len() <= max
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        && s.as_bytes().first().is_some_and(u8::is_ascii_lowercase)
+}
+
+/// Address of host `i`.
+pub fn host_ip(i: usize) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(198, 18, 1, 0)) + i as u32)
+}
+
+/// MAC of host `i`'s `eth0`.
+pub fn host_mac(i: usize) -> [u8; 6] {
+    [0x02, 0x67, 0x68, 0x00, (i >> 8) as u8, i as u8]
+}
+
+/// MAC of port `p` of switch `s`.
+pub fn port_mac(s: usize, p: usize) -> [u8; 6] {
+    [0x02, 0x67, 0x73, s as u8, 0x00, p as u8]
+}
+
+/// `aa:bb:..` form.
+pub fn mac_string(m: &[u8; 6]) -> String {
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+impl Topology {
+    /// Reads and validates a topology file (TOML, or JSON by extension). The policy path is
+    /// relative to the file.
+    pub fn load(path: &Path) -> Result<Topology, TopologyError> {
+        let text = policy_file::read_text(path)?;
+        let file: TopologyFile = policy_file::decode(path, &text)?;
+        let bad = |msg: String| TopologyError::Invalid {
+            path: path.display().to_string(),
+            msg,
+        };
+        let policy = match &file.policy {
+            Some(p) => {
+                let pp = path.parent().unwrap_or(Path::new(".")).join(p);
+                policy_file::load_valid_policy(&pp)?
+            }
+            None => default_policy(),
+        };
+        let qos =
+            FabricQos::from_policy(&policy).map_err(|e| bad(format!("field `policy`: {e}")))?;
+        let mut t = Topology::build(&file, qos).map_err(bad)?;
+        t.source = Some(path.to_owned());
+        Ok(t)
+    }
+
+    /// Parses topology text (TOML) with the given queue configuration; for tests and
+    /// generated topologies.
+    pub fn from_toml(text: &str, qos: FabricQos) -> Result<Topology, String> {
+        let file: TopologyFile = toml::from_str(text).map_err(|e| e.to_string())?;
+        Topology::build(&file, qos)
+    }
+
+    fn build(f: &TopologyFile, qos: FabricQos) -> Result<Topology, String> {
+        qos.validate().map_err(|e| format!("policy: {e}"))?;
+        if !legal_name(&f.name, 8) {
+            return Err(format!(
+                "field `name`: {:?} must be 1..=8 characters of a-z 0-9, starting with a letter",
+                f.name
+            ));
+        }
+        let d = &f.defaults;
+        let def_link = LinkSpec {
+            rate_bps: d
+                .rate
+                .as_deref()
+                .map(parse_rate)
+                .transpose()
+                .map_err(|e| format!("field `defaults.rate`: {e}"))?
+                .unwrap_or(1_000_000_000),
+            delay_ns: d
+                .delay
+                .as_deref()
+                .map(parse_delay)
+                .transpose()
+                .map_err(|e| format!("field `defaults.delay`: {e}"))?
+                .unwrap_or(0),
+            loss: d.loss.unwrap_or(0.0),
+        };
+        check_loss(def_link.loss).map_err(|e| format!("field `defaults.loss`: {e}"))?;
+        let def_ecmp = d.ecmp.unwrap_or_default();
+
+        // Names: switches, then hosts (expanded), all distinct.
+        let mut names: BTreeMap<String, Node> = BTreeMap::new();
+        let mut switches: Vec<SwitchPlan> = Vec::new();
+        for (i, s) in f.switches.iter().enumerate() {
+            if !legal_name(&s.name, 12) {
+                return Err(format!(
+                    "field `switch[{i}].name`: {:?} must be 1..=12 characters of a-z 0-9, starting with a letter",
+                    s.name
+                ));
+            }
+            if names.insert(s.name.clone(), Node::Switch(i)).is_some() {
+                return Err(format!(
+                    "field `switch[{i}].name`: {:?} is used twice",
+                    s.name
+                ));
+            }
+            switches.push(SwitchPlan {
+                name: s.name.clone(),
+                ecmp: s.ecmp.unwrap_or(def_ecmp),
+                ports: Vec::new(),
+                routes: BTreeMap::new(),
+            });
+        }
+        if switches.is_empty() || switches.len() > MAX_SWITCHES {
+            return Err(format!(
+                "field `switch`: {} switches, need 1..={MAX_SWITCHES}",
+                switches.len()
+            ));
+        }
+        let mut host_names: Vec<String> = Vec::new();
+        let mut links: Vec<(String, String, LinkSpec, String)> = Vec::new();
+        for (i, h) in f.hosts.iter().enumerate() {
+            let expanded: Vec<String> = match h.count {
+                None => vec![h.name.clone()],
+                Some(0) => return Err(format!("field `host[{i}].count`: must be >= 1")),
+                Some(n) if n > MAX_HOSTS => {
+                    return Err(format!("field `host[{i}].count`: at most {MAX_HOSTS}"))
+                }
+                Some(n) => (0..n).map(|k| format!("{}{k}", h.name)).collect(),
+            };
+            for name in expanded {
+                if !legal_name(&name, 12) {
+                    return Err(format!(
+                        "field `host[{i}].name`: {name:?} must be 1..=12 characters of a-z 0-9, starting with a letter (count included)"
+                    ));
+                }
+                if names
+                    .insert(name.clone(), Node::Host(host_names.len()))
+                    .is_some()
+                {
+                    return Err(format!("field `host[{i}].name`: {name:?} is used twice"));
+                }
+                if let Some(up) = &h.uplink {
+                    links.push((
+                        name.clone(),
+                        up.clone(),
+                        def_link,
+                        format!("host[{i}].uplink"),
+                    ));
+                }
+                host_names.push(name);
+            }
+        }
+        if host_names.len() < 2 || host_names.len() > MAX_HOSTS {
+            return Err(format!(
+                "field `host`: {} hosts, need 2..={MAX_HOSTS}",
+                host_names.len()
+            ));
+        }
+        for (i, l) in f.links.iter().enumerate() {
+            let spec = LinkSpec {
+                rate_bps: match &l.rate {
+                    Some(r) => parse_rate(r).map_err(|e| format!("field `link[{i}].rate`: {e}"))?,
+                    None => def_link.rate_bps,
+                },
+                delay_ns: match &l.delay {
+                    Some(r) => {
+                        parse_delay(r).map_err(|e| format!("field `link[{i}].delay`: {e}"))?
+                    }
+                    None => def_link.delay_ns,
+                },
+                loss: l.loss.unwrap_or(def_link.loss),
+            };
+            check_loss(spec.loss).map_err(|e| format!("field `link[{i}].loss`: {e}"))?;
+            links.push((l.a.clone(), l.b.clone(), spec, format!("link[{i}]")));
+        }
+
+        // Wire the links.
+        let mut hosts: Vec<Option<HostPlan>> = vec![None; host_names.len()];
+        for (a, b, spec, field) in &links {
+            let na = *names
+                .get(a)
+                .ok_or_else(|| format!("field `{field}`: unknown node {a:?}"))?;
+            let nb = *names
+                .get(b)
+                .ok_or_else(|| format!("field `{field}`: unknown node {b:?}"))?;
+            match (na, nb) {
+                (Node::Host(_), Node::Host(_)) => {
+                    return Err(format!(
+                        "field `{field}`: {a:?} and {b:?} are both hosts; hosts connect to switches"
+                    ))
+                }
+                (Node::Switch(x), Node::Switch(y)) if x == y => {
+                    return Err(format!("field `{field}`: a link from {a:?} to itself"))
+                }
+                (Node::Switch(x), Node::Switch(y)) => {
+                    let px = switches[x].ports.len();
+                    let py = switches[y].ports.len();
+                    switches[x].ports.push(PortPlan {
+                        ifname: format!("p{px}"),
+                        mac: port_mac(x, px),
+                        peer: Peer::Switch(y, py),
+                        peer_mac: port_mac(y, py),
+                        link: *spec,
+                    });
+                    switches[y].ports.push(PortPlan {
+                        ifname: format!("p{py}"),
+                        mac: port_mac(y, py),
+                        peer: Peer::Switch(x, px),
+                        peer_mac: port_mac(x, px),
+                        link: *spec,
+                    });
+                }
+                (Node::Host(h), Node::Switch(s)) | (Node::Switch(s), Node::Host(h)) => {
+                    if hosts[h].is_some() {
+                        return Err(format!(
+                            "field `{field}`: host {:?} already has its one link",
+                            host_names[h]
+                        ));
+                    }
+                    let p = switches[s].ports.len();
+                    switches[s].ports.push(PortPlan {
+                        ifname: format!("p{p}"),
+                        mac: port_mac(s, p),
+                        peer: Peer::Host(h),
+                        peer_mac: host_mac(h),
+                        link: *spec,
+                    });
+                    hosts[h] = Some(HostPlan {
+                        name: host_names[h].clone(),
+                        ip: host_ip(h),
+                        mac: host_mac(h),
+                        switch: s,
+                        port: p,
+                    });
+                }
+            }
+        }
+        let hosts: Vec<HostPlan> = hosts
+            .into_iter()
+            .enumerate()
+            .map(|(i, h)| h.ok_or_else(|| format!("host {:?} has no link", host_names[i])))
+            .collect::<Result<_, _>>()?;
+        if let Some(s) = switches.iter().find(|s| s.ports.len() > MAX_PORTS) {
+            return Err(format!(
+                "switch {:?} has {} ports, at most {MAX_PORTS}",
+                s.name,
+                s.ports.len()
+            ));
+        }
+
+        // Routes: BFS from each host's switch over switch-switch links; a switch forwards to
+        // every neighbour one hop closer.
+        for h in &hosts {
+            let mut dist = vec![usize::MAX; switches.len()];
+            let mut q = VecDeque::from([h.switch]);
+            dist[h.switch] = 0;
+            while let Some(s) = q.pop_front() {
+                for p in &switches[s].ports {
+                    if let Peer::Switch(t, _) = p.peer {
+                        if dist[t] == usize::MAX {
+                            dist[t] = dist[s] + 1;
+                            q.push_back(t);
+                        }
+                    }
+                }
+            }
+            for s in 0..switches.len() {
+                if dist[s] == usize::MAX {
+                    return Err(format!(
+                        "switch {:?} cannot reach host {:?}",
+                        switches[s].name, h.name
+                    ));
+                }
+                let ports: Vec<usize> = if s == h.switch {
+                    vec![h.port]
+                } else {
+                    switches[s]
+                        .ports
+                        .iter()
+                        .enumerate()
+                        .filter(
+                            |(_, p)| matches!(p.peer, Peer::Switch(t, _) if dist[t] + 1 == dist[s]),
+                        )
+                        .map(|(i, _)| i)
+                        .collect()
+                };
+                switches[s].routes.insert(h.ip, ports);
+            }
+        }
+        Ok(Topology {
+            name: f.name.clone(),
+            source: None,
+            qos,
+            hosts,
+            switches,
+        })
+    }
+
+    /// Host index by name.
+    pub fn host_index(&self, name: &str) -> Option<usize> {
+        self.hosts.iter().position(|h| h.name == name)
+    }
+
+    /// Switch index by name.
+    pub fn switch_index(&self, name: &str) -> Option<usize> {
+        self.switches.iter().position(|s| s.name == name)
+    }
+
+    /// The port of `host`'s switch that leads to it, as (switch, port).
+    pub fn host_port(&self, host: usize) -> Option<(usize, usize)> {
+        self.hosts.get(host).map(|h| (h.switch, h.port))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Node {
+    Switch(usize),
+    Host(usize),
+}
+
+fn check_loss(p: f64) -> Result<(), String> {
+    if (0.0..=1.0).contains(&p) {
+        Ok(())
+    } else {
+        Err(format!("{p} is not a probability within 0..=1"))
+    }
+}
+
+/// The policy used when a topology names none; the same as `testbeds/fabric-policy.toml`:
+/// the gradwire policy with T = 15 KB, d = 0.5 and a 192 KiB port buffer, sized for emulated
+/// links of 100 Mbit/s to 1 Gbit/s.
+pub fn default_policy() -> Policy {
+    let mut p = Policy::gradwire(ThresholdSpec::Arithmetic {
+        base: Bytes(15_000),
+        step: 0.5,
+    });
+    p.name = "GWFABRIC".into();
+    p.port_buffer = Bytes(192 * 1024);
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qos() -> FabricQos {
+        FabricQos::from_policy(&default_policy()).unwrap()
+    }
+
+    const LEAF_SPINE: &str = r#"
+name = "ls"
+[defaults]
+rate = "1Gbit"
+delay = "10us"
+ecmp = "packet"
+[[switch]]
+name = "spine0"
+[[switch]]
+name = "spine1"
+[[switch]]
+name = "leaf0"
+[[switch]]
+name = "leaf1"
+[[host]]
+name = "a"
+count = 4
+uplink = "leaf0"
+[[host]]
+name = "b"
+count = 4
+uplink = "leaf1"
+[[link]]
+a = "leaf0"
+b = "spine0"
+[[link]]
+a = "leaf0"
+b = "spine1"
+[[link]]
+a = "leaf1"
+b = "spine0"
+[[link]]
+a = "leaf1"
+b = "spine1"
+rate = "100Mbit"
+"#;
+
+    #[test]
+    fn leaf_spine_routes_use_both_spines() {
+        let t = Topology::from_toml(LEAF_SPINE, qos()).unwrap();
+        assert_eq!(t.hosts.len(), 8);
+        assert_eq!(t.hosts[5].name, "b1");
+        assert_eq!(t.hosts[5].ip, Ipv4Addr::new(198, 18, 1, 5));
+        let leaf0 = &t.switches[t.switch_index("leaf0").unwrap()];
+        // 4 host ports then 2 uplinks.
+        assert_eq!(leaf0.ports.len(), 6);
+        assert_eq!(leaf0.routes[&t.hosts[5].ip], vec![4, 5]);
+        assert_eq!(leaf0.routes[&t.hosts[1].ip], vec![1]);
+        let spine0 = &t.switches[0];
+        assert_eq!(spine0.routes[&t.hosts[0].ip].len(), 1);
+        assert_eq!(spine0.routes[&t.hosts[7].ip].len(), 1);
+        let leaf1 = &t.switches[3];
+        assert_eq!(leaf1.ports[5].link.rate_bps, 100_000_000);
+        assert_eq!(leaf1.ports[4].link.rate_bps, 1_000_000_000);
+        assert_eq!(leaf1.ports[4].link.delay_ns, 10_000);
+        assert_eq!(leaf1.ecmp, Ecmp::Packet);
+        // The peer MAC of a leaf uplink is the spine's port MAC.
+        let Peer::Switch(s, p) = leaf0.ports[4].peer else {
+            panic!("uplink peer must be a switch")
+        };
+        assert_eq!(leaf0.ports[4].peer_mac, t.switches[s].ports[p].mac);
+    }
+
+    #[test]
+    fn units() {
+        assert_eq!(parse_rate("1Gbit").unwrap(), 1_000_000_000);
+        assert_eq!(parse_rate("250Mbit").unwrap(), 250_000_000);
+        assert_eq!(parse_rate("1.5 Gbit").unwrap(), 1_500_000_000);
+        assert!(parse_rate("100").unwrap_err().contains("unit"));
+        assert!(parse_rate("1Tbit").unwrap_err().contains("unknown unit"));
+        assert!(parse_rate("0bit").is_err());
+        assert_eq!(parse_delay("20us").unwrap(), 20_000);
+        assert_eq!(parse_delay("1.5ms").unwrap(), 1_500_000);
+        assert!(parse_delay("5").is_err());
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let e = |s: &str| Topology::from_toml(s, qos()).unwrap_err();
+        assert!(e("name = \"Bad\"\n").contains("field `name`"));
+        let base = "name = \"t\"\n[[switch]]\nname = \"s\"\n";
+        assert!(e(base).contains("field `host`"));
+        let two = format!("{base}[[host]]\nname = \"h\"\ncount = 2\nuplink = \"s\"\n");
+        Topology::from_toml(&two, qos()).unwrap();
+        assert!(e(&format!("{two}[[link]]\na = \"h0\"\nb = \"nope\"\n")).contains("unknown node"));
+        assert!(e(&format!("{two}[[link]]\na = \"h0\"\nb = \"h1\"\n")).contains("both hosts"));
+        assert!(e(&format!("{two}[[link]]\na = \"h0\"\nb = \"s\"\n")).contains("one link"));
+        let lossy = two.replace("[[switch]]", "[defaults]\nloss = 2.0\n[[switch]]");
+        assert!(e(&lossy).contains("defaults.loss"));
+        let cut = format!(
+            "{two}[[switch]]\nname = \"island\"\n[[host]]\nname = \"x\"\nuplink = \"island\"\n"
+        );
+        assert!(e(&cut).contains("cannot reach"));
+        assert!(e("name = \"t\"\nbogus = 1\n").contains("bogus"));
+    }
+
+    #[test]
+    fn shipped_topologies_load() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testbeds");
+        for f in ["incast.toml", "leaf-spine.toml"] {
+            let t = Topology::load(&dir.join(f)).unwrap();
+            assert!(t.hosts.len() >= 3, "{f}");
+        }
+        let ls = Topology::load(&dir.join("leaf-spine.toml")).unwrap();
+        // The shipped policy file and the built-in default are the same policy.
+        assert_eq!(ls.qos, qos());
+        assert_eq!(ls.switches.len(), 4);
+        assert_eq!(ls.hosts.len(), 8);
+    }
+}
