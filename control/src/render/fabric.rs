@@ -31,7 +31,8 @@ impl FabricQos {
     /// The fabric configuration of a (validated here) policy.
     pub fn from_policy(p: &Policy) -> Result<FabricQos, RenderError> {
         let th = p.thresholds()?;
-        let mut thresholds_bytes: Vec<Option<u64>> = th.iter().map(|t| Some(t.effective.0)).collect();
+        let mut thresholds_bytes: Vec<Option<u64>> =
+            th.iter().map(|t| Some(t.effective.0)).collect();
         thresholds_bytes.push(None);
         Ok(FabricQos {
             name: p.name.clone(),
@@ -58,7 +59,9 @@ impl FabricQos {
             ));
         }
         if let Some((d, q)) = self.dscp_to_queue.iter().enumerate().find(|(_, q)| **q > 7) {
-            return Err(format!("field `dscp_to_queue[{d}]`: queue {q} is not within 0..=7"));
+            return Err(format!(
+                "field `dscp_to_queue[{d}]`: queue {q} is not within 0..=7"
+            ));
         }
         if self.thresholds_bytes.len() != 8 {
             return Err(format!(

@@ -105,7 +105,9 @@ impl FromStr for Target {
             .into_iter()
             .find(|t| t.name() == s)
             .ok_or_else(|| {
-                format!("unknown target {s:?} (sonic, sonic-patch, onyx, nvue, mlnx-qos, dcb, fabric)")
+                format!(
+                    "unknown target {s:?} (sonic, sonic-patch, onyx, nvue, mlnx-qos, dcb, fabric)"
+                )
             })
     }
 }
