@@ -40,6 +40,7 @@
 //!
 //! Nothing here performs I/O; the numbers are CPU cost per packet on one core.
 
+pub mod fabricbench;
 pub mod netbench;
 
 use std::hint::black_box;

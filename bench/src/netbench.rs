@@ -144,20 +144,20 @@ fn cpu_jiffies() -> Res<(u64, u64)> {
     Ok((total - v[3] - v[4], total))
 }
 
-struct CpuClock {
+pub(crate) struct CpuClock {
     jiffies: u64,
     at: Instant,
 }
 
 impl CpuClock {
-    fn start() -> Res<CpuClock> {
+    pub(crate) fn start() -> Res<CpuClock> {
         Ok(CpuClock {
             jiffies: cpu_jiffies()?.0,
             at: Instant::now(),
         })
     }
     /// (wall seconds, busy CPU seconds) since start.
-    fn stop(&self) -> Res<(f64, f64)> {
+    pub(crate) fn stop(&self) -> Res<(f64, f64)> {
         let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.unwrap_or(100) as f64;
         let busy = cpu_jiffies()?.0.saturating_sub(self.jiffies) as f64 / hz;
         Ok((self.at.elapsed().as_secs_f64(), busy))
