@@ -35,7 +35,10 @@ const PAYLOAD: usize = 1472;
 
 /// Options.
 #[derive(Debug, Clone, clap::Parser)]
-#[command(name = "gradwire-fabric-bench", about = "Forwarding rate of the emulated switch vs kernel forwarding (root)")]
+#[command(
+    name = "gradwire-fabric-bench",
+    about = "Forwarding rate of the emulated switch vs kernel forwarding (root)"
+)]
 pub struct FabricBenchArgs {
     /// Seconds per phase.
     #[arg(long, default_value_t = 3.0)]
@@ -103,7 +106,10 @@ fn topology(rate: &str) -> Res<Topology> {
 
 /// Runs the receiver (classifier that counts and drops) in `ns` until `stop`; returns the
 /// frames it saw.
-fn receiver(ns: &str, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> Res<std::thread::JoinHandle<Res<u64>>> {
+fn receiver(
+    ns: &str,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Res<std::thread::JoinHandle<Res<u64>>> {
     let (tx, rx) = std::sync::mpsc::channel();
     let h = spawn_in_netns(ns, move || -> Res<u64> {
         let mut cfg = XdpConfig::new(vec![PORT]);
@@ -125,7 +131,8 @@ fn receiver(ns: &str, stop: std::sync::Arc<std::sync::atomic::AtomicBool>) -> Re
         }
         Ok(prog.counters()?.classes_total().packets)
     })?;
-    rx.recv()?.map_err(|e| -> Box<dyn std::error::Error + Send + Sync> { e.into() })?;
+    rx.recv()?
+        .map_err(|e| -> Box<dyn std::error::Error + Send + Sync> { e.into() })?;
     Ok(h)
 }
 
@@ -174,12 +181,19 @@ fn phase(
     let rx = receiver(net.host_ns(1).ok_or("no host 1")?, stop.clone())?;
     let dst = SocketAddr::from((topo.hosts[1].ip, PORT));
     let clock = CpuClock::start()?;
-    let sent = sender(net.host_ns(0).ok_or("no host 0")?, topo.hosts[0].ip, dst, seconds)?;
+    let sent = sender(
+        net.host_ns(0).ok_or("no host 0")?,
+        topo.hosts[0].ip,
+        dst,
+        seconds,
+    )?;
     // Let the last frames through before the counters are read.
     std::thread::sleep(Duration::from_millis(100));
     let (wall, cpu) = clock.stop()?;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let delivered = rx.join().map_err(|_| format!("{name}: receiver panicked"))??;
+    let delivered = rx
+        .join()
+        .map_err(|_| format!("{name}: receiver panicked"))??;
     Ok((sent, delivered, wall, cpu))
 }
 
@@ -214,7 +228,18 @@ fn kernel_router(ns: &str, topo: &Topology) -> Res {
         exec_in_netns(ns, &["ip", "route", "replace", &route, "dev", &p.ifname], t)?;
         exec_in_netns(
             ns,
-            &["ip", "neigh", "replace", &ip, "lladdr", &mac, "dev", &p.ifname, "nud", "permanent"],
+            &[
+                "ip",
+                "neigh",
+                "replace",
+                &ip,
+                "lladdr",
+                &mac,
+                "dev",
+                &p.ifname,
+                "nud",
+                "permanent",
+            ],
             t,
         )?;
     }

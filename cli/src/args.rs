@@ -1,6 +1,7 @@
 //! Command-line arguments.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use gradwire::tensor::DType;
@@ -25,6 +26,103 @@ pub enum Command {
     Stats(StatsArgs),
     /// Benchmark AF_XDP against kernel UDP between two namespaces (root).
     Bench(gradwire_bench::netbench::BenchArgs),
+    /// Topology testbeds: namespaces, links and an emulated switch fabric (root).
+    Testbed(TestbedArgs),
+    /// The emulated switch fabric of a testbed: run it, or show its counters.
+    Fabric(FabricArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TestbedArgs {
+    #[command(subcommand)]
+    pub command: TestbedCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TestbedCommand {
+    /// Build the namespaces of a topology file and start its fabric in the background.
+    Up(TestbedUpArgs),
+    /// Stop a testbed's fabric and remove its namespaces (nothing up: says so, exits 0).
+    Down(TestbedDownArgs),
+    /// List the testbeds that are up.
+    Status(TestbedStatusArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TestbedUpArgs {
+    /// Topology file (e.g. testbeds/incast.toml).
+    pub file: PathBuf,
+    #[command(flatten)]
+    pub fabric: FabricOptions,
+}
+
+#[derive(Debug, Args)]
+pub struct TestbedDownArgs {
+    /// Topology file or testbed name.
+    pub target: String,
+}
+
+#[derive(Debug, Args)]
+pub struct TestbedStatusArgs {
+    /// One JSON array of the testbed records (with `running`).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Options of the fabric process.
+#[derive(Debug, Clone, Args)]
+pub struct FabricOptions {
+    /// XDP attach mode of the switch ports: generic (fastest on veth), native or auto.
+    #[arg(long, default_value = "generic")]
+    pub xdp_mode: gradwire_ebpf::AttachMode,
+    /// Seed of the link-loss generators and packet ECMP.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct FabricArgs {
+    #[command(subcommand)]
+    pub command: FabricCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum FabricCommand {
+    /// Run the fabric of a testbed in the foreground until SIGTERM/SIGINT (root; `gradwire
+    /// testbed up` starts one in the background).
+    Run(FabricRunArgs),
+    /// Show a fabric's counters: lag, forwarding, and per port and queue.
+    Stats(FabricStatsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct FabricRunArgs {
+    /// Topology file.
+    pub file: PathBuf,
+    /// Namespace prefix of the testbed (default gwt<name>, as `gradwire testbed up` builds).
+    #[arg(long)]
+    pub prefix: Option<String>,
+    /// Where to publish the stats as JSON (default <stats dir>/fabric-<name>.json).
+    #[arg(long)]
+    pub stats: Option<PathBuf>,
+    #[command(flatten)]
+    pub fabric: FabricOptions,
+    /// A departure later than this many microseconds is late; too many late ones and the
+    /// run is marked behind (not valid).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub max_lag_us: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct FabricStatsArgs {
+    /// Testbed name or stats file (default: the only running testbed).
+    pub target: Option<String>,
+    /// Print the stats file's JSON unchanged.
+    #[arg(long)]
+    pub json: bool,
+    /// Print again every SECONDS.
+    #[arg(long)]
+    pub watch: Option<f64>,
 }
 
 #[derive(Debug, Args)]
@@ -295,5 +393,40 @@ mod tests {
         assert_eq!(d.common.size, 1 << 20);
         assert!(d.common.json);
         assert!(Cli::try_parse_from(["gradwire", "demo", "--loss-bound", "2"]).is_err());
+        let c = Cli::try_parse_from([
+            "gradwire",
+            "testbed",
+            "up",
+            "t.toml",
+            "--xdp-mode",
+            "native",
+            "--seed",
+            "7",
+        ])
+        .unwrap();
+        let Command::Testbed(TestbedArgs {
+            command: TestbedCommand::Up(u),
+        }) = c.command
+        else {
+            panic!("not testbed up")
+        };
+        assert_eq!(u.fabric.xdp_mode, gradwire_ebpf::AttachMode::Native);
+        assert_eq!(u.fabric.seed, 7);
+        let c = Cli::try_parse_from(["gradwire", "fabric", "run", "t.toml"]).unwrap();
+        let Command::Fabric(FabricArgs {
+            command: FabricCommand::Run(r),
+        }) = c.command
+        else {
+            panic!("not fabric run")
+        };
+        assert_eq!(r.fabric.xdp_mode, gradwire_ebpf::AttachMode::Generic);
+        assert_eq!(r.max_lag_us, 1000);
+        assert!(
+            Cli::try_parse_from(["gradwire", "fabric", "stats", "--json", "--watch", "1"]).is_ok()
+        );
+        assert!(
+            Cli::try_parse_from(["gradwire", "testbed", "up", "t.toml", "--xdp-mode", "x"])
+                .is_err()
+        );
     }
 }

@@ -1,6 +1,8 @@
-//! `gradwire`: send, receive and demo bounded-loss tensor transfers.
+//! `gradwire`: send, receive and demo bounded-loss tensor transfers; build topology testbeds
+//! and run their emulated switch fabric.
 
 mod args;
+mod fabric_cmd;
 mod report;
 mod run;
 mod stats;
@@ -17,6 +19,15 @@ fn main() -> ExitCode {
         args::Command::Recv(a) => run::recv(&a),
         args::Command::Stats(a) => stats::run(&a),
         args::Command::Bench(a) => gradwire_bench::netbench::run(&a),
+        args::Command::Testbed(t) => match t.command {
+            args::TestbedCommand::Up(a) => fabric_cmd::testbed_up(&a),
+            args::TestbedCommand::Down(a) => fabric_cmd::testbed_down(&a),
+            args::TestbedCommand::Status(a) => fabric_cmd::testbed_status(&a),
+        },
+        args::Command::Fabric(f) => match f.command {
+            args::FabricCommand::Run(a) => fabric_cmd::fabric_run(&a),
+            args::FabricCommand::Stats(a) => fabric_cmd::fabric_stats(&a),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

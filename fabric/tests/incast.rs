@@ -5,6 +5,8 @@
 //! and only in queues whose threshold was crossed, lower thresholds crossed first, no
 //! shared-buffer drops, and every packet accounted for.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::net::{Ipv4Addr, SocketAddr};

@@ -1,5 +1,6 @@
 //! Shared helpers for the fabric's namespace tests.
 
+#![allow(clippy::unwrap_used)]
 #![allow(dead_code)]
 
 use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
