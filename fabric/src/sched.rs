@@ -68,12 +68,16 @@ impl Default for PortConfig {
 /// Why a [`PortConfig`] was rejected.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ConfigError {
+    /// `rate_bps` is 0.
     #[error("rate_bps must be greater than 0")]
     ZeroRate,
+    /// `loss` is not within 0..=1.
     #[error("loss must be a probability in [0, 1], got {0}")]
     BadLoss(f64),
+    /// `buffer_bytes` is 0.
     #[error("buffer_bytes must be greater than 0")]
     ZeroBuffer,
+    /// A threshold larger than the buffer could never be reached.
     #[error("thresholds[{queue}] = {threshold} bytes exceeds buffer_bytes = {buffer}")]
     ThresholdAboveBuffer {
         queue: usize,
@@ -83,6 +87,7 @@ pub enum ConfigError {
 }
 
 impl PortConfig {
+    /// Checks every field.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.rate_bps == 0 {
             return Err(ConfigError::ZeroRate);
@@ -118,7 +123,8 @@ pub struct PacketMeta {
     /// Egress queue `0..8`; an out-of-range value is a caller bug: it is mapped to queue 0
     /// (best effort) and counted in [`PortCounters::bad_queue`].
     pub queue: u8,
-    /// ECN-capable transport (ECT(0)/ECT(1)).
+    /// ECN-capable: ECT(0), ECT(1) or already CE (marked again, never dropped, above the
+    /// threshold).
     pub ect: bool,
 }
 
@@ -131,9 +137,13 @@ pub trait Frame {
 /// Admission outcome of [`EgressPort::enqueue`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Verdict {
+    /// Admitted unchanged.
     Enqueued,
+    /// Admitted above the threshold and marked CE.
     Marked,
+    /// Not ECN-capable and above the threshold: dropped.
     DroppedThreshold,
+    /// The shared buffer had no room: tail-dropped.
     DroppedBuffer,
 }
 
@@ -152,16 +162,25 @@ pub struct Departure<T> {
 /// Per-queue counters. `enqueued_*` counts admitted packets, marked ones included.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct QueueCounters {
+    /// Packets admitted (marked ones included).
     pub enqueued_pkts: u64,
+    /// Their bytes.
     pub enqueued_bytes: u64,
-    /// Started transmission.
+    /// Packets that started transmission.
     pub dequeued_pkts: u64,
+    /// Their bytes.
     pub dequeued_bytes: u64,
+    /// ECN-capable packets admitted above the threshold and marked CE.
     pub marked: u64,
+    /// Not-ECN-capable packets dropped above the threshold.
     pub dropped_threshold: u64,
+    /// Packets tail-dropped because the shared buffer was full.
     pub dropped_buffer: u64,
+    /// Largest depth of this queue in bytes.
     pub max_depth_bytes: u64,
+    /// Time of the first drop (threshold or buffer).
     pub first_drop_ns: Option<u64>,
+    /// Time of the first CE mark.
     pub first_mark_ns: Option<u64>,
 }
 
@@ -175,12 +194,17 @@ impl QueueCounters {
 /// Per-port counters.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct PortCounters {
+    /// Per queue, 0..=7.
     pub queues: [QueueCounters; NUM_QUEUES],
-    /// Polled and not lost.
+    /// Packets polled and not lost.
     pub delivered_pkts: u64,
+    /// Their bytes.
     pub delivered_bytes: u64,
+    /// Packets lost on the link (random loss).
     pub lost_pkts: u64,
+    /// Largest total depth over all queues.
     pub max_total_depth_bytes: u64,
+    /// Arrivals whose queue index was out of range (put into queue 0).
     pub bad_queue: u64,
     /// Total serialisation time.
     pub busy_ns: u64,
@@ -240,6 +264,7 @@ pub struct EgressPort<T> {
 }
 
 impl<T: Frame> EgressPort<T> {
+    /// A port with empty queues and an idle link; the configuration is validated.
     pub fn new(cfg: PortConfig) -> Result<Self, ConfigError> {
         cfg.validate()?;
         Ok(Self {
@@ -386,10 +411,12 @@ impl<T> EgressPort<T> {
         self.depth.get(usize::from(queue)).copied().unwrap_or(0)
     }
 
+    /// Bytes waiting in all queues.
     pub fn total_depth_bytes(&self) -> u64 {
         self.total_depth
     }
 
+    /// Packets waiting in all queues.
     pub fn queued_packets(&self) -> usize {
         self.queued
     }
@@ -399,10 +426,12 @@ impl<T> EgressPort<T> {
         self.delay_line.len()
     }
 
+    /// The configuration.
     pub fn config(&self) -> &PortConfig {
         &self.cfg
     }
 
+    /// The counters.
     pub fn counters(&self) -> &PortCounters {
         &self.counters
     }
