@@ -51,6 +51,9 @@ fn per_packet(c: &mut Criterion) {
     bench_op(&mut g, "send_build_frame", || {
         SendFixture::new(true, SEGMENTS)
     });
+    bench_op(&mut g, "send_build_tagged", || {
+        SendFixture::with_tagging(false, true, SEGMENTS)
+    });
     g.finish();
 }
 

@@ -37,6 +37,10 @@
 //! - `send_build_frame` ([`SendFixture`] with frames): the same, with the datagram written at
 //!   offset 42 of a frame buffer, then `frame::emit_headers` (Ethernet, IPv4 with header
 //!   checksum, UDP with checksum over the datagram).
+//! - `send_build_tagged` ([`SendFixture::with_tagging`]): `send_build` with DLCP's default
+//!   priority function (layer DSCP, mean |g| of the segment against the tensor's sampled
+//!   median) instead of a fixed tag. [`threshold_estimate_time`] measures the once-per-tensor
+//!   sample median.
 //!
 //! Nothing here performs I/O; the numbers are CPU cost per packet on one core.
 
@@ -53,6 +57,7 @@ use gradwire::proto::{
     fixed_priority, FlowId, PriorityFn, ReceiverFlow, RecvSpec, RejectCounts, SegmentInfo,
     SenderConfig, SenderFlow, Tag,
 };
+use gradwire::tagging::{DlcpTagger, MagnitudeConfig};
 use gradwire::tensor::{DType, SegmentLayout, Tensor};
 use gradwire::wire::frame::{self, Ecn, FrameMeta};
 use gradwire::wire::header::{self, HEADER_LEN};
@@ -192,6 +197,7 @@ fn receiver_flow(start: &FlowStart, segments: u32) -> ReceiverFlow {
 /// The send path: builds one datagram (or frame) per call, as `send_tensor`'s fill closure.
 pub struct SendFixture {
     frames: bool,
+    tagged: bool,
     segments: u32,
     tensor: Tensor,
     flow: SenderFlow,
@@ -220,18 +226,33 @@ impl SendFixture {
     /// A sender of a pattern-filled tensor of `segments` segments; with `frames`, each
     /// packet is a whole Ethernet/IPv4/UDP frame.
     pub fn new(frames: bool, segments: u32) -> SendFixture {
+        Self::with_tagging(frames, false, segments)
+    }
+
+    /// [`SendFixture::new`], with DLCP's default tagging when `tagged` (layer 5 of 161, the
+    /// magnitude threshold sampled from the tensor; each segment's mean |g| is computed):
+    /// `send_build_tagged`.
+    pub fn with_tagging(frames: bool, tagged: bool, segments: u32) -> SendFixture {
         let mut tensor = zero_tensor(segments);
         tensor.fill_pattern(1);
         let (flow, _) = sender_flow(segments);
+        let prio: Box<PriorityFn<'static>> = if tagged {
+            let tagger = DlcpTagger::for_tensor(&tensor, 5, 161, &MagnitudeConfig::default())
+                .expect("valid tagging configuration");
+            Box::new(tagger.priority_fn())
+        } else {
+            Box::new(fixed_priority(Tag {
+                dscp: 10,
+                ect: true,
+            }))
+        };
         SendFixture {
             frames,
+            tagged,
             segments,
             tensor,
             flow,
-            prio: Box::new(fixed_priority(Tag {
-                dscp: 10,
-                ect: true,
-            })),
+            prio,
             dst: addr(DST),
             src: addr(SRC),
             bufs: vec![0u8; TX_BUFFERS * SLOT],
@@ -311,10 +332,10 @@ impl SendFixture {
 
 impl PerPacket for SendFixture {
     fn name(&self) -> &'static str {
-        if self.frames {
-            "send_build_frame"
-        } else {
-            "send_build"
+        match (self.frames, self.tagged) {
+            (true, _) => "send_build_frame",
+            (false, true) => "send_build_tagged",
+            (false, false) => "send_build",
         }
     }
 
@@ -521,14 +542,31 @@ impl PerPacket for MemcpyFixture {
     }
 }
 
-/// The five operations, in report order.
-pub const OPS: [&str; 5] = [
+/// The six operations, in report order.
+pub const OPS: [&str; 6] = [
     "memcpy_1440",
     "recv_place",
     "recv_frame_place",
     "send_build",
     "send_build_frame",
+    "send_build_tagged",
 ];
+
+/// Time to estimate the magnitude threshold of `tensor` (DLCP's 0.1 % sample median), best
+/// of `runs`: the per-tensor part of tagging, compared with sending the whole tensor.
+pub fn threshold_estimate_time(tensor: &Tensor, runs: u32) -> Duration {
+    (0..runs.max(1))
+        .map(|_| {
+            let t = Instant::now();
+            black_box(gradwire::tagging::magnitude_threshold(
+                black_box(tensor),
+                &MagnitudeConfig::default(),
+            ));
+            t.elapsed()
+        })
+        .min()
+        .unwrap_or_default()
+}
 
 #[cfg(test)]
 mod tests {

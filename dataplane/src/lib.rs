@@ -17,6 +17,7 @@ pub mod control;
 pub mod datapath;
 pub mod proto;
 pub mod rate;
+pub mod tagging;
 pub mod tensor;
 pub mod testbed;
 pub mod transport;

@@ -15,8 +15,8 @@
 use std::process::ExitCode;
 
 use gradwire_bench::{
-    time_packets, warm_up, MemcpyFixture, PerPacket, RecvFixture, SendFixture, NS_PER_PACKET_100G,
-    OPS, PAYLOAD, SEGMENTS,
+    threshold_estimate_time, time_packets, warm_up, MemcpyFixture, PerPacket, RecvFixture,
+    SendFixture, NS_PER_PACKET_100G, OPS, PAYLOAD, SEGMENTS,
 };
 
 struct Args {
@@ -71,6 +71,8 @@ fn main() -> ExitCode {
     let mut recv_frame = RecvFixture::new(true, SEGMENTS);
     let mut send = SendFixture::new(false, SEGMENTS);
     let mut send_frame = SendFixture::new(true, SEGMENTS);
+    let mut send_tagged = SendFixture::with_tagging(false, true, SEGMENTS);
+    warm_up(&mut send_tagged);
     warm_up(&mut memcpy);
     warm_up(&mut recv);
     warm_up(&mut recv_frame);
@@ -85,12 +87,21 @@ fn main() -> ExitCode {
             round(&mut recv_frame, args.packets),
             round(&mut send, args.packets),
             round(&mut send_frame, args.packets),
+            round(&mut send_tagged, args.packets),
         ];
         for (b, n) in best.iter_mut().zip(ns) {
             *b = b.min(n);
         }
     }
     let base = best[0];
+    // The per-tensor part of tagging against sending the whole tensor with tagging.
+    let estimate_ns = threshold_estimate_time(
+        send_tagged.tensor(),
+        u32::try_from(args.runs).unwrap_or(u32::MAX),
+    )
+    .as_nanos() as f64;
+    let tensor_send_ns = best[OPS.len() - 1] * f64::from(SEGMENTS);
+    let estimate_share = estimate_ns / tensor_send_ns;
 
     if args.json {
         let mut o = serde_json::Map::new();
@@ -104,6 +115,11 @@ fn main() -> ExitCode {
         o.insert("payload_bytes".into(), PAYLOAD.into());
         o.insert("segments".into(), SEGMENTS.into());
         o.insert("budget_100g_ns".into(), NS_PER_PACKET_100G.into());
+        o.insert("threshold_estimate_ns".into(), estimate_ns.into());
+        o.insert(
+            "threshold_estimate_share_of_send".into(),
+            estimate_share.into(),
+        );
         println!("{}", serde_json::Value::Object(o));
     } else {
         println!(
@@ -120,6 +136,12 @@ fn main() -> ExitCode {
         }
         println!(
             "(100 Gbit/s line rate with 1500-byte packets leaves {NS_PER_PACKET_100G:.0} ns per packet)"
+        );
+        println!(
+            "magnitude threshold (0.1 % sample median) of the 64 MiB tensor: {:.1} us = {:.2} % of \
+             sending it with tagging",
+            estimate_ns / 1e3,
+            estimate_share * 100.0
         );
     }
     ExitCode::SUCCESS
