@@ -83,6 +83,10 @@ pub struct AfXdpConfig {
     pub fault_drop: Vec<(u8, f64)>,
     /// IP TTL / hop limit of sent packets.
     pub hop_limit: u8,
+    /// Per-packet spraying (DLCP §3.2.3): source ports `local.port()` .. `+ spray_ports - 1`,
+    /// rotating per packet, so that switches hashing flows for ECMP spread one transfer over
+    /// their paths. 1 = one source port.
+    pub spray_ports: u16,
 }
 
 impl AfXdpConfig {
@@ -100,6 +104,7 @@ impl AfXdpConfig {
             allowlist: None,
             fault_drop: Vec::new(),
             hop_limit: 64,
+            spray_ports: 1,
         }
     }
 }
@@ -276,6 +281,16 @@ impl AfXdpConfig {
                 "the local UDP port must be set (the classifier matches on it)".into(),
             ));
         }
+        if self.spray_ports == 0
+            || u32::from(self.local.port()) + u32::from(self.spray_ports) > 65_536
+        {
+            return Err(AfXdpError::Config(format!(
+                "spray_ports {} must be >= 1 and leave port {} + {} - 1 within 65535",
+                self.spray_ports,
+                self.local.port(),
+                self.spray_ports
+            )));
+        }
         let ifindex = nix::net::if_::if_nametoindex(self.ifname.as_str()).map_err(|source| {
             AfXdpError::NoInterface {
                 ifname: self.ifname.clone(),
@@ -342,10 +357,12 @@ impl AfXdpConfig {
         meta: &crate::datapath::TxMeta,
         ident: u16,
     ) -> FrameMeta {
+        // Rotating the source port per packet sprays one transfer over ECMP paths.
+        let spray = ident % self.spray_ports.max(1);
         FrameMeta {
             src_mac,
             dst_mac,
-            src: self.local,
+            src: SocketAddr::new(self.local.ip(), self.local.port().wrapping_add(spray)),
             dst: meta.dst,
             dscp: meta.tos >> 2,
             ecn: Ecn::from_bits(meta.tos),

@@ -37,6 +37,11 @@ pub struct UdpConfig {
     pub sndbuf: usize,
     /// How long a send waits for socket buffer room before dropping the rest of a batch.
     pub send_wait: Duration,
+    /// Per-packet spraying (DLCP §3.2.3): send from this many source ports, the bound port
+    /// and the next `spray_ports - 1`, rotating per packet, so that switches hashing flows
+    /// for ECMP spread one transfer over their paths. 1 = one source port. The receiver needs
+    /// nothing: segments are placed by offset, whatever their order or source port.
+    pub spray_ports: u16,
 }
 
 impl Default for UdpConfig {
@@ -47,6 +52,7 @@ impl Default for UdpConfig {
             rcvbuf: 32 << 20,
             sndbuf: 8 << 20,
             send_wait: Duration::from_millis(20),
+            spray_ports: 1,
         }
     }
 }
@@ -81,6 +87,10 @@ pub enum UdpSetupError {
 #[derive(Debug)]
 pub struct UdpDatapath {
     sock: UdpSocket,
+    /// Send-only sockets on the next `spray_ports - 1` ports.
+    spray: Vec<UdpSocket>,
+    /// Rotation position over `sock` + `spray`.
+    spray_next: usize,
     local: SocketAddr,
     cfg: UdpConfig,
     tx_bufs: Vec<Vec<u8>>,
@@ -146,9 +156,33 @@ impl UdpDatapath {
                 setsockopt(&sock, sockopt::Ipv6RecvTClass, &true),
             )?;
         }
+        if cfg.spray_ports == 0 {
+            return Err(UdpSetupError::Config("spray_ports must be at least 1"));
+        }
+        let mut spray = Vec::new();
+        if cfg.spray_ports > 1 {
+            if addr.port() == 0 || u32::from(local.port()) + u32::from(cfg.spray_ports) > 65_536 {
+                return Err(UdpSetupError::Config(
+                    "spraying needs an explicit port with spray_ports - 1 free ports after it",
+                ));
+            }
+            for k in 1..cfg.spray_ports {
+                let a = SocketAddr::new(local.ip(), local.port() + k);
+                let s =
+                    UdpSocket::bind(a).map_err(|source| UdpSetupError::Bind { addr: a, source })?;
+                s.set_nonblocking(true)
+                    .map_err(|source| UdpSetupError::Bind { addr: a, source })?;
+                if setsockopt(&s, sockopt::SndBufForce, &cfg.sndbuf).is_err() {
+                    opt("SO_SNDBUF", setsockopt(&s, sockopt::SndBuf, &cfg.sndbuf))?;
+                }
+                spray.push(s);
+            }
+        }
         let buf = vec![0u8; cfg.max_datagram];
         Ok(UdpDatapath {
             sock,
+            spray,
+            spray_next: 0,
             local,
             tx_bufs: vec![buf.clone(); cfg.batch],
             rx_bufs: vec![buf; cfg.batch],
@@ -172,8 +206,11 @@ impl UdpDatapath {
     }
 
     /// Send the filled slots `idx`, all with the same TOS.
-    fn send_run(&mut self, idx: &[usize], tos: u8) -> Result<(), DatapathError> {
-        let fd = self.sock.as_raw_fd();
+    fn send_run(&mut self, idx: &[usize], tos: u8, sock: usize) -> Result<(), DatapathError> {
+        let fd = match sock.checked_sub(1).and_then(|k| self.spray.get(k)) {
+            Some(s) => s.as_raw_fd(),
+            None => self.sock.as_raw_fd(),
+        };
         let tclass = i32::from(tos);
         let cmsg = if self.local.is_ipv4() {
             [ControlMessage::Ipv4Tos(&tos)]
@@ -250,19 +287,24 @@ impl Datapath for UdpDatapath {
             }
         }
         let n = self.tx_meta.len();
+        // Packet i goes out of socket (spray_next + i) mod K; one sendmmsg per (TOS, socket).
+        let k = 1 + self.spray.len();
+        let first = self.spray_next;
+        let sock_of = |i: usize| (first + i) % k;
+        self.spray_next = (first + n) % k;
         let mut order = std::mem::take(&mut self.order);
         order.clear();
         order.extend(0..n);
-        order.sort_by_key(|&i| self.tx_meta[i].1.tos);
+        order.sort_by_key(|&i| (self.tx_meta[i].1.tos, sock_of(i)));
         let mut start = 0;
         let mut result = Ok(());
         while start < n && result.is_ok() {
-            let tos = self.tx_meta[order[start]].1.tos;
+            let key = (self.tx_meta[order[start]].1.tos, sock_of(order[start]));
             let end = order[start..]
                 .iter()
-                .position(|&i| self.tx_meta[i].1.tos != tos)
+                .position(|&i| (self.tx_meta[i].1.tos, sock_of(i)) != key)
                 .map_or(n, |p| start + p);
-            result = self.send_run(&order[start..end], tos);
+            result = self.send_run(&order[start..end], key.0, key.1);
             start = end;
         }
         self.order = order;
