@@ -282,6 +282,11 @@ pub struct SendArgs {
     /// Local address for the data socket (port 0 picks one).
     #[arg(long)]
     pub bind: Option<SocketAddr>,
+    /// Spray each transfer over this many UDP source ports (the --bind port and the next
+    /// ones, rotating per packet), so that switches hashing flows for ECMP use every path.
+    /// Needs an explicit --bind port.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub spray_ports: u16,
     #[command(flatten)]
     pub common: Common,
 }

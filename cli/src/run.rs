@@ -126,8 +126,10 @@ fn open_afxdp(
     ifname: &str,
     local: SocketAddr,
     inject_loss: f64,
+    spray_ports: u16,
 ) -> Res<Box<dyn Datapath>> {
-    let x = afxdp_config(c, ifname, local, inject_loss);
+    let mut x = afxdp_config(c, ifname, local, inject_loss);
+    x.spray_ports = spray_ports;
     Ok(if c.afxdp.engine {
         Box::new(Engine::start(EngineConfig {
             afxdp: x,
@@ -144,9 +146,11 @@ fn host_datapath(
     local: SocketAddr,
     inject_loss: f64,
     cmd: &str,
+    spray_ports: u16,
 ) -> Res<Box<dyn Datapath>> {
     let udp = UdpConfig {
         max_datagram: c.mtu.saturating_sub(28).max(64),
+        spray_ports,
         ..UdpConfig::default()
     };
     Ok(match c.datapath {
@@ -161,7 +165,7 @@ fn host_datapath(
                 )
                 .into());
             }
-            open_afxdp(c, ifname, local, inject_loss)?
+            open_afxdp(c, ifname, local, inject_loss, spray_ports)?
         }
         DatapathKind::Loopback => {
             return Err(format!(
@@ -391,7 +395,13 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
     let receiver = tb.spawn_in(1, move || -> Res<ReceiverOutcome> {
         pin(&rc, 1)?;
         let listener = TcpListener::bind(ctrl_addr)?;
-        let dp = open_afxdp(&rc, &rif, SocketAddr::new(rx_ip, data_port), rc.inject_loss)?;
+        let dp = open_afxdp(
+            &rc,
+            &rif,
+            SocketAddr::new(rx_ip, data_port),
+            rc.inject_loss,
+            1,
+        )?;
         let mut rx = gradwire::transport::Receiver::accept(&listener, dp, rcfg)?;
         let mut sent = tensor(&rc)?;
         sent.fill_pattern(0x6772_6164);
@@ -412,7 +422,7 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
         pin(&sc, 0)?;
         let mut t = tensor(&sc)?;
         t.fill_pattern(0x6772_6164);
-        let dp = open_afxdp(&sc, &ifname, SocketAddr::new(tx_ip, data_port), 0.0)?;
+        let dp = open_afxdp(&sc, &ifname, SocketAddr::new(tx_ip, data_port), 0.0, 1)?;
         // The receiver starts in parallel: retry the control connection for a while.
         let deadline = Instant::now() + Duration::from_secs(10);
         let ctrl = loop {
@@ -479,7 +489,7 @@ pub fn send(a: &SendArgs) -> Res {
         SocketAddr::new(ip, 0)
     });
     pin(c, 0)?;
-    let mut dp = host_datapath(c, bind, 0.0, "send")?;
+    let mut dp = host_datapath(c, bind, 0.0, "send", a.spray_ports)?;
     let mut ctrl = TcpCtrl::connect(a.to, cfg.connect_timeout, cfg.control_dscp)?;
     let stats_file = crate::stats::StatsFile::new("send", c.datapath.name());
     let prio = fixed_priority(DATA_TAG);
@@ -551,7 +561,7 @@ pub fn recv(a: &RecvArgs) -> Res {
         .unwrap_or_else(|| SocketAddr::new(a.listen.ip(), a.listen.port().wrapping_add(1)));
     // A lone receiver pins to the first of --cores (the demo uses the second).
     pin(c, 0)?;
-    let mut dp = host_datapath(c, data, c.inject_loss, "recv")?;
+    let mut dp = host_datapath(c, data, c.inject_loss, "recv", 1)?;
     let stats_file = crate::stats::StatsFile::new("recv", c.datapath.name());
     let listener =
         TcpListener::bind(a.listen).map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
