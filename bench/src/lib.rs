@@ -444,14 +444,14 @@ impl PerPacket for RecvFixture {
     fn op(&mut self) {
         let at = self.next as usize * SLOT;
         self.next += 1;
-        let (d, ce) = if self.frames {
+        let (d, tos) = if self.frames {
             let Ok(f) = frame::parse(&self.packets[at..at + FRAME_LEN]) else {
                 self.rejected.malformed += 1;
                 return;
             };
-            (f.datagram, f.ecn == Ecn::Ce)
+            (f.datagram, (f.dscp << 2) | f.ecn.bits())
         } else {
-            (&self.packets[at..at + DATAGRAM_LEN], self.meta.is_ce())
+            (&self.packets[at..at + DATAGRAM_LEN], self.meta.tos)
         };
         // --- recv_tensor's place closure ---
         let pkt = match header::Packet::new_checked(d) {
@@ -466,7 +466,7 @@ impl PerPacket for RecvFixture {
             return;
         };
         let buf = self.tensor.as_bytes_mut();
-        if let Err(e) = self.flow.on_data(&repr, pkt.payload(), buf, ce, NOW_NS) {
+        if let Err(e) = self.flow.on_data(&repr, pkt.payload(), buf, tos, NOW_NS) {
             self.rejected.count(e);
         }
     }

@@ -47,6 +47,20 @@ pub mod kind {
     pub const RATE_REPORT: u8 = 8;
     /// [`super::CtrlMsg::Abort`].
     pub const ABORT: u8 = 9;
+    /// [`super::CtrlMsg::EcnReport`].
+    pub const ECN_REPORT: u8 = 10;
+}
+
+/// Switch queues an [`CtrlMsg::EcnReport`] covers (the 7 data queues and the control queue).
+pub const ECN_QUEUES: usize = 8;
+
+/// Data packets of a flow that arrived through one switch queue, and how many were CE.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct QueueEcn {
+    /// Packets received (duplicates included: they crossed the switch too).
+    pub packets: u32,
+    /// Of those, marked CE by a switch.
+    pub ce: u32,
 }
 
 /// Why a control message could not be encoded or decoded.
@@ -370,6 +384,13 @@ pub enum CtrlMsg {
         /// Of those, packets marked ECN CE.
         ce_packets: u64,
     },
+    /// Receiver -> sender: per switch queue (from each packet's DSCP), the data packets of
+    /// this flow received so far and how many a switch marked CE (kind 10). Cumulative; sent
+    /// every few rate reports and right before `FlowFinish`.
+    EcnReport {
+        /// Indexed by queue 0..=7.
+        queues: [QueueEcn; ECN_QUEUES],
+    },
     /// Either side gives up on the flow (kind 9).
     Abort {
         /// Application-defined code.
@@ -392,6 +413,7 @@ impl CtrlMsg {
             CtrlMsg::FinishConfirm => kind::FINISH_CONFIRM,
             CtrlMsg::RateReport { .. } => kind::RATE_REPORT,
             CtrlMsg::Abort { .. } => kind::ABORT,
+            CtrlMsg::EcnReport { .. } => kind::ECN_REPORT,
         }
     }
 
@@ -422,6 +444,7 @@ impl CtrlMsg {
                 CtrlMsg::FinishConfirm => 0,
                 CtrlMsg::RateReport { .. } => 8 * 4,
                 CtrlMsg::Abort { reason, .. } => 1 + 2 + reason.len(),
+                CtrlMsg::EcnReport { .. } => ECN_QUEUES * 8,
             }
     }
 
@@ -514,6 +537,12 @@ impl CtrlMsg {
                 out.extend_from_slice(&bytes.to_be_bytes());
                 out.extend_from_slice(&packets.to_be_bytes());
                 out.extend_from_slice(&ce_packets.to_be_bytes());
+            }
+            CtrlMsg::EcnReport { queues } => {
+                for q in queues {
+                    out.extend_from_slice(&q.packets.to_be_bytes());
+                    out.extend_from_slice(&q.ce.to_be_bytes());
+                }
             }
             CtrlMsg::Abort { code, reason } => {
                 out.push(*code);
@@ -631,6 +660,14 @@ impl CtrlMsg {
                 code: r.u8()?,
                 reason: r.string()?,
             },
+            kind::ECN_REPORT => {
+                let mut queues = [QueueEcn::default(); ECN_QUEUES];
+                for q in &mut queues {
+                    q.packets = r.u32()?;
+                    q.ce = r.u32()?;
+                }
+                CtrlMsg::EcnReport { queues }
+            }
             other => return Err(CtrlError::UnknownKind(other)),
         };
         if !r.rest.is_empty() {
@@ -827,6 +864,12 @@ mod tests {
                 code: 9,
                 reason: String::new(),
             },
+            CtrlMsg::EcnReport {
+                queues: std::array::from_fn(|q| QueueEcn {
+                    packets: 1000 * q as u32,
+                    ce: if q == 7 { u32::MAX } else { q as u32 },
+                }),
+            },
         ]
     }
 
@@ -874,7 +917,10 @@ mod tests {
     fn body_sizes() {
         let lens: Vec<usize> = samples().iter().map(|m| body_of(m).len()).collect();
         let reason = "size 10 != 12 ✓".len();
-        assert_eq!(lens, vec![40, 40, 16, 17 + reason, 10, 26, 10, 6, 2, 34, 5]);
+        assert_eq!(
+            lens,
+            vec![40, 40, 16, 17 + reason, 10, 26, 10, 6, 2, 34, 5, 66]
+        );
     }
 
     #[test]
@@ -903,8 +949,8 @@ mod tests {
             Err(CtrlError::UnknownKind(0))
         );
         assert_eq!(
-            CtrlMsg::decode_body(&[1, 10]),
-            Err(CtrlError::UnknownKind(10))
+            CtrlMsg::decode_body(&[1, 11]),
+            Err(CtrlError::UnknownKind(11))
         );
         assert_eq!(
             CtrlMsg::decode_body(&[1, 7, 0]),
@@ -1292,6 +1338,11 @@ mod tests {
                 }
             ),
             (any::<u8>(), arb_reason()).prop_map(|(code, reason)| CtrlMsg::Abort { code, reason }),
+            proptest::array::uniform8((any::<u32>(), any::<u32>())).prop_map(|a| {
+                CtrlMsg::EcnReport {
+                    queues: a.map(|(packets, ce)| QueueEcn { packets, ce }),
+                }
+            }),
         ]
     }
 

@@ -657,7 +657,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
                 rejected.malformed += 1;
                 return;
             };
-            if let Err(e) = flow.on_data(&repr, pkt.payload(), buf, meta.is_ce(), t) {
+            if let Err(e) = flow.on_data(&repr, pkt.payload(), buf, meta.tos, t) {
                 rejected.count(e);
             }
         };

@@ -364,6 +364,11 @@ fn malformed_and_foreign_packets_are_dropped_counted_and_touch_nothing() {
                         break;
                     }
                     Some(CtrlMsg::RateReport { .. }) => {}
+                    // The 10 good packets, whatever queue their DSCP selects; the malformed
+                    // and foreign ones never reach the flow.
+                    Some(CtrlMsg::EcnReport { queues }) => {
+                        assert_eq!(queues.iter().map(|q| q.packets).sum::<u32>(), 10);
+                    }
                     other => panic!("unexpected {other:?}"),
                 }
             }

@@ -2,7 +2,7 @@
 //! large gradients is sent with `DlcpTagger` across the emulated switch to an AF_XDP
 //! receiver; the receiver's XDP classifier sees every packet with the layer's DSCP, ECT(0)
 //! exactly on the large-gradient segments and not-ECT on the others, and nothing with the
-//! control DSCP.
+//! control DSCP; the receiver's per-queue ECN counts reach the sender and match the classifier.
 
 #![allow(clippy::unwrap_used)]
 

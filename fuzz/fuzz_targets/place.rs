@@ -170,7 +170,8 @@ fuzz_target!(|data: &[u8]| {
                 p.set_round(ROUND);
             }
         }
-        let ce = op & 8 != 0;
+        // TOS: the ECN bits and a DSCP from the op byte (CE when bit 3 is set).
+        let tos = ((op & 0x70) << 1) | if op & 8 != 0 { 3 } else { 2 };
 
         let Ok(pkt) = Packet::new_checked(&dg[..]) else {
             continue;
@@ -180,7 +181,7 @@ fuzz_target!(|data: &[u8]| {
         };
         let payload = pkt.payload();
         let was_done = flow.is_done();
-        let res = flow.on_data(&repr, payload, &mut buffer[GUARD..GUARD + size], ce, now);
+        let res = flow.on_data(&repr, payload, &mut buffer[GUARD..GUARD + size], tos, now);
 
         assert!(
             buffer[..GUARD].iter().all(|&b| b == GUARD_BYTE),

@@ -146,6 +146,7 @@ pub fn msg_name(m: &CtrlMsg) -> &'static str {
         CtrlMsg::FinishConfirm => "FinishConfirm",
         CtrlMsg::RateReport { .. } => "RateReport",
         CtrlMsg::Abort { .. } => "Abort",
+        CtrlMsg::EcnReport { .. } => "EcnReport",
     }
 }
 

@@ -6,7 +6,7 @@
 //! copy, one bitmap bit.
 
 use crate::bitmap::SegmentBitmap;
-use crate::control::{CtrlMsg, FlowStart, LossBound, RejectCode, MAX_RANGES};
+use crate::control::{CtrlMsg, FlowStart, LossBound, QueueEcn, RejectCode, ECN_QUEUES, MAX_RANGES};
 use crate::rate::RateMeter;
 use crate::tensor::{DType, PlaceError, SegmentLayout};
 use crate::wire::header;
@@ -125,6 +125,9 @@ pub struct ReceiverStats {
     pub bound_met_ns: Option<u64>,
     /// When FinishConfirm arrived.
     pub done_ns: Option<u64>,
+    /// Data packets received per switch queue (by DSCP) and how many of them were CE: what
+    /// the switches did to this flow, fed back to the sender in `EcnReport`.
+    pub ecn: [QueueEcn; ECN_QUEUES],
 }
 
 /// One tensor being received.
@@ -136,6 +139,12 @@ pub struct ReceiverFlow {
     bitmap: SegmentBitmap,
     phase: ReceiverPhase,
     finish_pending: bool,
+    /// Packets counted in `stats.ecn` since the last EcnReport.
+    ecn_dirty: bool,
+    /// An EcnReport is to follow the RateReport just sent.
+    ecn_due: bool,
+    /// RateReports sent, to send an EcnReport every [`ECN_REPORT_EVERY`] of them.
+    rate_reports: u64,
     meter: RateMeter,
     stats: ReceiverStats,
     /// Segments placed when the previous FlowStop arrived, and how many passes in a row
@@ -144,6 +153,10 @@ pub struct ReceiverFlow {
     futile_passes: u32,
     max_futile_passes: u32,
 }
+
+/// An EcnReport follows every this many RateReports (when anything changed), and always
+/// precedes FlowFinish: at the paper's 200 us period, every 1.6 ms.
+pub const ECN_REPORT_EVERY: u64 = 8;
 
 /// Default for [`ReceiverFlow::set_max_futile_passes`].
 pub const DEFAULT_MAX_FUTILE_PASSES: u32 = 8;
@@ -234,6 +247,9 @@ impl ReceiverFlow {
             loss_bound,
             phase: ReceiverPhase::Receiving,
             finish_pending: false,
+            ecn_dirty: false,
+            ecn_due: false,
+            rate_reports: 0,
             meter: RateMeter::new(period_ns, now_ns),
             stats: ReceiverStats {
                 start_ns: now_ns,
@@ -307,17 +323,19 @@ impl ReceiverFlow {
         }
     }
 
-    /// Place one data packet into `tensor` (the registered buffer). Returns whether the
-    /// segment was new. Nothing is written unless every check passed.
+    /// Place one data packet into `tensor` (the registered buffer). `tos` is the packet's IP
+    /// TOS / traffic-class byte (DSCP and ECN as received). Returns whether the segment was
+    /// new. Nothing is written unless every check passed.
     #[inline]
     pub fn on_data(
         &mut self,
         hdr: &header::Repr,
         payload: &[u8],
         tensor: &mut [u8],
-        ce: bool,
+        tos: u8,
         now_ns: u64,
     ) -> Result<bool, PlaceError> {
+        let ce = tos & 0b11 == 0b11;
         if hdr.job_id != self.id.job {
             return Err(PlaceError::UnknownJob);
         }
@@ -340,6 +358,13 @@ impl ReceiverFlow {
         self.meter
             .record(payload.len() as u64 + header::HEADER_LEN as u64, ce);
         self.stats.ce_packets += u64::from(ce);
+        // A DSCP the policy does not name lands in queue 0 on a gradwire switch.
+        let q = gradwire_qos::dscp_queue(tos >> 2).unwrap_or(0);
+        if let Some(e) = self.stats.ecn.get_mut(usize::from(q)) {
+            e.packets = e.packets.saturating_add(1);
+            e.ce = e.ce.saturating_add(u32::from(ce));
+            self.ecn_dirty = true;
+        }
         if !self.bitmap.set(index) {
             self.stats.duplicates += 1;
             return Ok(false);
@@ -355,6 +380,10 @@ impl ReceiverFlow {
     /// while data flows.
     pub fn poll(&mut self, now_ns: u64) -> Option<CtrlMsg> {
         if self.finish_pending {
+            // The final per-queue ECN counts go first, so the sender has them when it is done.
+            if self.ecn_dirty {
+                return Some(self.ecn_report());
+            }
             self.finish_pending = false;
             return Some(CtrlMsg::FlowFinish {
                 received_segments: self.bitmap.count_ones(),
@@ -366,12 +395,30 @@ impl ReceiverFlow {
             // the sender has stopped, so reports would inform nobody.
             return None;
         }
-        self.meter.poll(now_ns).map(|s| CtrlMsg::RateReport {
+        if self.ecn_due {
+            self.ecn_due = false;
+            if self.ecn_dirty {
+                return Some(self.ecn_report());
+            }
+        }
+        let report = self.meter.poll(now_ns).map(|s| CtrlMsg::RateReport {
             period_ns: s.period_ns,
             bytes: s.bytes,
             packets: s.packets,
             ce_packets: s.ce_packets,
-        })
+        });
+        if report.is_some() {
+            self.rate_reports += 1;
+            self.ecn_due = self.rate_reports % ECN_REPORT_EVERY == 0;
+        }
+        report
+    }
+
+    fn ecn_report(&mut self) -> CtrlMsg {
+        self.ecn_dirty = false;
+        CtrlMsg::EcnReport {
+            queues: self.stats.ecn,
+        }
     }
 
     /// Handle a control message; returns a reply to send, if any.

@@ -4,7 +4,7 @@
 //! retransmission pass | `Done`). A `FlowFinish` in any state after acceptance ends the flow:
 //! the receiver has enough, so the sender stops mid-pass (this is where the tail is cut).
 
-use crate::control::{CtrlMsg, FlowStart, LossBound, SegRange, Stage};
+use crate::control::{CtrlMsg, FlowStart, LossBound, QueueEcn, SegRange, Stage, ECN_QUEUES};
 use crate::rate::{Pacer, RateConfig, RateController, RateEvent, RateState};
 use crate::tensor::{DType, SegmentLayout};
 use crate::wire::header;
@@ -77,6 +77,11 @@ pub struct SenderStats {
     pub ce_reported: u64,
     /// Segments the receiver said it had when it finished the flow.
     pub receiver_segments: Option<u32>,
+    /// What the receiver saw per switch queue (data packets and CE marks), from its latest
+    /// EcnReport: the switches' treatment of this flow.
+    pub ecn: [QueueEcn; ECN_QUEUES],
+    /// EcnReports received.
+    pub ecn_reports: u64,
 }
 
 /// One tensor being sent.
@@ -320,6 +325,15 @@ impl SenderFlow {
                     Ok(Some(CtrlMsg::FinishConfirm))
                 }
                 p => Err(unexpected("FlowFinish", p)),
+            },
+            CtrlMsg::EcnReport { queues } => match self.phase {
+                // Cumulative: the latest report is the flow's figure so far.
+                SenderPhase::Sending | SenderPhase::AwaitVerdict | SenderPhase::Done => {
+                    self.stats.ecn = queues;
+                    self.stats.ecn_reports += 1;
+                    Ok(None)
+                }
+                p => Err(unexpected("EcnReport", p)),
             },
             CtrlMsg::Abort { code, reason } => Err(ProtoError::Aborted { code, reason }),
             other => Err(unexpected(msg_name(&other), self.phase)),

@@ -1,7 +1,9 @@
 //! Deterministic tests of the two protocol cores driven directly: a virtual clock, and the
 //! test decides exactly which segments are lost.
 
-use crate::control::{CtrlMsg, FlowStart, LossBound, RejectCode, SegRange, Stage};
+use crate::control::{
+    CtrlMsg, FlowStart, LossBound, QueueEcn, RejectCode, SegRange, Stage, ECN_QUEUES,
+};
 use crate::rate::RateState;
 use crate::tensor::{DType, PlaceError, SegmentLayout, Tensor};
 use crate::wire::header;
@@ -101,7 +103,8 @@ impl Pair {
                         &repr,
                         pkt.payload(),
                         self.dst.as_bytes_mut(),
-                        false,
+                        // DSCP 46 (queue 6), every third packet CE-marked by a switch.
+                        46 << 2 | if index % 3 == 0 { 3 } else { 2 },
                         self.now,
                     )
                     .unwrap();
@@ -198,7 +201,7 @@ fn loss_above_bound_requests_exactly_the_missing_ranges() {
         .copy_from_slice(&p.src.as_bytes()[3 * 1440..4 * 1440]);
     let pkt = header::Packet::new_checked(&buf[..]).unwrap();
     assert_eq!(
-        p.r.on_data(&repr, pkt.payload(), p.dst.as_bytes_mut(), false, p.now),
+        p.r.on_data(&repr, pkt.payload(), p.dst.as_bytes_mut(), 0, p.now),
         Ok(true)
     );
     let msgs = p.pass(|_| false);
@@ -231,7 +234,7 @@ fn reliable_bound_repeats_rounds_until_everything_arrived() {
         });
         match msgs
             .iter()
-            .find(|m| !matches!(m, CtrlMsg::RateReport { .. }))
+            .find(|m| !matches!(m, CtrlMsg::RateReport { .. } | CtrlMsg::EcnReport { .. }))
         {
             Some(CtrlMsg::RetransmitRequest { pass, ranges }) => {
                 assert_eq!(*pass, round);
@@ -278,19 +281,57 @@ fn duplicates_and_reordering_are_harmless() {
         let pkt = header::Packet::new_checked(&pkts[i][..]).unwrap();
         let repr = header::Repr::parse(&pkt).unwrap();
         fresh += usize::from(
-            p.r.on_data(&repr, pkt.payload(), p.dst.as_bytes_mut(), false, 1)
+            p.r.on_data(&repr, pkt.payload(), p.dst.as_bytes_mut(), 0, 1)
                 .unwrap(),
         );
     }
     assert_eq!(fresh, 10);
     assert_eq!(p.r.stats().duplicates, 3);
     assert_eq!(p.dst.as_bytes(), p.src.as_bytes());
+    // 13 packets with TOS 0 (queue 0), none CE: reported before FlowFinish.
+    let mut want = [QueueEcn::default(); ECN_QUEUES];
+    want[0].packets = 13;
+    assert_eq!(p.r.poll(2), Some(CtrlMsg::EcnReport { queues: want }));
     assert_eq!(
         p.r.poll(2),
         Some(CtrlMsg::FlowFinish {
             received_segments: 10
         })
     );
+}
+
+#[test]
+fn ecn_counts_per_queue_reach_the_sender() {
+    let mut p = Pair::new(36_000, 0.5);
+    let msgs = p.pass(|_| false);
+    // Every packet carried DSCP 46 (queue 6); the pair marks every third one CE.
+    let reports: Vec<&CtrlMsg> = msgs
+        .iter()
+        .filter(|m| matches!(m, CtrlMsg::EcnReport { .. }))
+        .collect();
+    let Some(CtrlMsg::EcnReport { queues }) = reports.last() else {
+        panic!("no EcnReport in {msgs:?}");
+    };
+    let n = p.r.stats().placed as u32;
+    assert_eq!(queues[6].packets, n);
+    assert_eq!(queues[6].ce, n.div_ceil(3));
+    assert!(queues
+        .iter()
+        .enumerate()
+        .all(|(q, e)| q == 6 || e.packets == 0));
+    assert_eq!(p.r.stats().ecn, *queues);
+    // The final report precedes FlowFinish.
+    let fin = msgs
+        .iter()
+        .position(|m| matches!(m, CtrlMsg::FlowFinish { .. }))
+        .unwrap();
+    assert!(matches!(msgs[fin - 1], CtrlMsg::EcnReport { .. }));
+    // The sender keeps the latest (cumulative) report.
+    for m in &reports {
+        p.s.on_ctrl((*m).clone(), p.now).unwrap();
+    }
+    assert_eq!(p.s.stats().ecn, *queues);
+    assert_eq!(p.s.stats().ecn_reports, reports.len() as u64);
 }
 
 #[test]
@@ -314,7 +355,7 @@ fn late_packets_after_finish_never_touch_the_buffer() {
     };
     let junk = vec![0xEE; 1440];
     assert_eq!(
-        p.r.on_data(&repr, &junk, p.dst.as_bytes_mut(), false, p.now),
+        p.r.on_data(&repr, &junk, p.dst.as_bytes_mut(), 0, p.now),
         Err(PlaceError::StaleRound)
     );
     assert_eq!(p.dst.as_bytes(), &snapshot[..]);
@@ -384,7 +425,7 @@ fn foreign_and_malicious_packets_are_refused_distinctly_and_write_nothing() {
     ];
     for (repr, len, want) in cases {
         assert_eq!(
-            p.r.on_data(&repr, &data[..len], p.dst.as_bytes_mut(), false, 1),
+            p.r.on_data(&repr, &data[..len], p.dst.as_bytes_mut(), 0, 1),
             Err(want)
         );
     }
