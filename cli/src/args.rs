@@ -30,6 +30,61 @@ pub enum Command {
     Testbed(TestbedArgs),
     /// The emulated switch fabric of a testbed: run it, or show its counters.
     Fabric(FabricArgs),
+    /// Experiments on the emulated fabric (root).
+    Experiment(ExperimentArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ExperimentArgs {
+    #[command(subcommand)]
+    pub command: ExperimentCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ExperimentCommand {
+    /// DLCP's parameter-server incast on the leaf-spine: gradwire against kernel TCP, with
+    /// ablations. Prints a table; --json for everything.
+    Incast(IncastArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct IncastArgs {
+    /// Topology file: hosts named ps* are parameter servers, the others workers.
+    #[arg(long, default_value = "testbeds/ps-incast.toml")]
+    pub topology: std::path::PathBuf,
+    /// Model layer file.
+    #[arg(long, default_value = "control/models/resnet50.toml")]
+    pub model: std::path::PathBuf,
+    /// Tensor size scale (1 = the model's real gradient sizes).
+    #[arg(long, default_value_t = 1.0 / 32.0)]
+    pub scale: f64,
+    /// Split tensors larger than this (after scaling) over all servers (default 4 MB x scale,
+    /// DLCP's 4 MB threshold at this scale).
+    #[arg(long, value_parser = parse_size)]
+    pub split_bytes: Option<u64>,
+    /// Iterations per variant.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub iterations: u32,
+    /// Variants, comma-separated: gw-p<percent>[-notag][-nospray][-norc], tcp-<congestion>
+    /// (default: gw-p1,gw-p10,gw-p0,tcp-cubic,tcp-dctcp,gw-p1-notag,gw-p1-nospray,gw-p1-norc).
+    #[arg(long, value_delimiter = ',')]
+    pub variants: Option<Vec<String>>,
+    /// Source ports gradwire sprays each transfer over.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub spray_ports: u16,
+    /// gradwire's rate-control period in microseconds (the paper's 200 us is for 100G; the
+    /// default scales it to the emulated links' longer RTT).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(50..=1_000_000))]
+    pub period_us: u64,
+    /// Seed of tensor placement and contents.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Print the whole report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Also write the report (JSON) and every flow (CSV) into this directory.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Args)]

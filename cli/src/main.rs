@@ -2,6 +2,7 @@
 //! and run their emulated switch fabric.
 
 mod args;
+mod experiment;
 mod fabric_cmd;
 mod report;
 mod run;
@@ -27,6 +28,9 @@ fn main() -> ExitCode {
         args::Command::Fabric(f) => match f.command {
             args::FabricCommand::Run(a) => fabric_cmd::fabric_run(&a),
             args::FabricCommand::Stats(a) => fabric_cmd::fabric_stats(&a),
+        },
+        args::Command::Experiment(x) => match x.command {
+            args::ExperimentCommand::Incast(a) => experiment::incast(&a),
         },
     };
     match result {

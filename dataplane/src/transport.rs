@@ -83,6 +83,10 @@ pub struct TransferConfig {
     /// The receiver gives up after this many retransmission passes in a row that deliver
     /// nothing new (the control channel works but the data path does not); 0 never.
     pub max_futile_passes: u32,
+    /// ... and only if no new segment arrived for this long either: a switch queue held above
+    /// its threshold by an incast drops the not-ECT retransmissions of several quick passes
+    /// in a row while the data path works.
+    pub min_futile_time: Duration,
 }
 
 impl Default for TransferConfig {
@@ -96,6 +100,7 @@ impl Default for TransferConfig {
             control_dscp: Some(DEFAULT_CONTROL_DSCP),
             loss_defaults: LossDefaults::default(),
             max_futile_passes: crate::proto::receiver::DEFAULT_MAX_FUTILE_PASSES,
+            min_futile_time: Duration::from_secs(1),
         }
     }
 }
@@ -634,6 +639,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         }
     };
     flow.set_max_futile_passes(cfg.max_futile_passes);
+    flow.set_min_futile_time(u64::try_from(cfg.min_futile_time.as_nanos()).unwrap_or(u64::MAX));
     let flow_id = flow.id();
     let proto = |source| TransferError::Protocol {
         flow: flow_id,

@@ -3,7 +3,9 @@
 //! Every host and every switch is a namespace `<prefix>-<node>`. A host has one interface,
 //! `eth0`, holding its /32, a route to 198.18.0.0/15 via the virtual gateway, and permanent
 //! neighbour entries (gateway and every other host -> the switch port's MAC) so that neither
-//! the kernel nor an AF_XDP sender ever needs ARP. TX checksum offload is off on host
+//! the kernel nor an AF_XDP sender ever needs ARP. Its egress is shaped to the link rate by a
+//! `tbf` qdisc (the host's NIC; the switch shapes the other direction). AF_XDP transmits
+//! bypass the qdisc, so an AF_XDP host is not shaped. TX checksum offload is off on host
 //! interfaces: a veth would otherwise hand the switch TCP/UDP packets with partial checksums,
 //! which an AF_XDP switch forwards as they are and the receiver then drops. Switch ports
 //! (`p0`, `p1`, ...) have no addresses; the fabric attaches its XDP program and AF_XDP socket.
@@ -213,6 +215,31 @@ impl FabricNet {
             exec_in_netns(
                 ns,
                 &["ethtool", "-K", HOST_IFNAME, "tx", "off"],
+                Duration::from_secs(10),
+            )?;
+            // The host's NIC: its egress runs at the link rate too. The switch shapes the
+            // other direction; without this a host could offer more than its link carries.
+            let link = &topo.switches[h.switch].ports[h.port].link;
+            let rate = format!("{}bit", link.rate_bps);
+            // A quarter millisecond of line rate, at least two full frames.
+            let burst = (link.rate_bps / 8 / 4000).max(2 * 1514).to_string();
+            exec_in_netns(
+                ns,
+                &[
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    HOST_IFNAME,
+                    "root",
+                    "tbf",
+                    "rate",
+                    &rate,
+                    "burst",
+                    &burst,
+                    "latency",
+                    "50ms",
+                ],
                 Duration::from_secs(10),
             )?;
         }

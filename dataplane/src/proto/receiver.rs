@@ -152,6 +152,10 @@ pub struct ReceiverFlow {
     placed_at_stop: u64,
     futile_passes: u32,
     max_futile_passes: u32,
+    /// ...and only when nothing new arrived for this long either.
+    min_futile_ns: u64,
+    /// When a new segment was last placed (or the flow accepted).
+    last_new_ns: u64,
 }
 
 /// An EcnReport follows every this many RateReports (when anything changed), and always
@@ -258,6 +262,8 @@ impl ReceiverFlow {
             placed_at_stop: 0,
             futile_passes: 0,
             max_futile_passes: DEFAULT_MAX_FUTILE_PASSES,
+            min_futile_ns: 0,
+            last_new_ns: now_ns,
         };
         let accept = CtrlMsg::FlowAccept {
             job_id: id.job,
@@ -274,6 +280,13 @@ impl ReceiverFlow {
     /// deliver no new segment; 0 never gives up.
     pub fn set_max_futile_passes(&mut self, n: u32) {
         self.max_futile_passes = n;
+    }
+
+    /// Give up only when, besides the futile passes, no new segment arrived for `ns` either
+    /// (default 0: the pass count alone). Under a long incast a congested queue can drop the
+    /// not-ECT retransmissions of several quick passes in a row while the data path works.
+    pub fn set_min_futile_time(&mut self, ns: u64) {
+        self.min_futile_ns = ns;
     }
 
     /// The flow.
@@ -370,6 +383,7 @@ impl ReceiverFlow {
             return Ok(false);
         }
         dst.copy_from_slice(payload);
+        self.last_new_ns = now_ns;
         self.stats.placed += 1;
         self.stats.bytes += payload.len() as u64;
         self.check_bound(now_ns);
@@ -434,7 +448,10 @@ impl ReceiverFlow {
                         self.futile_passes = 0;
                     }
                     self.placed_at_stop = self.stats.placed;
-                    if self.max_futile_passes > 0 && self.futile_passes >= self.max_futile_passes {
+                    if self.max_futile_passes > 0
+                        && self.futile_passes >= self.max_futile_passes
+                        && now_ns.saturating_sub(self.last_new_ns) >= self.min_futile_ns
+                    {
                         return Err(ProtoError::NoDataProgress {
                             passes: self.futile_passes,
                             received: self.bitmap.count_ones(),
