@@ -85,6 +85,9 @@ pub struct IncastArgs {
     /// Also write the report (JSON) and every flow (CSV) into this directory.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
+    /// Draw mean and p99 FCT per variant into this PNG file.
+    #[arg(long)]
+    pub plot: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Args)]
