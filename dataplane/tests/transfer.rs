@@ -423,3 +423,64 @@ fn protocol_violation_aborts_with_a_reason_the_peer_sees() {
         assert!(e.to_string().contains("unexpected FinishConfirm"), "{e}");
     });
 }
+
+/// A whole tensor over two paths at once (host-side multipath, one datapath per path), with
+/// loss and reordering on one of them: every datagram alternates paths, everything the bound
+/// needs arrives, every byte is right.
+#[test]
+fn multipath_round_robin_transfer() {
+    use gradwire::datapath::multipath::MultiPath;
+    let (a, b) = addrs();
+    let (a2, b2): (SocketAddr, SocketAddr) = (
+        "198.18.1.1:7000".parse().unwrap(),
+        "198.18.1.2:7000".parse().unwrap(),
+    );
+    let (tx1, rx1) = Loopback::pair(a, b, 1472, 1 << 15);
+    let (tx2, rx2) = Loopback::pair(a2, b2, 1472, 1 << 15);
+    let lossy = FaultInjector::new(
+        rx2,
+        FaultConfig {
+            drop: 0.02,
+            reorder: 0.05,
+            ..FaultConfig::default()
+        },
+    )
+    .unwrap();
+    let mut tx = MultiPath::new(vec![Box::new(tx1), Box::new(tx2)], 1).unwrap();
+    let mut rx = MultiPath::new(vec![Box::new(rx1), Box::new(lossy)], 1).unwrap();
+    let (mut ca, mut cb) = MemCtrl::pair();
+    let cfg = TransferConfig {
+        idle_timeout: Duration::from_secs(20),
+        ..TransferConfig::default()
+    };
+    let sent = sender_tensor();
+    let mut got = Tensor::zeros(DType::F32, SIZE / 4);
+    let opts = SendOptions {
+        loss_bound: Some(LossBound::from_fraction(0.005).unwrap()),
+        ..SendOptions::new(3, 18)
+    };
+    let prio = fixed_priority(Tag {
+        dscp: 10,
+        ect: true,
+    });
+    let report = std::thread::scope(|s| {
+        let c = cfg.clone();
+        let sent = &sent;
+        let tx = &mut tx;
+        let h = s.spawn(move || send_tensor(tx, &mut ca, b.ip(), sent, &opts, &prio, &c));
+        let r = recv_tensor(&mut rx, &mut cb, &mut got, &RecvOptions::new(3, 18), &cfg).unwrap();
+        h.join().unwrap().unwrap();
+        r
+    });
+    check(&report, &sent, &got, 0, 0.005);
+    let per = tx.sent_per_path();
+    let total = per[0] + per[1];
+    assert!(
+        per[0].abs_diff(per[1]) <= 1 + total / 100,
+        "uneven split {per:?}"
+    );
+    assert!(
+        report.rounds >= 1,
+        "2 % loss on one path needs a retransmission round"
+    );
+}

@@ -13,6 +13,8 @@
 //!   and the baseline kernel bypass has to beat.
 //! - [`crate::afxdp::AfXdpDatapath`] and [`crate::afxdp::engine::Engine`]: AF_XDP sockets
 //!   behind gradwire's XDP classifier, single-threaded or with pinned per-queue workers.
+//! - [`multipath::MultiPath`]: round robin over several datapaths (one per interface or next
+//!   hop), host-side spraying by source-routed choice.
 //! - [`fault::FaultInjector`]: wraps any datapath and drops, duplicates, reorders or delays
 //!   what it receives, seeded, so loss tests do not need netem.
 
@@ -21,6 +23,7 @@ use std::time::Duration;
 
 pub mod fault;
 pub mod loopback;
+pub mod multipath;
 pub mod udp;
 
 /// Metadata of a datagram to send.
