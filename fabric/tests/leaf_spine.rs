@@ -37,8 +37,7 @@ fn tcp_transfer(net: &FabricNet, topo: &Topology, from: usize, to: usize, bytes:
         let to = SocketAddr::from((dst, 5001));
         let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(5)).unwrap();
         s.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
-        let data: Vec<u8> = (0..bytes).map(|i| (i * 7 + i / 1500) as u8).collect();
-        s.write_all(&data).unwrap();
+        s.write_all(&pattern(bytes)).unwrap();
     })
     .unwrap();
     server.join().unwrap()
@@ -118,12 +117,7 @@ fn per_flow_ecmp_keeps_a_flow_on_one_spine() {
     if !require_root("per_flow_ecmp_keeps_a_flow_on_one_spine") {
         return;
     }
-    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testbeds/leaf-spine.toml");
-    let text = std::fs::read_to_string(file)
-        .unwrap()
-        .replace("ecmp = \"packet\"", "ecmp = \"flow\"")
-        .replace("policy = \"fabric-policy.toml\"", "");
-    let topo = topo(&text);
+    let topo = leaf_spine_per_flow();
     let net = FabricNet::up(&topo).unwrap();
     let fabric = spawn(&topo, net.switch_namespaces(), FabricConfig::default()).unwrap();
     let a1 = topo.host_index("a1").unwrap();

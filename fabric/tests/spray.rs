@@ -9,8 +9,7 @@
 mod common;
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
-use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath};
@@ -90,20 +89,7 @@ fn transfer(net: &FabricNet, topo: &Topology, kind: Kind, from: usize, to: usize
     .unwrap();
     let sender = spawn_in_netns(net.host_ns(from).unwrap(), move || {
         let dp = datapath(kind, SocketAddr::new(tx_ip, DATA_PORT), spray);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let ctrl = loop {
-            match gradwire::channel::TcpCtrl::connect(
-                SocketAddr::new(rx_ip, CTRL_PORT),
-                Duration::from_secs(1),
-                None,
-            ) {
-                Ok(c) => break c,
-                Err(e) => {
-                    assert!(Instant::now() < deadline, "receiver never listened: {e}");
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        };
+        let ctrl = connect_retry(SocketAddr::new(rx_ip, CTRL_PORT));
         let mut s = Sender::with_channel(ctrl, dp, cfg()).unwrap();
         let mut t = Tensor::zeros(DType::F32, elems);
         t.fill_pattern(5);
@@ -144,12 +130,7 @@ fn host_spraying_spreads_one_transfer_over_both_spines() {
     if !require_root("host_spraying_spreads_one_transfer_over_both_spines") {
         return;
     }
-    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testbeds/leaf-spine.toml");
-    let text = std::fs::read_to_string(file)
-        .unwrap()
-        .replace("ecmp = \"packet\"", "ecmp = \"flow\"")
-        .replace("policy = \"fabric-policy.toml\"", "");
-    let topo = topo(&text);
+    let topo = leaf_spine_per_flow();
     let net = FabricNet::up(&topo).unwrap();
     let fabric = spawn(&topo, net.switch_namespaces(), FabricConfig::default()).unwrap();
     let (a1, b2) = (

@@ -9,7 +9,7 @@
 mod common;
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath};
@@ -89,20 +89,7 @@ fn tagged_transfer_shows_layer_dscp_and_magnitude_ecn_at_the_receiver() {
             gradwire::datapath::udp::UdpConfig::default(),
         )
         .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let ctrl = loop {
-            match gradwire::channel::TcpCtrl::connect(
-                SocketAddr::new(rx_ip, CTRL_PORT),
-                Duration::from_secs(1),
-                None,
-            ) {
-                Ok(c) => break c,
-                Err(e) => {
-                    assert!(Instant::now() < deadline, "receiver never listened: {e}");
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        };
+        let ctrl = connect_retry(SocketAddr::new(rx_ip, CTRL_PORT));
         let mut s = Sender::with_channel(ctrl, dp, cfg()).unwrap();
         let t = gradients();
         let tagger =

@@ -27,6 +27,35 @@ pub fn topo(text: &str) -> Topology {
     Topology::from_toml(text, qos()).unwrap()
 }
 
+/// The shipped leaf-spine with per-flow ECMP at every switch (and the built-in policy, which
+/// is the shipped one).
+pub fn leaf_spine_per_flow() -> Topology {
+    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testbeds/leaf-spine.toml");
+    let text = std::fs::read_to_string(file)
+        .unwrap()
+        .replace("ecmp = \"packet\"", "ecmp = \"flow\"")
+        .replace("policy = \"fabric-policy.toml\"", "");
+    topo(&text)
+}
+
+/// Connects a gradwire control channel to `addr`, retrying for up to 10 s while the receiver
+/// starts.
+pub fn connect_retry(addr: SocketAddr) -> gradwire::channel::TcpCtrl {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match gradwire::channel::TcpCtrl::connect(addr, Duration::from_secs(1), None) {
+            Ok(c) => return c,
+            Err(e) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "receiver never listened: {e}"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
 /// A receiver: the XDP classifier attached to `eth0` in `netns` (counting what arrives per
 /// DSCP/ECN, passing it on) and a UDP socket bound to [`PORT`] so that the kernel answers
 /// with no ICMP. Call `finish` to get the classifier's counters.
