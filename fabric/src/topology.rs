@@ -221,18 +221,24 @@ pub struct Topology {
     pub switches: Vec<SwitchPlan>,
 }
 
-/// Parses a rate: `"<number><unit>"` with unit bit, Kbit, Mbit, Gbit (decimal, as tc writes
-/// them; also bps/Kbps/Mbps/Gbps meaning bits).
-pub fn parse_rate(s: &str) -> Result<u64, String> {
+/// Splits `"<number><unit>"` (spaces allowed around and between) into the number and the
+/// unit; `None` when the number does not parse.
+fn number_unit(s: &str) -> Option<(f64, &str)> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num.parse().map_err(|_| {
+    Some((num.parse().ok()?, unit.trim()))
+}
+
+/// Parses a rate: `"<number><unit>"` with unit bit, Kbit, Mbit, Gbit (decimal, as tc writes
+/// them; also bps/Kbps/Mbps/Gbps meaning bits).
+pub fn parse_rate(s: &str) -> Result<u64, String> {
+    let (v, unit) = number_unit(s).ok_or_else(|| {
         format!("rate {s:?}: expected a number followed by bit, Kbit, Mbit or Gbit")
     })?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+    let mult = match unit.to_ascii_lowercase().as_str() {
         "bit" | "bps" | "b/s" => 1.0,
         "kbit" | "kbps" => 1e3,
         "mbit" | "mbps" => 1e6,
@@ -257,15 +263,9 @@ pub fn parse_rate(s: &str) -> Result<u64, String> {
 
 /// Parses a duration: `"<number><unit>"` with unit ns, us, ms or s.
 pub fn parse_delay(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("delay {s:?}: expected a number followed by ns, us, ms or s"))?;
-    let mult = match unit.trim() {
+    let (v, unit) = number_unit(s)
+        .ok_or_else(|| format!("delay {s:?}: expected a number followed by ns, us, ms or s"))?;
+    let mult = match unit {
         "ns" => 1.0,
         "us" | "µs" => 1e3,
         "ms" => 1e6,
