@@ -83,11 +83,25 @@ fn abs_at(bytes: &[u8], dtype: DType, i: usize) -> Option<f32> {
     let e = dtype.elem_size();
     let b = bytes.get(i * e..i * e + e)?;
     Some(match dtype {
-        DType::F32 => f32::from_ne_bytes([b[0], b[1], b[2], b[3]]).abs(),
-        DType::F16 => f16::from_ne_bytes([b[0], b[1]]).to_f32().abs(),
-        DType::Bf16 => bf16::from_ne_bytes([b[0], b[1]]).to_f32().abs(),
+        DType::F32 => f32_of(b).abs(),
+        DType::F16 => f16_of(b).abs(),
+        DType::Bf16 => bf16_of(b).abs(),
         DType::Raw => return None,
     })
+}
+
+// One element from exactly its bytes (native order, as the tensor stores it). Separate
+// functions rather than a match per element so that `mean_abs`'s loop is monomorphic.
+fn f32_of(c: &[u8]) -> f32 {
+    f32::from_ne_bytes([c[0], c[1], c[2], c[3]])
+}
+
+fn f16_of(c: &[u8]) -> f32 {
+    f16::from_ne_bytes([c[0], c[1]]).to_f32()
+}
+
+fn bf16_of(c: &[u8]) -> f32 {
+    bf16::from_ne_bytes([c[0], c[1]]).to_f32()
 }
 
 /// The threshold for `tensor`: the configured quantile of |g| over a random sample of its
@@ -149,9 +163,9 @@ pub fn mean_abs(payload: &[u8], dtype: DType) -> f32 {
         (acc.iter().sum::<f32>() + tail, payload.len() / W)
     }
     let (sum, n) = match dtype {
-        DType::F32 => lanes::<4>(payload, |c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]])),
-        DType::F16 => lanes::<2>(payload, |c| f16::from_ne_bytes([c[0], c[1]]).to_f32()),
-        DType::Bf16 => lanes::<2>(payload, |c| bf16::from_ne_bytes([c[0], c[1]]).to_f32()),
+        DType::F32 => lanes::<4>(payload, f32_of),
+        DType::F16 => lanes::<2>(payload, f16_of),
+        DType::Bf16 => lanes::<2>(payload, bf16_of),
         DType::Raw => return 0.0,
     };
     if n == 0 {
