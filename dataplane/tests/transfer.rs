@@ -70,6 +70,18 @@ fn loopback_case(faults: FaultConfig, bound: f64, fill: MissingFill) -> RecvRepo
     let (a, b) = addrs();
     let (mut tx, rx) = Loopback::pair(a, b, 1472, 1 << 16);
     let mut rx = FaultInjector::new(rx, faults).unwrap();
+    transfer_over(&mut tx, &mut rx, b, bound, fill)
+}
+
+/// One 64 MiB transfer from `tx` to `rx` (receiver at `to`) over an in-memory control
+/// channel, checked byte by byte against the bound.
+fn transfer_over<T: Datapath + Send, R: Datapath>(
+    tx: &mut T,
+    rx: &mut R,
+    to: SocketAddr,
+    bound: f64,
+    fill: MissingFill,
+) -> RecvReport {
     let (mut ca, mut cb) = MemCtrl::pair();
     let cfg = TransferConfig {
         idle_timeout: Duration::from_secs(20),
@@ -95,8 +107,8 @@ fn loopback_case(faults: FaultConfig, bound: f64, fill: MissingFill) -> RecvRepo
     let report = std::thread::scope(|s| {
         let c = cfg.clone();
         let sent = &sent;
-        let h = s.spawn(move || send_tensor(&mut tx, &mut ca, b.ip(), sent, &opts, &prio, &c));
-        let r = recv_tensor(&mut rx, &mut cb, &mut got, &ropts, &cfg).unwrap();
+        let h = s.spawn(move || send_tensor(tx, &mut ca, to.ip(), sent, &opts, &prio, &c));
+        let r = recv_tensor(rx, &mut cb, &mut got, &ropts, &cfg).unwrap();
         let sr = h.join().unwrap().unwrap();
         assert_eq!(sr.segments, r.segments);
         assert!(sr.stats.packets >= u64::from(r.received_segments));
@@ -448,31 +460,7 @@ fn multipath_round_robin_transfer() {
     .unwrap();
     let mut tx = MultiPath::new(vec![Box::new(tx1), Box::new(tx2)], 1).unwrap();
     let mut rx = MultiPath::new(vec![Box::new(rx1), Box::new(lossy)], 1).unwrap();
-    let (mut ca, mut cb) = MemCtrl::pair();
-    let cfg = TransferConfig {
-        idle_timeout: Duration::from_secs(20),
-        ..TransferConfig::default()
-    };
-    let sent = sender_tensor();
-    let mut got = Tensor::zeros(DType::F32, SIZE / 4);
-    let opts = SendOptions {
-        loss_bound: Some(LossBound::from_fraction(0.005).unwrap()),
-        ..SendOptions::new(3, 18)
-    };
-    let prio = fixed_priority(Tag {
-        dscp: 10,
-        ect: true,
-    });
-    let report = std::thread::scope(|s| {
-        let c = cfg.clone();
-        let sent = &sent;
-        let tx = &mut tx;
-        let h = s.spawn(move || send_tensor(tx, &mut ca, b.ip(), sent, &opts, &prio, &c));
-        let r = recv_tensor(&mut rx, &mut cb, &mut got, &RecvOptions::new(3, 18), &cfg).unwrap();
-        h.join().unwrap().unwrap();
-        r
-    });
-    check(&report, &sent, &got, 0, 0.005);
+    let report = transfer_over(&mut tx, &mut rx, b, 0.005, MissingFill::Zero);
     let per = tx.sent_per_path();
     let total = per[0] + per[1];
     assert!(
