@@ -239,11 +239,9 @@ impl Worker {
                 }
             }
             if !self.refill.is_empty() {
-                let n = self.sock.fill.produce(&self.refill);
-                if n < self.refill.len() {
+                if !self.sock.refill(&mut self.refill) {
                     self.stats.fill_empty.fetch_add(1, Ordering::Relaxed);
                 }
-                self.refill.drain(..n);
                 if self.sock.fill.needs_wakeup() {
                     let _ = syscall::recv_kick(self.sock.raw_fd());
                 }
@@ -314,11 +312,7 @@ impl Engine {
         let mut workers = Vec::new();
         for (i, &q) in cfg.queues.iter().enumerate() {
             let sock = cfg.bind_queue(&attached, q)?;
-            let half = sc.frames / 2;
-            let refill: Vec<u64> = (0..half.min(sc.ring_size))
-                .map(|f| sock.umem.frame_addr(f))
-                .collect();
-            let pool: Vec<u64> = (half..sc.frames).map(|f| sock.umem.frame_addr(f)).collect();
+            let (refill, pool) = sock.initial_frames();
             let (cmd_tx, cmd_rx) = bounded(1024);
             let (free_tx_tx, free_tx_rx) = unbounded();
             let wake = Arc::new(

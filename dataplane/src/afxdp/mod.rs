@@ -205,21 +205,14 @@ struct Queue {
 
 impl Queue {
     fn reap_completions(&mut self) {
-        self.comp.clear();
-        let n = self.sock.comp.size() as usize;
-        self.sock.comp.consume(n, &mut self.comp);
-        self.free_tx.extend_from_slice(&self.comp);
+        self.sock
+            .reap_completions(&mut self.comp, &mut self.free_tx);
     }
 
     fn refill(&mut self) {
-        if self.refill.is_empty() {
-            return;
-        }
-        let n = self.sock.fill.produce(&self.refill);
-        if n < self.refill.len() {
+        if !self.sock.refill(&mut self.refill) {
             self.stats.fill_empty += 1;
         }
-        self.refill.drain(..n);
     }
 }
 
@@ -380,11 +373,7 @@ impl AfXdpDatapath {
         let mut queues = Vec::with_capacity(cfg.queues.len());
         for &q in &cfg.queues {
             let sock = cfg.bind_queue(&attached, q)?;
-            // The first half of the frames feed the FILL ring, the second half are for TX.
-            let half = sc.frames / 2;
-            let umem_frame = |i| sock.umem.frame_addr(i);
-            let fill: Vec<u64> = (0..half.min(sc.ring_size)).map(umem_frame).collect();
-            let free_tx: Vec<u64> = (half..sc.frames).map(umem_frame).collect();
+            let (fill, free_tx) = sock.initial_frames();
             let mut queue = Queue {
                 stats: QueueStats {
                     queue: q,

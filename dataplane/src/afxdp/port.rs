@@ -126,14 +126,7 @@ impl RawPort {
                 source,
             })?;
         xdp.register_xsk(0, sock.fd().as_fd()).map_err(xdp_err)?;
-        // The first half of the frames feed the FILL ring, the second half are for TX.
-        let half = cfg.frames / 2;
-        let refill: Vec<u64> = (0..half.min(cfg.ring_size))
-            .map(|i| sock.umem.frame_addr(i))
-            .collect();
-        let free_tx: Vec<u64> = (half..cfg.frames)
-            .map(|i| sock.umem.frame_addr(i))
-            .collect();
+        let (refill, free_tx) = sock.initial_frames();
         let ring = cfg.ring_size as usize;
         let mut port = RawPort {
             sock,
@@ -215,10 +208,8 @@ impl RawPort {
     }
 
     fn give_back(&mut self) {
-        if !self.refill.is_empty() {
-            let n = self.sock.fill.produce(&self.refill);
-            self.refill.drain(..n);
-        }
+        // A full FILL ring keeps the rest for the next call.
+        self.sock.refill(&mut self.refill);
         if self.sock.fill.needs_wakeup() {
             // Zero-copy drivers stop taking FILL entries until woken.
             let _ = syscall::recv_kick(self.sock.raw_fd());
@@ -292,9 +283,7 @@ impl RawPort {
     }
 
     fn reap(&mut self) {
-        self.comp.clear();
-        let n = self.sock.comp.size() as usize;
-        self.sock.comp.consume(n, &mut self.comp);
-        self.free_tx.extend_from_slice(&self.comp);
+        self.sock
+            .reap_completions(&mut self.comp, &mut self.free_tx);
     }
 }

@@ -223,6 +223,38 @@ impl XskSocket {
         self.umem.hugepages()
     }
 
+    /// The UMEM split every user of a socket starts from: the first half of the frames (at
+    /// most one ring's worth) to put on the FILL ring, the second half free for TX.
+    pub(crate) fn initial_frames(&self) -> (Vec<u64>, Vec<u64>) {
+        let (frames, ring) = (self.umem.frames(), self.fill.size());
+        let half = frames / 2;
+        let fill = (0..half.min(ring))
+            .map(|i| self.umem.frame_addr(i))
+            .collect();
+        let free_tx = (half..frames).map(|i| self.umem.frame_addr(i)).collect();
+        (fill, free_tx)
+    }
+
+    /// Puts as many of `pending` on the FILL ring as fit and removes them from it; returns
+    /// false when some did not fit (the ring was full).
+    pub(crate) fn refill(&mut self, pending: &mut Vec<u64>) -> bool {
+        if pending.is_empty() {
+            return true;
+        }
+        let n = self.fill.produce(pending);
+        let all = n == pending.len();
+        pending.drain(..n);
+        all
+    }
+
+    /// Moves every completed TX frame into `free` (`scratch` is a reusable buffer).
+    pub(crate) fn reap_completions(&mut self, scratch: &mut Vec<u64>, free: &mut Vec<u64>) {
+        scratch.clear();
+        let n = self.comp.size() as usize;
+        self.comp.consume(n, scratch);
+        free.extend_from_slice(scratch);
+    }
+
     /// The kernel's counters for this socket.
     pub fn kernel_stats(&self) -> io::Result<KernelStats> {
         let (s, _) =
