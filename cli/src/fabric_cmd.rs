@@ -34,7 +34,7 @@ use serde_json::Value;
 use crate::args::{
     FabricRunArgs, FabricStatsArgs, TestbedDownArgs, TestbedStatusArgs, TestbedUpArgs,
 };
-use crate::stats::stats_dir;
+use crate::stats::{stats_dir, u};
 
 type Res<T = ()> = Result<T, Box<dyn Error + Send + Sync>>;
 
@@ -925,10 +925,6 @@ fn resolve_stats(dir: &Path, target: Option<&str>) -> Res<(PathBuf, Option<i32>)
             .into()),
         },
     }
-}
-
-fn u(v: &Value, k: &str) -> u64 {
-    v.get(k).and_then(Value::as_u64).unwrap_or(0)
 }
 
 fn arr<'a>(v: &'a Value, k: &str) -> &'a [Value] {

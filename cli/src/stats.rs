@@ -72,7 +72,8 @@ impl Drop for StatsFile {
     }
 }
 
-fn u(v: &Value, k: &str) -> u64 {
+/// Field `k` of a JSON object as u64 (0 when absent).
+pub(crate) fn u(v: &Value, k: &str) -> u64 {
     v.get(k).and_then(Value::as_u64).unwrap_or(0)
 }
 
