@@ -396,28 +396,18 @@ fn receive(
     let e = |what: &str, err: &dyn std::fmt::Display| {
         format!("receiver of job {} on host {}: {what}: {err}", p.job, p.dst)
     };
-    let listener = match TcpListener::bind(SocketAddr::new(ip, ctrl_port(p.src))) {
-        Ok(l) => l,
-        Err(err) => {
-            let m = e("listen", &err);
-            let _ = ready.send(Err(m.clone()));
-            return Err(m);
-        }
+    // A setup failure is reported to the phase (which waits for every receiver) and returned.
+    let setup_failed = |m: String| {
+        let _ = ready.send(Err(m.clone()));
+        m
     };
+    let listener = TcpListener::bind(SocketAddr::new(ip, ctrl_port(p.src)))
+        .map_err(|err| setup_failed(e("listen", &err)))?;
     let mut out = Vec::with_capacity(p.tensors.len());
     match &v.kind {
         VariantKind::Gradwire { .. } => {
-            let dp = match UdpDatapath::bind(
-                SocketAddr::new(ip, data_port(p.src)),
-                UdpConfig::default(),
-            ) {
-                Ok(d) => d,
-                Err(err) => {
-                    let m = e("bind data socket", &err);
-                    let _ = ready.send(Err(m.clone()));
-                    return Err(m);
-                }
-            };
+            let dp = UdpDatapath::bind(SocketAddr::new(ip, data_port(p.src)), UdpConfig::default())
+                .map_err(|err| setup_failed(e("bind data socket", &err)))?;
             let _ = ready.send(Ok(()));
             let mut r = Receiver::accept(
                 &listener,
@@ -451,9 +441,6 @@ fn receive(
         }
         VariantKind::Tcp { .. } => {
             let _ = ready.send(Ok(()));
-            listener
-                .set_nonblocking(false)
-                .map_err(|err| e("listener", &err))?;
             let (mut s, _) = listener.accept().map_err(|err| e("accept", &err))?;
             s.set_read_timeout(Some(Duration::from_secs(60)))
                 .map_err(|err| e("timeout", &err))?;
