@@ -90,10 +90,20 @@ fn leaf_spine_sprays_evenly_and_carries_tcp() {
         .map(|s| mid.switch(s).unwrap().forward.forwarded)
         .collect();
     eprintln!("spine0 {} spine1 {} of {n}", via[0], via[1]);
+    let dropped: u64 = mid
+        .switches
+        .iter()
+        .flat_map(|s| &s.ports)
+        .map(|p| {
+            let q = p.egress.sum();
+            q.dropped_threshold + q.dropped_buffer + p.socket.tx_refused
+        })
+        .sum();
     assert_eq!(
         seen.classes_total().packets,
         n as u64,
-        "every datagram arrived"
+        "every datagram arrived (switch drops and TX refusals: {dropped}; lag {:?})",
+        mid.lag
     );
     assert_eq!(via[0] + via[1], n as u64);
     for v in &via {
