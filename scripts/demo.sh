@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
-cargo build --release --locked -p gradwire >&2
+cargo build --release --locked -p gradwire-cli >&2
 datapath=udp
 if [[ $(id -u) -eq 0 ]]; then
     datapath=afxdp

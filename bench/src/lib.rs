@@ -44,23 +44,20 @@
 //!
 //! Nothing here performs I/O; the numbers are CPU cost per packet on one core.
 
-pub mod fabricbench;
-pub mod netbench;
-
 use std::hint::black_box;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use gradwire::control::{CtrlMsg, FlowStart, LossBound, Stage};
-use gradwire::datapath::{RxMeta, TxMeta};
-use gradwire::proto::{
+use gradwire_proto::datagram::{RxMeta, TxMeta};
+use gradwire_proto::flow::{
     fixed_priority, FlowId, PriorityFn, ReceiverFlow, RecvSpec, RejectCounts, SegmentInfo,
     SenderConfig, SenderFlow, Tag,
 };
-use gradwire::tagging::{DlcpTagger, MagnitudeConfig};
-use gradwire::tensor::{DType, SegmentLayout, Tensor};
-use gradwire::wire::frame::{self, Ecn, FrameMeta};
-use gradwire::wire::header::{self, HEADER_LEN};
+use gradwire_proto::message::{CtrlMsg, FlowStart, LossBound, Stage};
+use gradwire_proto::tagging::{DlcpTagger, MagnitudeConfig};
+use gradwire_proto::tensor::{DType, SegmentLayout, Tensor};
+use gradwire_proto::wire::frame::{self, Ecn, FrameMeta};
+use gradwire_proto::wire::header::{self, HEADER_LEN};
 
 /// Payload bytes per packet: a 1500-byte IPv4 MTU minus IPv4, UDP and gradwire headers.
 pub const PAYLOAD: usize = frame::payload_capacity(1500, false);
@@ -558,7 +555,7 @@ pub fn threshold_estimate_time(tensor: &Tensor, runs: u32) -> Duration {
     (0..runs.max(1))
         .map(|_| {
             let t = Instant::now();
-            black_box(gradwire::tagging::magnitude_threshold(
+            black_box(gradwire_proto::tagging::magnitude_threshold(
                 black_box(tensor),
                 &MagnitudeConfig::default(),
             ));

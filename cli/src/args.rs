@@ -25,7 +25,7 @@ pub enum Command {
     /// Show the counters of running `gradwire send`/`recv` processes.
     Stats(StatsArgs),
     /// Benchmark AF_XDP against kernel UDP between two namespaces (root).
-    Bench(gradwire_bench::netbench::BenchArgs),
+    Bench(gradwire_experiment::netbench::BenchArgs),
     /// Topology testbeds: namespaces, links and an emulated switch fabric (root).
     Testbed(TestbedArgs),
     /// The emulated switch fabric of a testbed: run it, or show its counters.

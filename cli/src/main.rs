@@ -19,7 +19,7 @@ fn main() -> ExitCode {
         args::Command::Send(a) => run::send(&a),
         args::Command::Recv(a) => run::recv(&a),
         args::Command::Stats(a) => stats::run(&a),
-        args::Command::Bench(a) => gradwire_bench::netbench::run(&a),
+        args::Command::Bench(a) => gradwire_experiment::netbench::run(&a),
         args::Command::Testbed(t) => match t.command {
             args::TestbedCommand::Up(a) => fabric_cmd::testbed_up(&a),
             args::TestbedCommand::Down(a) => fabric_cmd::testbed_down(&a),

@@ -6,13 +6,13 @@ use std::time::{Duration, Instant};
 
 use gradwire::afxdp::engine::{Engine, EngineConfig};
 use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath, AfXdpStats, BusyPoll, PollMode};
-use gradwire::channel::{CtrlChannel, MemCtrl, TcpCtrl};
-use gradwire::control::{LossBound, Stage};
+use gradwire::ctrl_channel::{CtrlChannel, MemCtrl, TcpCtrl};
 use gradwire::datapath::fault::{FaultConfig, FaultInjector};
 use gradwire::datapath::loopback::Loopback;
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::datapath::Datapath;
-use gradwire::proto::{fixed_priority, SenderConfig, Tag};
+use gradwire::flow::{fixed_priority, SenderConfig, Tag};
+use gradwire::message::{LossBound, Stage};
 use gradwire::rate::RateConfig;
 use gradwire::tensor::Tensor;
 use gradwire::testbed::{Testbed, TestbedConfig};
@@ -415,7 +415,7 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
             out.push((r, ok));
         }
         let elapsed = start.elapsed();
-        Ok((out, rx.datapath().afxdp_stats(), elapsed))
+        Ok((out, AfXdpStats::of(rx.datapath()), elapsed))
     })?;
     let (sc, scfg) = (c.clone(), cfg.clone());
     let sender = tb.spawn_in(0, move || -> Res<(Vec<SendReport>, Option<AfXdpStats>)> {
@@ -440,7 +440,7 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
         for round in 0..sc.count {
             out.push(tx.send(&t, &send_opts(&sc, round)?, &prio)?);
         }
-        Ok((out, tx.datapath().afxdp_stats()))
+        Ok((out, AfXdpStats::of(tx.datapath())))
     })?;
     let sres = sender.join().map_err(|_| "sender thread panicked")?;
     let rres = receiver.join().map_err(|_| "receiver thread panicked")?;
@@ -532,7 +532,7 @@ pub fn send(a: &SendArgs) -> Res {
             rejected: None,
             verified: None,
         });
-        stats_file.write(round + 1, dp.stats(), dp.afxdp_stats());
+        stats_file.write(round + 1, dp.stats(), AfXdpStats::of(&dp));
     }
     pb.finish_and_clear();
     let mut summary = Summary::new(
@@ -547,7 +547,7 @@ pub fn send(a: &SendArgs) -> Res {
         xfers,
     );
     summary.verified = None;
-    summary.afxdp_sender = dp.afxdp_stats();
+    summary.afxdp_sender = AfXdpStats::of(&dp);
     summary.print(c.json);
     Ok(())
 }
@@ -598,7 +598,7 @@ pub fn recv(a: &RecvArgs) -> Res {
         delivered += r.stats.bytes;
         pb.inc(c.size);
         xfers.push(xfer_from(round, &r, None, Some(ok)));
-        stats_file.write(round + 1, dp.stats(), dp.afxdp_stats());
+        stats_file.write(round + 1, dp.stats(), AfXdpStats::of(&dp));
     }
     pb.finish_and_clear();
     let mut summary = Summary::new(
@@ -612,7 +612,7 @@ pub fn recv(a: &RecvArgs) -> Res {
         start.elapsed(),
         xfers,
     );
-    summary.afxdp_receiver = dp.afxdp_stats();
+    summary.afxdp_receiver = AfXdpStats::of(&dp);
     summary.print(c.json);
     if summary.verified == Some(false) {
         return Err("some delivered bytes differ from the sender's".into());

@@ -1,14 +1,14 @@
 //! Send one f32 gradient tensor to a receiver over kernel UDP on 127.0.0.1 with a 1% loss
 //! bound, the way an ML framework would call `dlcp_send` / `dlcp_recv`.
 //!
-//! Run with `cargo run --release -p gradwire-dataplane --example exchange`.
+//! Run with `cargo run --release -p gradwire --example exchange`.
 
 use std::error::Error;
 use std::net::{SocketAddr, TcpListener};
 
-use gradwire::control::LossBound;
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
-use gradwire::proto::{SegmentInfo, Tag};
+use gradwire::flow::{SegmentInfo, Tag};
+use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::{Receiver, RecvOptions, SendOptions, Sender, TransferConfig};
 

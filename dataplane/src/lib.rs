@@ -1,30 +1,25 @@
 //! gradwire: a bounded-loss-tolerant transport for distributed DNN training traffic.
 //!
-//! The crate is layered so that every layer can be tested without the one below it:
+//! The protocol itself, with no I/O, is the `gradwire-proto` crate; its modules are
+//! re-exported here ([`wire`], [`message`], [`datagram`], [`rate`], [`tensor`], [`bitmap`],
+//! [`flow`], [`tagging`]) so `gradwire::wire::...` is the one path users write. This crate
+//! adds what touches the operating system:
 //!
-//! - [`wire`]: byte-exact packet views and `Repr` parse/emit for Ethernet, IPv4, IPv6, UDP and
-//!   the gradwire data header. No I/O.
-//! - [`control`]: the control-channel messages (flow start/stop/finish, retransmission
-//!   requests, rate and per-queue ECN reports) and their length-prefixed framing. No I/O.
-//! - [`rate`]: the DLCP rate-control state machine (Figure 7), a pacer and a rate meter, all
-//!   pure functions of their inputs (time is an argument).
-//! - [`tagging`]: DLCP's default priority function (layer -> DSCP, gradient magnitude ->
-//!   ECN-capable). No I/O.
-//! - [`proto`] (deterministic sender/receiver state machines), [`datapath`] (the datapath
-//!   trait, in-memory, fault-injecting and kernel UDP implementations, with source-port
-//!   spraying), [`afxdp`] (the kernel-bypass datapath and a raw-frame port for the emulated
-//!   switch), [`transport`] (the drivers and the `Sender`/`Receiver` API), [`testbed`].
+//! - [`datapath`]: the datapath trait and its in-memory, fault-injecting, multipath and
+//!   kernel UDP implementations (with source-port spraying).
+//! - [`afxdp`] (cargo feature `afxdp`, on by default): the kernel-bypass datapath behind
+//!   gradwire's XDP classifier, the pinned-worker engine and a raw-frame port for the
+//!   emulated switch. Without the feature the crate builds with no clang and no libbpf.
+//! - [`ctrl_channel`]: the reliable control channel (kernel TCP, or in-memory for tests).
+//! - [`transport`]: the drivers that run one transfer, and the `Sender`/`Receiver` API
+//!   (DLCP's `dlcp_send` / `dlcp_recv`).
 #![doc(html_no_source)]
 
+#[cfg(feature = "afxdp")]
 pub mod afxdp;
-pub mod bitmap;
-pub mod channel;
-pub mod control;
+pub mod ctrl_channel;
 pub mod datapath;
-pub mod proto;
-pub mod rate;
-pub mod tagging;
-pub mod tensor;
 pub mod testbed;
 pub mod transport;
-pub mod wire;
+
+pub use gradwire_proto::{bitmap, datagram, flow, message, rate, tagging, tensor, wire};

@@ -9,9 +9,9 @@
 //!
 //! ```
 //! use std::net::SocketAddr;
-//! use gradwire::channel::MemCtrl;
+//! use gradwire::ctrl_channel::MemCtrl;
 //! use gradwire::datapath::loopback::Loopback;
-//! use gradwire::proto::{fixed_priority, Tag};
+//! use gradwire::flow::{fixed_priority, Tag};
 //! use gradwire::tensor::{DType, Tensor};
 //! use gradwire::transport::{recv_tensor, send_tensor, RecvOptions, SendOptions, TransferConfig};
 //!
@@ -39,15 +39,15 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::bitmap::SegmentBitmap;
-use crate::channel::{ChannelError, CtrlChannel, TcpCtrl, DEFAULT_CONTROL_DSCP};
-use crate::control::{CtrlMsg, LossBound, Stage, MAX_REASON};
+use crate::ctrl_channel::{ChannelError, CtrlChannel, TcpCtrl, DEFAULT_CONTROL_DSCP};
 use crate::datapath::{Datapath, DatapathError, DatapathStats, RxMeta, TxMeta};
-use crate::proto::receiver::{ReceiverPhase, ReceiverStats};
-use crate::proto::sender::SenderPhase;
-use crate::proto::{
+use crate::flow::receiver::{ReceiverPhase, ReceiverStats};
+use crate::flow::sender::SenderPhase;
+use crate::flow::{
     FlowId, LossDefaults, PriorityFn, ProtoError, ReceiverFlow, RecvSpec, RejectCounts,
     SegmentInfo, SenderConfig, SenderFlow, SenderStats,
 };
+use crate::message::{CtrlMsg, LossBound, Stage, MAX_REASON};
 use crate::rate::RateConfig;
 use crate::tensor::{segment_payload_for, LayoutError, SegmentLayout, Tensor};
 use crate::wire::header;
@@ -99,7 +99,7 @@ impl Default for TransferConfig {
             connect_timeout: Duration::from_secs(10),
             control_dscp: Some(DEFAULT_CONTROL_DSCP),
             loss_defaults: LossDefaults::default(),
-            max_futile_passes: crate::proto::receiver::DEFAULT_MAX_FUTILE_PASSES,
+            max_futile_passes: crate::flow::receiver::DEFAULT_MAX_FUTILE_PASSES,
             min_futile_time: Duration::from_secs(1),
         }
     }
@@ -591,7 +591,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
                     return Err(TransferError::Protocol {
                         flow: unknown,
                         source: ProtoError::Unexpected {
-                            what: crate::proto::msg_name(&other),
+                            what: crate::flow::msg_name(&other),
                             state: "waiting for FlowStart",
                         },
                     })

@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use gradwire::afxdp::engine::{Engine, EngineConfig};
 use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath};
-use gradwire::control::LossBound;
 use gradwire::datapath::fault::{FaultConfig, FaultInjector};
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::datapath::Datapath;
-use gradwire::proto::{fixed_priority, Tag};
+use gradwire::flow::{fixed_priority, Tag};
+use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::testbed::{require_root, Testbed, TestbedConfig};
 use gradwire::transport::{
@@ -160,10 +160,10 @@ fn transfer(
 }
 
 /// Connect the control channel, retrying while the receiver starts up.
-fn connect_retry(addr: SocketAddr) -> gradwire::channel::TcpCtrl {
+fn connect_retry(addr: SocketAddr) -> gradwire::ctrl_channel::TcpCtrl {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match gradwire::channel::TcpCtrl::connect(addr, Duration::from_secs(1), None) {
+        match gradwire::ctrl_channel::TcpCtrl::connect(addr, Duration::from_secs(1), None) {
             Ok(c) => return c,
             Err(e) => {
                 assert!(Instant::now() < deadline, "receiver never listened: {e}");
@@ -255,8 +255,8 @@ fn datagram(
 
 #[test]
 fn malformed_and_foreign_packets_are_dropped_counted_and_touch_nothing() {
-    use gradwire::channel::{CtrlChannel, TcpCtrl};
-    use gradwire::control::{CtrlMsg, FlowStart, Stage};
+    use gradwire::ctrl_channel::{CtrlChannel, TcpCtrl};
+    use gradwire::message::{CtrlMsg, FlowStart, Stage};
     if !require_root("afxdp malformed") {
         return;
     }

@@ -7,13 +7,13 @@
 use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 
-use gradwire::channel::MemCtrl;
-use gradwire::control::LossBound;
+use gradwire::ctrl_channel::MemCtrl;
 use gradwire::datapath::fault::{FaultConfig, FaultInjector};
 use gradwire::datapath::loopback::Loopback;
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::datapath::Datapath;
-use gradwire::proto::{fixed_priority, Tag};
+use gradwire::flow::{fixed_priority, Tag};
+use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::{
     recv_tensor, send_tensor, MissingFill, Receiver, RecvOptions, RecvReport, SendOptions, Sender,
@@ -188,7 +188,7 @@ fn udp_case(faults: FaultConfig, bound: f64) -> RecvReport {
     let ctrl_addr = listener.local_addr().unwrap();
     let cfg = TransferConfig {
         idle_timeout: Duration::from_secs(20),
-        sender: gradwire::proto::SenderConfig::new(5_000_000_000),
+        sender: gradwire::flow::SenderConfig::new(5_000_000_000),
         ..TransferConfig::default()
     };
     let sent = sender_tensor();
@@ -312,14 +312,14 @@ fn sender_that_disappears_mid_transfer_is_an_error_not_a_hang() {
     let start = std::time::Instant::now();
     std::thread::scope(|s| {
         s.spawn(|| {
-            use gradwire::channel::CtrlChannel;
-            use gradwire::control::CtrlMsg;
+            use gradwire::ctrl_channel::CtrlChannel;
+            use gradwire::message::CtrlMsg;
             let mut small = Tensor::zeros(DType::F32, 1 << 20);
             small
                 .as_bytes_mut()
                 .copy_from_slice(&sent.as_bytes()[..4 << 20]);
             let layout = gradwire::tensor::SegmentLayout::for_tensor(&small, 1500, false).unwrap();
-            ca.send(&CtrlMsg::FlowStart(gradwire::control::FlowStart {
+            ca.send(&CtrlMsg::FlowStart(gradwire::message::FlowStart {
                 job_id: 1,
                 tensor_id: 2,
                 round: 0,
@@ -330,7 +330,7 @@ fn sender_that_disappears_mid_transfer_is_an_error_not_a_hang() {
                 segment_count: layout.count(),
                 loss_bound: LossBound::RELIABLE,
                 data_port: 1,
-                stage: gradwire::control::Stage::Push,
+                stage: gradwire::message::Stage::Push,
             }))
             .unwrap();
             assert!(matches!(
@@ -392,8 +392,8 @@ fn receiver_that_disconnects_is_a_clear_error() {
 
 #[test]
 fn protocol_violation_aborts_with_a_reason_the_peer_sees() {
-    use gradwire::channel::CtrlChannel;
-    use gradwire::control::CtrlMsg;
+    use gradwire::ctrl_channel::CtrlChannel;
+    use gradwire::message::CtrlMsg;
     let (a, b) = addrs();
     let (_tx, mut rx) = Loopback::pair(a, b, 1472, 1024);
     let (mut ca, mut cb) = MemCtrl::pair();
@@ -403,7 +403,7 @@ fn protocol_violation_aborts_with_a_reason_the_peer_sees() {
         s.spawn(|| {
             let t = Tensor::zeros(DType::F32, 1000);
             let layout = gradwire::tensor::SegmentLayout::for_tensor(&t, 1500, false).unwrap();
-            ca.send(&CtrlMsg::FlowStart(gradwire::control::FlowStart {
+            ca.send(&CtrlMsg::FlowStart(gradwire::message::FlowStart {
                 job_id: 1,
                 tensor_id: 2,
                 round: 0,
@@ -414,7 +414,7 @@ fn protocol_violation_aborts_with_a_reason_the_peer_sees() {
                 segment_count: layout.count(),
                 loss_bound: LossBound::RELIABLE,
                 data_port: 1,
-                stage: gradwire::control::Stage::Push,
+                stage: gradwire::message::Stage::Push,
             }))
             .unwrap();
             assert!(matches!(

@@ -6,9 +6,9 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use gradwire::control::LossBound;
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
-use gradwire::proto::{fixed_priority, Tag};
+use gradwire::flow::{fixed_priority, Tag};
+use gradwire::message::LossBound;
 use gradwire::tagging::{DlcpTagger, MagnitudeConfig};
 use gradwire::tensor::{DType, Tensor};
 use gradwire::testbed::spawn_in_netns;

@@ -1,3 +1,8 @@
+//! Experiments and network benchmarks that run in network namespaces: [`netbench`]
+//! (`gradwire bench`: AF_XDP against kernel UDP between two namespaces), [`fabricbench`]
+//! (`gradwire-fabric-bench`: the emulated switch's forwarding rate per core against kernel
+//! forwarding), and, at the top level, the incast experiment below.
+//!
 //! The DLCP parameter-server incast (§5.2's direction) on the emulated leaf-spine, gradwire
 //! against kernel TCP on the same topology and workload.
 //!
@@ -20,6 +25,8 @@
 //! Every delivered byte is checked against the values the sender generated; missing segments
 //! (gradwire with p > 0) are counted, never wrong.
 
+pub mod fabricbench;
+pub mod netbench;
 pub mod workload;
 
 mod flows;

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
-use gradwire::wire::{ethernet, ipv4};
+use gradwire_proto::wire::{ethernet, ipv4};
 
 use crate::sched::{Frame, PacketMeta, NUM_QUEUES};
 use crate::topology::Ecmp;
@@ -252,8 +252,8 @@ fn flow_hash(l3: &[u8], ihl: usize, seed: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gradwire::wire::frame::{emit_headers, header_len, FrameMeta};
-    use gradwire::wire::Ecn;
+    use gradwire_proto::wire::frame::{emit_headers, header_len, FrameMeta};
+    use gradwire_proto::wire::Ecn;
     use std::net::SocketAddr;
 
     fn udp_frame(dst: Ipv4Addr, sport: u16, dscp: u8, ecn: Ecn, ttl: u8) -> Vec<u8> {

@@ -6,7 +6,9 @@
 //!   function of timed arrivals: no I/O, no clock of its own.
 
 pub mod forward;
+#[cfg(feature = "emulator")]
 pub mod netns;
+#[cfg(feature = "emulator")]
 pub mod run;
 pub mod sched;
 pub mod topology;

@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use common::*;
 use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath};
-use gradwire::control::LossBound;
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::datapath::Datapath;
-use gradwire::proto::{fixed_priority, Tag};
+use gradwire::flow::{fixed_priority, Tag};
+use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::testbed::{require_root, spawn_in_netns};
 use gradwire::transport::{Receiver, RecvOptions, SendOptions, Sender, TransferConfig};

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::*;
 use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath};
-use gradwire::control::LossBound;
+use gradwire::message::LossBound;
 use gradwire::tagging::{DlcpTagger, MagnitudeConfig};
 use gradwire::tensor::Tensor;
 use gradwire::testbed::{require_root, spawn_in_netns};
@@ -79,7 +79,10 @@ fn tagged_transfer_shows_layer_dscp_and_magnitude_ecn_at_the_receiver() {
         got.as_bytes_mut().fill(0);
         let report = r.recv(&mut got, &RecvOptions::new(1, 1)).unwrap();
         assert!(got.as_bytes() == gradients().as_bytes(), "tensor differs");
-        let xdp = r.datapath().afxdp_stats().xdp.unwrap();
+        let xdp = gradwire::afxdp::AfXdpStats::of(r.datapath())
+            .expect("AF_XDP datapath")
+            .xdp
+            .unwrap();
         (report, xdp)
     })
     .unwrap();

@@ -10,7 +10,7 @@
 //!   calling `decode_body` on each, and an oversized length prefix is a sticky `TooLarge`.
 #![no_main]
 
-use gradwire::control::{CtrlError, CtrlMsg, Decoder, LEN_PREFIX, MAX_BODY};
+use gradwire_proto::message::{CtrlError, CtrlMsg, Decoder, LEN_PREFIX, MAX_BODY};
 use libfuzzer_sys::fuzz_target;
 
 /// Round trip of one successfully decoded body.

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
-use gradwire::wire::ipv4;
+use gradwire_proto::wire::ipv4;
 use gradwire_fabric::forward::{set_ce, Forwarder, Pkt, PortMacs};
 use gradwire_fabric::sched::{EgressPort, PortConfig};
 use gradwire_fabric::topology::Ecmp;

@@ -19,7 +19,7 @@
 #![no_main]
 
 use core::net::IpAddr;
-use gradwire::wire::{ethernet, frame, header, ipv4, ipv6, udp};
+use gradwire_proto::wire::{ethernet, frame, header, ipv4, ipv6, udp};
 use libfuzzer_sys::fuzz_target;
 
 /// Best-effort repair of lengths (`fix_len`) and checksums (`fix_sum`); leaves anything it

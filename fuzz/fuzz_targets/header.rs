@@ -9,7 +9,7 @@
 //!   exactly (unknown flag bits included).
 #![no_main]
 
-use gradwire::wire::header::{Packet, Repr, HEADER_LEN};
+use gradwire_proto::wire::header::{Packet, Repr, HEADER_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

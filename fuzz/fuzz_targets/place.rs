@@ -22,10 +22,10 @@
 //!   reports the number placed.
 #![no_main]
 
-use gradwire::control::{CtrlMsg, FlowStart, LossBound, Stage};
-use gradwire::proto::{ReceiverFlow, RecvSpec};
-use gradwire::tensor::DType;
-use gradwire::wire::header::{self, Packet, Repr};
+use gradwire_proto::message::{CtrlMsg, FlowStart, LossBound, Stage};
+use gradwire_proto::flow::{ReceiverFlow, RecvSpec};
+use gradwire_proto::tensor::DType;
+use gradwire_proto::wire::header::{self, Packet, Repr};
 use libfuzzer_sys::fuzz_target;
 
 const GUARD: usize = 64;

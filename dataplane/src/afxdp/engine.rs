@@ -633,7 +633,7 @@ impl Datapath for Engine {
         self.stats
     }
 
-    fn afxdp_stats(&self) -> Option<AfXdpStats> {
-        Some(Engine::afxdp_stats(self))
+    fn backend_stats(&self) -> Option<crate::datapath::BackendStats> {
+        Some(Box::new(Engine::afxdp_stats(self)))
     }
 }

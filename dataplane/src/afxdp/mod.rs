@@ -191,6 +191,17 @@ pub struct AfXdpStats {
     pub xdp: Option<XdpCounters>,
 }
 
+impl AfXdpStats {
+    /// The AF_XDP counters of any datapath that has them (an [`AfXdpDatapath`], an
+    /// [`engine::Engine`], or a wrapper around one), through [`Datapath::backend_stats`].
+    pub fn of(dp: &(impl Datapath + ?Sized)) -> Option<AfXdpStats> {
+        dp.backend_stats()?
+            .downcast::<AfXdpStats>()
+            .ok()
+            .map(|b| *b)
+    }
+}
+
 struct Queue {
     sock: socket::XskSocket,
     /// TX frames not in flight.
@@ -657,7 +668,7 @@ impl Datapath for AfXdpDatapath {
         self.stats
     }
 
-    fn afxdp_stats(&self) -> Option<AfXdpStats> {
-        Some(AfXdpDatapath::afxdp_stats(self))
+    fn backend_stats(&self) -> Option<crate::datapath::BackendStats> {
+        Some(Box::new(AfXdpDatapath::afxdp_stats(self)))
     }
 }

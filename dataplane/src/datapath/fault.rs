@@ -269,8 +269,8 @@ impl<D: Datapath> Datapath for FaultInjector<D> {
         Ok(n)
     }
 
-    fn afxdp_stats(&self) -> Option<crate::afxdp::AfXdpStats> {
-        self.inner.afxdp_stats()
+    fn backend_stats(&self) -> Option<super::BackendStats> {
+        self.inner.backend_stats()
     }
 
     fn stats(&self) -> DatapathStats {

@@ -26,35 +26,7 @@ pub mod loopback;
 pub mod multipath;
 pub mod udp;
 
-/// Metadata of a datagram to send.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TxMeta {
-    /// Destination.
-    pub dst: SocketAddr,
-    /// IP TOS / traffic class byte: DSCP in the top six bits, ECN in the low two.
-    pub tos: u8,
-}
-
-/// Metadata of a received datagram.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RxMeta {
-    /// Source.
-    pub src: SocketAddr,
-    /// IP TOS / traffic class byte as received (0 where the datapath cannot see it).
-    pub tos: u8,
-}
-
-impl RxMeta {
-    /// True when the packet arrived marked Congestion Experienced.
-    pub fn is_ce(&self) -> bool {
-        self.tos & 0b11 == 0b11
-    }
-}
-
-/// Build a TOS byte from a DSCP (0..=63) and an ECN codepoint (0..=3).
-pub const fn tos(dscp: u8, ecn: u8) -> u8 {
-    (dscp << 2) | (ecn & 0b11)
-}
+pub use gradwire_proto::datagram::{tos, RxMeta, TxMeta};
 
 /// Counters every datapath keeps.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -130,11 +102,17 @@ pub trait Datapath {
     /// Counters so far.
     fn stats(&self) -> DatapathStats;
 
-    /// Per-socket and XDP classifier counters, for the AF_XDP datapath (None elsewhere).
-    fn afxdp_stats(&self) -> Option<crate::afxdp::AfXdpStats> {
+    /// Counters only one kind of datapath keeps (the AF_XDP datapath: per-socket and XDP
+    /// classifier counters), as a snapshot for reports. Callers downcast to the type they know
+    /// (`gradwire::afxdp::AfXdpStats::of`), so this trait names no backend. `None` where there
+    /// is nothing beyond [`DatapathStats`].
+    fn backend_stats(&self) -> Option<BackendStats> {
         None
     }
 }
+
+/// A snapshot of backend-specific counters (see [`Datapath::backend_stats`]).
+pub type BackendStats = Box<dyn std::any::Any + Send>;
 
 impl<D: Datapath + ?Sized> Datapath for Box<D> {
     fn name(&self) -> &'static str {
@@ -160,7 +138,7 @@ impl<D: Datapath + ?Sized> Datapath for Box<D> {
     fn stats(&self) -> DatapathStats {
         (**self).stats()
     }
-    fn afxdp_stats(&self) -> Option<crate::afxdp::AfXdpStats> {
-        (**self).afxdp_stats()
+    fn backend_stats(&self) -> Option<BackendStats> {
+        (**self).backend_stats()
     }
 }

@@ -141,8 +141,8 @@ impl Datapath for MultiPath {
             })
     }
 
-    fn afxdp_stats(&self) -> Option<crate::afxdp::AfXdpStats> {
-        self.paths.iter().find_map(|p| p.afxdp_stats())
+    fn backend_stats(&self) -> Option<super::BackendStats> {
+        self.paths.iter().find_map(|p| p.backend_stats())
     }
 }
 

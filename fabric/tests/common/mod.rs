@@ -40,10 +40,10 @@ pub fn leaf_spine_per_flow() -> Topology {
 
 /// Connects a gradwire control channel to `addr`, retrying for up to 10 s while the receiver
 /// starts.
-pub fn connect_retry(addr: SocketAddr) -> gradwire::channel::TcpCtrl {
+pub fn connect_retry(addr: SocketAddr) -> gradwire::ctrl_channel::TcpCtrl {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        match gradwire::channel::TcpCtrl::connect(addr, Duration::from_secs(1), None) {
+        match gradwire::ctrl_channel::TcpCtrl::connect(addr, Duration::from_secs(1), None) {
             Ok(c) => return c,
             Err(e) => {
                 assert!(

@@ -3,7 +3,7 @@
 //!
 //! A [`sender::SenderFlow`] and a [`receiver::ReceiverFlow`] exchange [`CtrlMsg`]s over a
 //! reliable channel and data segments over an unreliable one. The driver in
-//! [`crate::transport`] moves those messages and segments; tests can drive the two cores
+//! `gradwire::transport` moves those messages and segments; tests can drive the two cores
 //! directly and decide exactly which segments are lost.
 //!
 //! ```text
@@ -24,7 +24,7 @@ pub mod sender;
 #[cfg(test)]
 mod tests;
 
-use crate::control::{CtrlMsg, LossBound, RejectCode};
+use crate::message::{CtrlMsg, LossBound, RejectCode};
 use crate::wire::header::Flags;
 
 pub use receiver::{ReceiverFlow, RecvSpec, RejectCounts};
@@ -163,7 +163,7 @@ pub struct Tag {
 impl Tag {
     /// The IP TOS byte for this tag.
     pub const fn tos(self) -> u8 {
-        crate::datapath::tos(self.dscp & 0x3f, if self.ect { 0b10 } else { 0 })
+        crate::datagram::tos(self.dscp & 0x3f, if self.ect { 0b10 } else { 0 })
     }
 }
 

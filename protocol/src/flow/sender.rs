@@ -4,7 +4,7 @@
 //! retransmission pass | `Done`). A `FlowFinish` in any state after acceptance ends the flow:
 //! the receiver has enough, so the sender stops mid-pass (this is where the tail is cut).
 
-use crate::control::{CtrlMsg, FlowStart, LossBound, QueueEcn, SegRange, Stage, ECN_QUEUES};
+use crate::message::{CtrlMsg, FlowStart, LossBound, QueueEcn, SegRange, Stage, ECN_QUEUES};
 use crate::rate::{Pacer, RateConfig, RateController, RateEvent, RateState};
 use crate::tensor::{DType, SegmentLayout};
 use crate::wire::header;

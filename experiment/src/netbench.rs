@@ -21,10 +21,10 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath, BusyPoll, PollMode};
-use gradwire::control::LossBound;
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::datapath::{tos, Datapath, RxMeta, TxMeta};
-use gradwire::proto::{fixed_priority, Tag};
+use gradwire::flow::{fixed_priority, Tag};
+use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::testbed::{Testbed, TestbedConfig};
 use gradwire::transport::{Receiver, RecvOptions, SendOptions, Sender, TransferConfig};

@@ -7,7 +7,7 @@
 //! origin, which keeps the logic deterministic and testable in simulated time.
 //!
 //! Typical use: on the receiver, a [`RateMeter`] over bytes received produces a
-//! `RateReport` (see [`crate::control`]) every period. The sender divides the bytes it sent
+//! `RateReport` (see [`crate::message`]) every period. The sender divides the bytes it sent
 //! since the previous report by the time since then ([`rate_bps`]) and hands both rates to
 //! [`RateController::on_report`]; the controller's rate is fed to a [`Pacer`] with
 //! [`Pacer::set_rate`].

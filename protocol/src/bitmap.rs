@@ -5,7 +5,7 @@
 //! workers that delivered it (DLCP Appendix A), and its complement, as ranges, is what a
 //! retransmission request carries.
 
-use crate::control::SegRange;
+use crate::message::SegRange;
 
 /// A fixed-size bitmap of segments.
 #[derive(Clone, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! Deterministic tests of the two protocol cores driven directly: a virtual clock, and the
 //! test decides exactly which segments are lost.
 
-use crate::control::{
+use crate::message::{
     CtrlMsg, FlowStart, LossBound, QueueEcn, RejectCode, SegRange, Stage, ECN_QUEUES,
 };
 use crate::rate::RateState;

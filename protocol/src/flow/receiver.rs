@@ -6,7 +6,7 @@
 //! copy, one bitmap bit.
 
 use crate::bitmap::SegmentBitmap;
-use crate::control::{CtrlMsg, FlowStart, LossBound, QueueEcn, RejectCode, ECN_QUEUES, MAX_RANGES};
+use crate::message::{CtrlMsg, FlowStart, LossBound, QueueEcn, RejectCode, ECN_QUEUES, MAX_RANGES};
 use crate::rate::RateMeter;
 use crate::tensor::{DType, PlaceError, SegmentLayout};
 use crate::wire::header;

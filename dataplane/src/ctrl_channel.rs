@@ -15,7 +15,7 @@ use nix::poll::{ppoll, PollFd, PollFlags};
 use nix::sys::socket::{setsockopt, sockopt};
 use nix::sys::time::TimeSpec;
 
-use crate::control::{CtrlError, CtrlMsg, Decoder};
+use crate::message::{CtrlError, CtrlMsg, Decoder};
 
 /// DSCP of the control channel by default: the one definition in `gradwire-qos`, which the
 /// switch policy maps to the reserved highest-priority queue.

@@ -1,8 +1,8 @@
 //! `gradwire-fabric-bench`: packets per core the emulated switch forwards, against kernel
-//! forwarding in the same namespaces. Needs root. See `gradwire_bench::fabricbench`.
+//! forwarding in the same namespaces. Needs root. See `gradwire_experiment::fabricbench`.
 
 use clap::Parser;
-use gradwire_bench::fabricbench::{print, run, FabricBenchArgs};
+use gradwire_experiment::fabricbench::{print, run, FabricBenchArgs};
 
 fn main() -> std::process::ExitCode {
     let a = FabricBenchArgs::parse();

@@ -14,12 +14,12 @@
 //!
 //! [`DlcpTagger::for_tensor`] estimates the threshold once per tensor (the sample costs a few
 //! microseconds per million elements); [`DlcpTagger::tag`] is the per-segment priority
-//! function, usable wherever a [`PriorityFn`](crate::proto::PriorityFn) is. f32, f16 and bf16
+//! function, usable wherever a [`PriorityFn`](crate::flow::PriorityFn) is. f32, f16 and bf16
 //! are supported; a raw tensor has no magnitudes, so all its segments are important.
 
 use half::{bf16, f16};
 
-use crate::proto::{SegmentInfo, Tag};
+use crate::flow::{SegmentInfo, Tag};
 use crate::tensor::{DType, Tensor};
 
 /// How the magnitude threshold is estimated.
