@@ -19,12 +19,13 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::asic::Asic;
 use crate::model::{load_model, ModelError};
 use crate::optimizer::{self, OptError, Params, Solution};
 use crate::policy::{Policy, PolicyError, ThresholdSpec, DATA_QUEUES};
 use crate::policy_file::{load_policy, policy_to_toml, FileError};
 use crate::render::{self, parse_port_list, sonic, PortListError, RenderError, Target};
-use crate::units::{parse_size, Asic, Bytes, UnitError};
+use gradwire_units::{parse_size, Bytes, UnitError};
 
 /// gradwire switch control: render QoS configs for switches and NICs, optimise thresholds.
 #[derive(Debug, Parser)]
@@ -314,9 +315,9 @@ pub fn build_policy(a: &PolicyArgs, target: Option<Target>) -> Result<Policy, Cl
         p.ports = parse_port_list(ports)?;
     }
     if let Some(asic) = &a.asic {
-        p.asic = Some(asic.parse::<Asic>().map_err(|source| CliError::Unit {
+        p.asic = Some(asic.parse::<Asic>().map_err(|e| CliError::Flag {
             flag: "asic",
-            source,
+            message: e.to_string(),
         })?);
     }
     if let Some(b) = &a.buffer {

@@ -1,7 +1,9 @@
 //! gradwire switch control: the QoS policy DLCP needs from switches and NICs, rendered for
 //! each target, and the threshold optimizer of DLCP Appendix B.
 //!
-//! - [`units`]: sizes with their unit in the type (bytes, Onyx KB, ASIC cells).
+//! - [`asic`]: the switch ASICs whose buffer cell size is known. Sizes (bytes, Onyx KB,
+//!   cells) and their grammar are `gradwire_units`, shared with the `gradwire` CLI and the
+//!   topology files.
 //! - [`policy`]: the typed policy (DSCP -> traffic class -> queue, strict priority, one
 //!   ECN/drop threshold per data queue) and its validation. The traffic classes themselves
 //!   (layer -> priority -> queue -> DSCP) come from `gradwire-qos`, the definition the data
@@ -14,6 +16,7 @@
 //! `docs/switch-control.md` describes the model, every output, units and rounding, the
 //! optimizer's mathematics and how to apply configurations safely.
 
+pub mod asic;
 pub mod cli;
 pub mod hwconfigs;
 pub mod model;
@@ -21,8 +24,8 @@ pub mod optimizer;
 pub mod policy;
 pub mod policy_file;
 pub mod render;
-pub mod units;
 
+pub use asic::Asic;
+pub use gradwire_units::{Bytes, Cells, Kilobytes};
 pub use policy::{Policy, PolicyError, ThresholdSpec};
 pub use render::{render, RenderError, Target};
-pub use units::{Asic, Bytes, Cells, Kilobytes};

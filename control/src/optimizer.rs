@@ -61,7 +61,7 @@ use serde::Serialize;
 
 use crate::model::DnnModel;
 use crate::policy::DATA_QUEUES;
-use crate::units::Bytes;
+use gradwire_units::Bytes;
 
 /// Per-queue convergence-cost functions f(r) = coef·w·r^exponent.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -17,7 +17,8 @@
 
 use gradwire_qos::{CONTROL_DSCP, CONTROL_QUEUE, DATA_DSCP, NUM_DATA_QUEUES, NUM_QUEUES};
 
-use crate::units::{Asic, Bytes};
+use crate::asic::Asic;
+use gradwire_units::Bytes;
 
 /// Number of DSCP code points.
 pub const NUM_DSCP: usize = 64;

@@ -31,8 +31,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::asic::Asic;
 use crate::policy::{Policy, PolicyError, ThresholdSpec, DATA_QUEUES, NUM_DSCP};
-use crate::units::{Asic, Bytes, SizeValue, UnitError};
+use gradwire_units::{Bytes, SizeValue, UnitError};
 
 /// A policy file as written; see the module docs.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

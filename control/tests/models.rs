@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use gradwire_control::model::load_model;
 use gradwire_control::optimizer::{best_arithmetic, optimize, Params, BASELINE_STEPS};
-use gradwire_control::units::Bytes;
+use gradwire_control::Bytes;
 
 fn model(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

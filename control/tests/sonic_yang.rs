@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use gradwire_control::render::sonic;
 use gradwire_control::render::{check, Target};
-use gradwire_control::units::{Asic, Bytes};
+use gradwire_control::{Asic, Bytes};
 use gradwire_control::{Policy, ThresholdSpec};
 use proptest::prelude::*;
 use serde_json::Value;

@@ -7,8 +7,8 @@
 //! policy = "fabric-policy.toml"   # a gradwire-ctl policy file, relative to this file
 //!
 //! [defaults]                      # for every link that does not say otherwise
-//! rate = "1Gbit"                  # bit/s: bit, Kbit, Mbit, Gbit (decimal)
-//! delay = "20us"                  # one-way propagation: ns, us, ms
+//! rate = "1Gbit"                  # bit/s: 1Gbit = 1G, 200Mbit = 200M, 1.5Gbit (gradwire-units)
+//! delay = "20us"                  # one-way propagation: 20us, 2ms, 1.5ms (gradwire-units)
 //! loss = 0.0                      # probability a packet is lost on the link
 //! ecmp = "flow"                   # per switch: flow (5-tuple hash) or packet (spraying)
 //!
@@ -26,6 +26,11 @@
 //! rate = "10Gbit"
 //! ```
 //!
+//! Rates and delays are spelled as on every gradwire command line (the `gradwire-units`
+//! grammar) and checked against the range the emulator runs ([`MIN_RATE_BPS`]..=
+//! [`MAX_RATE_BPS`], delays up to [`MAX_DELAY`]). A topology has no address fields: every
+//! address is derived from the host's position, as follows.
+//!
 //! Addressing (all inside 198.18.0.0/15): host `i` (in file order after expansion) gets
 //! `198.18.1.0 + i` as a /32, a route to 198.18.0.0/15 via the virtual gateway
 //! [`GATEWAY`] on its uplink, and permanent neighbour entries mapping the gateway and every
@@ -40,7 +45,7 @@ use std::path::{Path, PathBuf};
 use gradwire_control::policy::{Policy, ThresholdSpec};
 use gradwire_control::policy_file;
 use gradwire_control::render::fabric::FabricQos;
-use gradwire_control::units::Bytes;
+use gradwire_units::{Bytes, WrittenValue};
 use serde::{Deserialize, Serialize};
 
 /// The virtual gateway every host routes through (no interface holds it).
@@ -97,8 +102,8 @@ impl fmt::Display for Ecmp {
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct DefaultsFile {
-    rate: Option<String>,
-    delay: Option<String>,
+    rate: Option<WrittenValue>,
+    delay: Option<WrittenValue>,
     loss: Option<f64>,
     ecmp: Option<Ecmp>,
 }
@@ -123,8 +128,8 @@ struct HostFile {
 struct LinkFile {
     a: String,
     b: String,
-    rate: Option<String>,
-    delay: Option<String>,
+    rate: Option<WrittenValue>,
+    delay: Option<WrittenValue>,
     loss: Option<f64>,
 }
 
@@ -221,62 +226,30 @@ pub struct Topology {
     pub switches: Vec<SwitchPlan>,
 }
 
-/// Splits `"<number><unit>"` (spaces allowed around and between) into the number and the
-/// unit; `None` when the number does not parse.
-fn number_unit(s: &str) -> Option<(f64, &str)> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    Some((num.parse().ok()?, unit.trim()))
+/// Slowest link rate the emulator runs.
+pub const MIN_RATE_BPS: u64 = 1_000;
+/// Fastest link rate the emulator runs.
+pub const MAX_RATE_BPS: u64 = 400_000_000_000;
+/// Longest one-way link delay.
+pub const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A link rate in bit/s: the `gradwire-units` grammar, then the emulator's range.
+fn link_rate(v: &WrittenValue) -> Result<u64, String> {
+    let bps = v.rate().map_err(|e| e.to_string())?.bps();
+    if !(MIN_RATE_BPS..=MAX_RATE_BPS).contains(&bps) {
+        return Err(format!("rate {:?}: must be within 1Kbit..400Gbit", v.0));
+    }
+    Ok(bps)
 }
 
-/// Parses a rate: `"<number><unit>"` with unit bit, Kbit, Mbit, Gbit (decimal, as tc writes
-/// them; also bps/Kbps/Mbps/Gbps meaning bits).
-pub fn parse_rate(s: &str) -> Result<u64, String> {
-    let (v, unit) = number_unit(s).ok_or_else(|| {
-        format!("rate {s:?}: expected a number followed by bit, Kbit, Mbit or Gbit")
-    })?;
-    let mult = match unit.to_ascii_lowercase().as_str() {
-        "bit" | "bps" | "b/s" => 1.0,
-        "kbit" | "kbps" => 1e3,
-        "mbit" | "mbps" => 1e6,
-        "gbit" | "gbps" => 1e9,
-        "" => {
-            return Err(format!(
-                "rate {s:?}: a unit is required (bit, Kbit, Mbit, Gbit)"
-            ))
-        }
-        u => {
-            return Err(format!(
-                "rate {s:?}: unknown unit {u:?} (bit, Kbit, Mbit, Gbit)"
-            ))
-        }
-    };
-    let bps = v * mult;
-    if !(1e3..=4e11).contains(&bps) {
-        return Err(format!("rate {s:?}: must be within 1Kbit..400Gbit"));
+/// A one-way link delay in ns: the `gradwire-units` grammar, then at most [`MAX_DELAY`].
+fn link_delay(v: &WrittenValue) -> Result<u64, String> {
+    let d = v.duration().map_err(|e| e.to_string())?;
+    if d > MAX_DELAY {
+        return Err(format!("delay {:?}: must be within 0..10s", v.0));
     }
-    Ok(bps.round() as u64)
-}
-
-/// Parses a duration: `"<number><unit>"` with unit ns, us, ms or s.
-pub fn parse_delay(s: &str) -> Result<u64, String> {
-    let (v, unit) = number_unit(s)
-        .ok_or_else(|| format!("delay {s:?}: expected a number followed by ns, us, ms or s"))?;
-    let mult = match unit {
-        "ns" => 1.0,
-        "us" | "µs" => 1e3,
-        "ms" => 1e6,
-        "s" => 1e9,
-        _ => return Err(format!("delay {s:?}: unit must be ns, us, ms or s")),
-    };
-    let ns = v * mult;
-    if !(0.0..=10e9).contains(&ns) {
-        return Err(format!("delay {s:?}: must be within 0..10s"));
-    }
-    Ok(ns.round() as u64)
+    // At most 10 s: fits.
+    Ok(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
 fn legal_name(s: &str, max: usize) -> bool {
@@ -353,15 +326,15 @@ impl Topology {
         let def_link = LinkSpec {
             rate_bps: d
                 .rate
-                .as_deref()
-                .map(parse_rate)
+                .as_ref()
+                .map(link_rate)
                 .transpose()
                 .map_err(|e| format!("field `defaults.rate`: {e}"))?
                 .unwrap_or(1_000_000_000),
             delay_ns: d
                 .delay
-                .as_deref()
-                .map(parse_delay)
+                .as_ref()
+                .map(link_delay)
                 .transpose()
                 .map_err(|e| format!("field `defaults.delay`: {e}"))?
                 .unwrap_or(0),
@@ -442,12 +415,12 @@ impl Topology {
         for (i, l) in f.links.iter().enumerate() {
             let spec = LinkSpec {
                 rate_bps: match &l.rate {
-                    Some(r) => parse_rate(r).map_err(|e| format!("field `link[{i}].rate`: {e}"))?,
+                    Some(r) => link_rate(r).map_err(|e| format!("field `link[{i}].rate`: {e}"))?,
                     None => def_link.rate_bps,
                 },
                 delay_ns: match &l.delay {
                     Some(r) => {
-                        parse_delay(r).map_err(|e| format!("field `link[{i}].delay`: {e}"))?
+                        link_delay(r).map_err(|e| format!("field `link[{i}].delay`: {e}"))?
                     }
                     None => def_link.delay_ns,
                 },
@@ -695,6 +668,9 @@ rate = "100Mbit"
 
     #[test]
     fn units() {
+        // The file's rates and delays: the gradwire-units grammar, then the emulator's range.
+        let parse_rate = |s: &str| link_rate(&WrittenValue(s.into()));
+        let parse_delay = |s: &str| link_delay(&WrittenValue(s.into()));
         assert_eq!(parse_rate("1Gbit").unwrap(), 1_000_000_000);
         assert_eq!(parse_rate("250Mbit").unwrap(), 250_000_000);
         assert_eq!(parse_rate("1.5 Gbit").unwrap(), 1_500_000_000);
@@ -704,6 +680,31 @@ rate = "100Mbit"
         assert_eq!(parse_delay("20us").unwrap(), 20_000);
         assert_eq!(parse_delay("1.5ms").unwrap(), 1_500_000);
         assert!(parse_delay("5").is_err());
+        assert_eq!(parse_rate("25G").unwrap(), 25_000_000_000);
+        assert_eq!(parse_rate("200M").unwrap(), 200_000_000);
+        assert_eq!(parse_delay("2ms").unwrap(), 2_000_000);
+        assert!(parse_rate("800G").unwrap_err().contains("400Gbit"));
+        assert!(parse_delay("11s").unwrap_err().contains("0..10s"));
+        // Every refusal of the grammar reads as it does on the command line.
+        for bad in ["100", "fast", "25Gbps", "64KiB"] {
+            assert_eq!(
+                parse_rate(bad).unwrap_err(),
+                gradwire_units::parse_rate(bad).unwrap_err().to_string()
+            );
+        }
+        assert_eq!(
+            parse_delay("5").unwrap_err(),
+            gradwire_units::parse_duration("5").unwrap_err().to_string()
+        );
+    }
+
+    #[test]
+    fn a_number_where_a_rate_belongs_gets_the_grammars_message() {
+        let text = "name = \"n\"\n[defaults]\nrate = 100\n[[switch]]\nname = \"s0\"\n\
+                    [[host]]\nname = \"h\"\ncount = 2\nuplink = \"s0\"\n";
+        let e = Topology::from_toml(text, qos()).unwrap_err();
+        let want = gradwire_units::parse_rate("100").unwrap_err().to_string();
+        assert_eq!(e, format!("field `defaults.rate`: {want}"));
     }
 
     #[test]

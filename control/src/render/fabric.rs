@@ -103,7 +103,7 @@ pub fn render(p: &Policy) -> Result<String, RenderError> {
 mod tests {
     use super::*;
     use crate::policy::ThresholdSpec;
-    use crate::units::Bytes;
+    use gradwire_units::Bytes;
 
     #[test]
     fn gradwire_policy_maps_data_and_control_dscps() {

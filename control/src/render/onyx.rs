@@ -16,7 +16,7 @@ use gradwire_qos::{CONTROL_QUEUE, NUM_QUEUES};
 
 use super::{dscp_list, summary_lines, RenderError, Target};
 use crate::policy::Policy;
-use crate::units::Bytes;
+use gradwire_units::Bytes;
 
 /// Onyx default DSCP -> priority entries documented in the reference file.
 const DOCUMENTED_DEFAULTS: [(u8, u8); 2] = [(26, 3), (48, 6)];
@@ -187,8 +187,9 @@ pub(super) fn render(policy: &Policy) -> Result<String, RenderError> {
 
 #[cfg(test)]
 mod tests {
+    use crate::asic::Asic;
     use crate::policy::{Policy, ThresholdSpec};
-    use crate::units::{Asic, Bytes};
+    use gradwire_units::Bytes;
 
     /// The summary table's "effective B" column and the "applied as" lines agree: both are
     /// the request rounded up to whole KB, then to whole cells.

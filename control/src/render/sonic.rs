@@ -637,7 +637,7 @@ pub fn warnings(policy: &Policy, current: Option<&Value>, fragment: bool) -> Vec
 mod tests {
     use super::*;
     use crate::policy::ThresholdSpec;
-    use crate::units::Bytes;
+    use gradwire_units::Bytes;
 
     fn policy() -> Policy {
         let mut p = Policy::gradwire(ThresholdSpec::Arithmetic {

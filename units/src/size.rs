@@ -1,5 +1,7 @@
 //! Sizes with their unit in the type: [`Bytes`], [`Kilobytes`] (Onyx's unit) and [`Cells`]
-//! (the switch ASIC's buffer unit), plus the ASICs whose cell size is known.
+//! (a switch ASIC's buffer unit; the ASICs and their cell sizes are `gradwire_control::Asic`),
+//! the size grammar ([`parse_size`]), sizes in files ([`SizeValue`]) and the approximate form
+//! for tables ([`human_size`]).
 //!
 //! Conversions that can lose precision round **up**, so a configured threshold is never
 //! below the one asked for, and say so in their names (`*_ceil`). Conversions the other way
@@ -11,44 +13,7 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
-/// Errors from parsing or converting sizes.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum UnitError {
-    /// The text does not start with a number.
-    #[error("{input:?} is not a size (examples: 1500, 1500B, 64KiB, 64KB, 2MiB)")]
-    NotASize {
-        /// What was given.
-        input: String,
-    },
-    /// The unit suffix is unknown.
-    #[error("{input:?}: unknown size unit {unit:?} (use B, KB, KiB, MB, MiB, GB, GiB; K = 1000, Ki = 1024)")]
-    UnknownUnit {
-        /// What was given.
-        input: String,
-        /// The suffix.
-        unit: String,
-    },
-    /// The value does not fit 64 bits.
-    #[error("{input:?} is too large")]
-    Overflow {
-        /// What was given.
-        input: String,
-    },
-    /// A number that is not a size: negative, fractional, or not a number at all.
-    #[error("{input} is not a size: give a whole number of bytes >= 0 (e.g. 65536) or a string with a unit (e.g. \"64KiB\", \"64KB\"; K = 1000, Ki = 1024)")]
-    NotWholeBytes {
-        /// What was given, as written.
-        input: String,
-    },
-    /// An unknown ASIC name.
-    #[error(
-        "unknown ASIC {input:?} (known: spectrum1, spectrum2, spectrum3, spectrum4, spectrum5)"
-    )]
-    UnknownAsic {
-        /// What was given.
-        input: String,
-    },
-}
+use crate::UnitError;
 
 /// A size in bytes (serialised as a plain number of bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize)]
@@ -125,9 +90,9 @@ impl FromStr for Bytes {
     }
 }
 
-/// Parse a size: a whole number with an optional unit. `B` or none = bytes; `K`/`KB`,
-/// `M`/`MB`, `G`/`GB` are decimal (1000); `KiB`, `MiB`, `GiB` are binary (1024), as in the
-/// `gradwire` CLI. Case-insensitive, spaces around the unit allowed.
+/// Parse a size (see the crate docs for the grammar): a whole number with an optional unit.
+/// `B` or none = bytes; `K`/`KB`, `M`/`MB`, `G`/`GB` are decimal (1000); `KiB`, `MiB`, `GiB`
+/// are binary (1024). Case-insensitive, spaces around the unit allowed.
 pub fn parse_size(s: &str) -> Result<Bytes, UnitError> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
@@ -156,6 +121,24 @@ pub fn parse_size(s: &str) -> Result<Bytes, UnitError> {
     n.checked_mul(mult)
         .map(Bytes)
         .ok_or_else(|| UnitError::Overflow { input: s.into() })
+}
+
+/// A size rounded for people reading a table: `1500 B`, `1.5 KiB`, `64.0 MiB` (binary
+/// prefixes, one decimal). Not meant to be parsed back: [`Bytes`]'s `Display` is the exact
+/// form [`parse_size`] reads.
+pub fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
 }
 
 /// A size as written in a policy file: a number of bytes or a string with a unit.
@@ -214,74 +197,6 @@ impl<'de> Deserialize<'de> for SizeValue {
     }
 }
 
-/// Switch ASICs with a known buffer cell size.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Asic {
-    /// NVIDIA Spectrum-1 (SN2100, SN2410, SN2700): 96-byte cells.
-    Spectrum1,
-    /// Spectrum-2: 144-byte cells.
-    Spectrum2,
-    /// Spectrum-3: 144-byte cells.
-    Spectrum3,
-    /// Spectrum-4: 192-byte cells.
-    Spectrum4,
-    /// Spectrum-5: 192-byte cells.
-    Spectrum5,
-}
-
-impl Asic {
-    /// Every known ASIC.
-    pub const ALL: [Asic; 5] = [
-        Asic::Spectrum1,
-        Asic::Spectrum2,
-        Asic::Spectrum3,
-        Asic::Spectrum4,
-        Asic::Spectrum5,
-    ];
-
-    /// The buffer cell size: thresholds are applied in whole cells.
-    pub const fn cell_size(self) -> Bytes {
-        match self {
-            Asic::Spectrum1 => Bytes(96),
-            Asic::Spectrum2 | Asic::Spectrum3 => Bytes(144),
-            Asic::Spectrum4 | Asic::Spectrum5 => Bytes(192),
-        }
-    }
-
-    /// The name used on the command line and in files.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Asic::Spectrum1 => "spectrum1",
-            Asic::Spectrum2 => "spectrum2",
-            Asic::Spectrum3 => "spectrum3",
-            Asic::Spectrum4 => "spectrum4",
-            Asic::Spectrum5 => "spectrum5",
-        }
-    }
-}
-
-impl fmt::Display for Asic {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Asic {
-    type Err = UnitError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let norm: String = s
-            .trim()
-            .to_ascii_lowercase()
-            .chars()
-            .filter(|c| *c != '-' && *c != '_' && *c != ' ')
-            .collect();
-        Asic::ALL
-            .into_iter()
-            .find(|a| a.name() == norm)
-            .ok_or_else(|| UnitError::UnknownAsic { input: s.into() })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,8 +244,16 @@ mod tests {
     }
 
     #[test]
+    fn human_sizes() {
+        assert_eq!(human_size(64 << 20), "64.0 MiB");
+        assert_eq!(human_size(1500), "1.5 KiB");
+        assert_eq!(human_size(1000), "1000 B");
+        assert_eq!(human_size(3 << 30), "3.0 GiB");
+    }
+
+    #[test]
     fn cells_round_up() {
-        let c = Asic::Spectrum1.cell_size();
+        let c = Bytes(96); // Spectrum-1
         assert_eq!(Bytes(65536).to_cells_ceil(c), Cells(683));
         assert_eq!(Bytes(65536).round_up_to_cells(c), Some(Bytes(65568)));
         assert_eq!(Bytes(96).to_cells_ceil(c), Cells(1));
@@ -340,18 +263,6 @@ mod tests {
         assert_eq!(Bytes(65537).to_kilobytes_ceil(), Kilobytes(65));
         assert_eq!(Bytes(65536).to_kilobytes_ceil(), Kilobytes(64));
         assert_eq!(Kilobytes(u64::MAX).to_bytes(), None);
-    }
-
-    #[test]
-    fn asic_names() {
-        for a in Asic::ALL {
-            assert_eq!(a.name().parse::<Asic>(), Ok(a));
-            assert_eq!(a.to_string(), a.name());
-        }
-        assert_eq!("Spectrum-2".parse::<Asic>(), Ok(Asic::Spectrum2));
-        assert_eq!(Asic::Spectrum3.cell_size(), Bytes(144));
-        assert_eq!(Asic::Spectrum5.cell_size(), Bytes(192));
-        assert!("tomahawk".parse::<Asic>().is_err());
     }
 
     #[test]
@@ -382,8 +293,9 @@ mod tests {
         }
 
         #[test]
-        fn cells_bytes_round_trip(n in 0u64..1 << 40, ai in 0usize..5) {
-            let cell = Asic::ALL[ai].cell_size();
+        fn cells_bytes_round_trip(n in 0u64..1 << 40, ai in 0usize..3) {
+            // The cell sizes of Spectrum-1, Spectrum-2/3 and Spectrum-4/5.
+            let cell = Bytes([96, 144, 192][ai]);
             // cells -> bytes -> cells is the identity
             let bytes = Cells(n).to_bytes(cell).unwrap();
             prop_assert_eq!(bytes.to_cells_ceil(cell), Cells(n));
