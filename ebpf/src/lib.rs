@@ -60,10 +60,15 @@
 //!
 //! Loading and attaching need root (or `CAP_BPF` + `CAP_NET_ADMIN`); without them the error is
 //! [`XdpError::PermissionDenied`]. [`query_attached`] works unprivileged.
+//!
+//! # Errors
+//!
+//! An error the kernel returned keeps its code ([`XdpError::raw_os_error`]), and its message
+//! ends with what to do about it: [`error::hint`], shared with gradwire's AF_XDP sockets.
 
 mod config;
 mod counters;
-mod error;
+pub mod error;
 mod layout;
 mod sys;
 

@@ -22,7 +22,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use gradwire::afxdp::port::{RawPort, RawPortError, RawPortStats};
+use gradwire::afxdp::port::{RawPort, RawPortStats};
+use gradwire::afxdp::AfXdpError;
 use gradwire::afxdp::{KernelStats, SocketConfig};
 use gradwire_ebpf::AttachMode;
 use nix::poll::{PollFd, PollFlags};
@@ -98,7 +99,7 @@ pub enum FabricError {
         /// Switch.
         switch: String,
         /// Why.
-        source: RawPortError,
+        source: AfXdpError,
     },
     /// A port's queue configuration.
     #[error("switch {switch} port {port}: {source}")]

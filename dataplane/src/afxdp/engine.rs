@@ -32,7 +32,7 @@ use gradwire_ebpf::XdpProgram;
 use nix::sys::eventfd::{EfdFlags, EventFd};
 
 use super::neigh;
-use super::socket::{BindMode, XskSocket};
+use super::socket::{BindMode, SocketError, XskSocket};
 use super::umem::SharedUmem;
 use super::{syscall, AfXdpConfig, AfXdpError, AfXdpStats, KernelStats, PollMode, QueueStats};
 use crate::datapath::{Datapath, DatapathError, DatapathStats, Deliver, Fill, RxMeta};
@@ -320,8 +320,10 @@ impl Engine {
                     |e| AfXdpError::Socket {
                         ifname: cfg.ifname.clone(),
                         queue: q,
-                        source: e.into(),
-                        hint: " (eventfd)",
+                        source: SocketError {
+                            op: "eventfd for the worker's wakeups".into(),
+                            source: e.into(),
+                        },
                     },
                 )?,
             );
@@ -374,8 +376,10 @@ impl Engine {
                 .map_err(|source| AfXdpError::Socket {
                     ifname: cfg.ifname.clone(),
                     queue: q,
-                    source,
-                    hint: " (spawning the worker)",
+                    source: SocketError {
+                        op: "spawning the worker thread".into(),
+                        source,
+                    },
                 })?;
             workers.push(WorkerHandle {
                 thread: Some(thread),

@@ -38,7 +38,7 @@ use crate::datapath::{Datapath, DatapathError, DatapathStats, Deliver, Fill, RxM
 use crate::wire::frame::{self, FrameMeta};
 use crate::wire::Ecn;
 
-pub use socket::{BindMode, BusyPoll, KernelStats, SocketConfig};
+pub use socket::{BindMode, BusyPoll, KernelStats, SocketConfig, SocketError};
 
 /// Bytes the kernel leaves in front of a received packet in its UMEM frame
 /// (`XDP_PACKET_HEADROOM`).
@@ -109,7 +109,10 @@ impl AfXdpConfig {
     }
 }
 
-/// Why an AF_XDP datapath could not be set up.
+/// Why an AF_XDP datapath, engine or raw port could not be set up.
+///
+/// Errors from the kernel keep its code ([`AfXdpError::raw_os_error`]); their message names
+/// the step that failed and ends with what to do ([`gradwire_ebpf::error::hint`]).
 #[derive(Debug, thiserror::Error)]
 pub enum AfXdpError {
     /// Bad configuration.
@@ -131,22 +134,75 @@ pub enum AfXdpError {
         /// Loader error.
         source: gradwire_ebpf::XdpError,
     },
-    /// An AF_XDP socket could not be created or bound.
-    #[error("AF_XDP socket on {ifname} queue {queue}: {source}{hint}")]
+    /// An AF_XDP socket (or its worker) could not be set up.
+    #[error("AF_XDP socket on {ifname} queue {queue}: {source}")]
     Socket {
         /// Interface.
         ifname: String,
         /// Queue.
         queue: u32,
-        /// OS error.
-        source: std::io::Error,
-        /// What to do about it.
-        hint: &'static str,
+        /// The step that failed, with the OS error.
+        source: socket::SocketError,
     },
 }
 
+impl AfXdpError {
+    /// The OS error code (`errno`) behind this error, when the kernel refused something.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            AfXdpError::Config(_) => None,
+            AfXdpError::NoInterface { source, .. } => Some(*source as i32),
+            AfXdpError::Xdp { source, .. } => source.raw_os_error(),
+            AfXdpError::Socket { source, .. } => source.raw_os_error(),
+        }
+    }
+}
+
+/// The index of `ifname` in the calling thread's network namespace.
+pub(crate) fn ifindex(ifname: &str) -> Result<u32, AfXdpError> {
+    nix::net::if_::if_nametoindex(ifname).map_err(|source| AfXdpError::NoInterface {
+        ifname: ifname.to_owned(),
+        source,
+    })
+}
+
+/// Loads the classifier configured by `xc` and attaches it to `ifname`.
+pub(crate) fn attach_classifier(
+    ifname: &str,
+    ifindex: u32,
+    xc: &XdpConfig,
+) -> Result<XdpProgram, AfXdpError> {
+    XdpProgram::attach(ifindex, xc).map_err(|source| AfXdpError::Xdp {
+        ifname: ifname.to_owned(),
+        source,
+    })
+}
+
+/// Binds a socket (with its own UMEM) to queue `queue` of `ifname` and registers it with the
+/// classifier `xdp`, so that the queue's packets are redirected to it.
+pub(crate) fn bind_registered(
+    ifname: &str,
+    ifindex: u32,
+    xdp: &XdpProgram,
+    queue: u32,
+    cfg: &SocketConfig,
+) -> Result<socket::XskSocket, AfXdpError> {
+    let sock =
+        socket::XskSocket::bind(ifindex, queue, cfg).map_err(|source| AfXdpError::Socket {
+            ifname: ifname.to_owned(),
+            queue,
+            source,
+        })?;
+    xdp.register_xsk(queue, std::os::fd::AsFd::as_fd(sock.fd()))
+        .map_err(|source| AfXdpError::Xdp {
+            ifname: ifname.to_owned(),
+            source,
+        })?;
+    Ok(sock)
+}
+
 /// Counters of one queue's socket.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct QueueStats {
     /// Queue id.
     pub queue: u32,
@@ -179,7 +235,7 @@ pub struct QueueStats {
 }
 
 /// Everything the AF_XDP datapath counts: per socket, and the classifier's per-DSCP/ECN view.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct AfXdpStats {
     /// Interface.
     pub ifname: String,
@@ -295,12 +351,7 @@ impl AfXdpConfig {
                 self.spray_ports
             )));
         }
-        let ifindex = nix::net::if_::if_nametoindex(self.ifname.as_str()).map_err(|source| {
-            AfXdpError::NoInterface {
-                ifname: self.ifname.clone(),
-                source,
-            }
-        })?;
+        let ifindex = ifindex(&self.ifname)?;
         let src_mac = neigh::interface_mac(&self.ifname).ok_or_else(|| {
             AfXdpError::Config(format!("interface {} has no Ethernet address", self.ifname))
         })?;
@@ -313,7 +364,7 @@ impl AfXdpConfig {
             })?;
             *slot = p;
         }
-        let xdp = XdpProgram::attach(ifindex, &xc).map_err(|e| self.xdp_err(e))?;
+        let xdp = attach_classifier(&self.ifname, ifindex, &xc)?;
         Ok(Attached {
             ifindex,
             src_mac,
@@ -321,36 +372,9 @@ impl AfXdpConfig {
         })
     }
 
-    pub(crate) fn xdp_err(&self, source: gradwire_ebpf::XdpError) -> AfXdpError {
-        AfXdpError::Xdp {
-            ifname: self.ifname.clone(),
-            source,
-        }
-    }
-
     /// Bind the socket of queue `q` and register it with the classifier.
     pub(crate) fn bind_queue(&self, a: &Attached, q: u32) -> Result<socket::XskSocket, AfXdpError> {
-        let sock = socket::XskSocket::bind(a.ifindex, q, &self.socket).map_err(|source| {
-            let hint = match source.raw_os_error() {
-                Some(libc::EPERM) => " (AF_XDP needs root or CAP_NET_RAW+CAP_NET_ADMIN)",
-                Some(libc::EINVAL) => {
-                    " (does the interface have that many queues? see `ethtool -l`)"
-                }
-                Some(libc::ENOMEM) => " (raise `ulimit -l` for locked memory)",
-                Some(libc::EBUSY) => " (another AF_XDP socket is bound to this queue)",
-                _ => "",
-            };
-            AfXdpError::Socket {
-                ifname: self.ifname.clone(),
-                queue: q,
-                source,
-                hint,
-            }
-        })?;
-        a.xdp
-            .register_xsk(q, std::os::fd::AsFd::as_fd(sock.fd()))
-            .map_err(|e| self.xdp_err(e))?;
-        Ok(sock)
+        bind_registered(&self.ifname, a.ifindex, &a.xdp, q, &self.socket)
     }
 
     /// The Ethernet/IP/UDP header fields of a datagram to `meta.dst` via `dst_mac`.

@@ -9,7 +9,8 @@
 //!
 //! The XDP program in front of the port must redirect every frame to this socket (the
 //! classifier's switch-port mode, [`gradwire_ebpf::XdpConfig::switch_port`]); [`RawPort::open`]
-//! attaches it.
+//! attaches it. Setting a port up takes the same steps as the datapath (classifier, socket and
+//! UMEM, XSKMAP entry) and fails with the same [`AfXdpError`].
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, RawFd};
@@ -17,13 +18,13 @@ use std::os::fd::{AsFd, BorrowedFd, RawFd};
 use gradwire_ebpf::{AttachMode, XdpConfig, XdpCounters, XdpError, XdpProgram};
 
 use super::socket::{self, BindMode, KernelStats, SocketConfig};
-use super::syscall;
+use super::{syscall, AfXdpError};
 
 /// Most `sendto` calls one [`RawPort::flush`] makes (each sends up to 32 frames in copy mode).
 const MAX_KICKS: usize = 64;
 
 /// Counters of one raw port.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RawPortStats {
     /// Frames received.
     pub rx_packets: u64,
@@ -38,37 +39,6 @@ pub struct RawPortStats {
     pub tx_refused: u64,
     /// TX kicks (`sendto`).
     pub kicks: u64,
-}
-
-/// Why a raw port could not be opened.
-#[derive(Debug, thiserror::Error)]
-pub enum RawPortError {
-    /// No such interface in this thread's network namespace.
-    #[error("interface {ifname}: {source}")]
-    NoInterface {
-        /// Interface name.
-        ifname: String,
-        /// From `if_nametoindex`.
-        source: nix::Error,
-    },
-    /// The XDP program could not be loaded or attached.
-    #[error("interface {ifname}: XDP switch-port program: {source}")]
-    Xdp {
-        /// Interface name.
-        ifname: String,
-        /// What failed.
-        source: XdpError,
-    },
-    /// The AF_XDP socket could not be created or bound.
-    #[error("interface {ifname} queue {queue}: AF_XDP socket: {source}")]
-    Socket {
-        /// Interface name.
-        ifname: String,
-        /// Queue.
-        queue: u32,
-        /// What failed.
-        source: io::Error,
-    },
 }
 
 /// One AF_XDP socket on queue 0 of an interface, with the switch-port XDP program attached.
@@ -100,32 +70,14 @@ impl RawPort {
     /// Attaches the switch-port XDP program to `ifname` (in the calling thread's network
     /// namespace) in `mode` and binds a socket to its queue 0. The socket keeps the namespace
     /// it was created in, so one thread may own ports of many namespaces.
-    pub fn open(
-        ifname: &str,
-        mode: AttachMode,
-        cfg: &SocketConfig,
-    ) -> Result<RawPort, RawPortError> {
-        let ifindex =
-            nix::net::if_::if_nametoindex(ifname).map_err(|source| RawPortError::NoInterface {
-                ifname: ifname.to_owned(),
-                source,
-            })?;
+    pub fn open(ifname: &str, mode: AttachMode, cfg: &SocketConfig) -> Result<RawPort, AfXdpError> {
+        let ifindex = super::ifindex(ifname)?;
         // The port list is not consulted in switch-port mode but must be valid.
         let mut xc = XdpConfig::new(vec![1]);
         xc.switch_port = true;
         xc.mode = mode;
-        let xdp_err = |source| RawPortError::Xdp {
-            ifname: ifname.to_owned(),
-            source,
-        };
-        let xdp = XdpProgram::attach(ifindex, &xc).map_err(xdp_err)?;
-        let sock =
-            socket::XskSocket::bind(ifindex, 0, cfg).map_err(|source| RawPortError::Socket {
-                ifname: ifname.to_owned(),
-                queue: 0,
-                source,
-            })?;
-        xdp.register_xsk(0, sock.fd().as_fd()).map_err(xdp_err)?;
+        let xdp = super::attach_classifier(ifname, ifindex, &xc)?;
+        let sock = super::bind_registered(ifname, ifindex, &xdp, 0, cfg)?;
         let (refill, free_tx) = sock.initial_frames();
         let ring = cfg.ring_size as usize;
         let mut port = RawPort {

@@ -13,7 +13,7 @@ use super::syscall;
 use super::umem::Umem;
 
 /// How the socket moves packets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BindMode {
     /// The NIC DMAs straight into the UMEM.
@@ -63,7 +63,7 @@ impl Default for SocketConfig {
 }
 
 /// Kernel counters of one socket (`XDP_STATISTICS`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KernelStats {
     /// Dropped for other reasons (e.g. no room).
     pub rx_dropped: u64,
@@ -94,15 +94,40 @@ pub struct XskSocket {
     queue: u32,
 }
 
-fn ctx(what: &'static str) -> impl Fn(io::Error) -> io::Error {
-    move |e| io::Error::new(e.kind(), format!("{what}: {e}"))
+/// A step of setting up an AF_XDP socket that failed: which one, and the OS error with its
+/// code, followed in the message by what to do about it ([`gradwire_ebpf::error::hint`]).
+#[derive(Debug, thiserror::Error)]
+#[error("{op}: {source}{}", gradwire_ebpf::error::hint_suffix(source.raw_os_error()))]
+pub struct SocketError {
+    /// The step: the system call or socket option, with its arguments.
+    pub op: String,
+    /// The OS error.
+    pub source: io::Error,
+}
+
+impl SocketError {
+    /// The OS error code (`errno`), when the kernel refused.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        self.source.raw_os_error()
+    }
+}
+
+/// Names the step an io error comes from, keeping the error itself.
+fn ctx(op: &'static str) -> impl Fn(io::Error) -> SocketError {
+    move |source| SocketError {
+        op: op.to_owned(),
+        source,
+    }
 }
 
 impl XskSocket {
     /// Create the UMEM, the socket and its rings, and bind to `(ifindex, queue)`.
-    pub fn bind(ifindex: u32, queue: u32, cfg: &SocketConfig) -> io::Result<XskSocket> {
+    pub fn bind(ifindex: u32, queue: u32, cfg: &SocketConfig) -> Result<XskSocket, SocketError> {
         let umem =
-            Umem::new(cfg.frames, cfg.frame_size, cfg.hugepages).map_err(ctx("UMEM mmap"))?;
+            Umem::new(cfg.frames, cfg.frame_size, cfg.hugepages).map_err(|source| SocketError {
+                op: format!("UMEM of {} frames of {} bytes", cfg.frames, cfg.frame_size),
+                source,
+            })?;
         let fd = syscall::xsk_socket().map_err(ctx("socket(AF_XDP)"))?;
         let (base, len) = umem.area();
         syscall::umem_reg(&fd, base, len, cfg.frame_size, 0).map_err(ctx("XDP_UMEM_REG"))?;
@@ -118,10 +143,13 @@ impl XskSocket {
             syscall::getsockopt_xdp::<libc::xdp_mmap_offsets>(&fd, libc::XDP_MMAP_OFFSETS)
                 .map_err(ctx("XDP_MMAP_OFFSETS"))?;
         if off_len != std::mem::size_of::<libc::xdp_mmap_offsets>() {
-            return Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "kernel too old for AF_XDP ring flags (need Linux 5.4 or newer)",
-            ));
+            return Err(SocketError {
+                op: "XDP_MMAP_OFFSETS".into(),
+                source: io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "kernel too old for AF_XDP ring flags (need Linux 5.4 or newer)",
+                ),
+            });
         }
         let fill = Ring::map(
             &fd,
@@ -170,11 +198,11 @@ impl XskSocket {
                     {
                         std::thread::sleep(std::time::Duration::from_millis(10));
                     }
-                    Err(e) => {
-                        return Err(io::Error::new(
-                            e.kind(),
-                            format!("bind AF_XDP socket to ifindex {ifindex} queue {queue}: {e}"),
-                        ))
+                    Err(source) => {
+                        return Err(SocketError {
+                            op: format!("bind to ifindex {ifindex} queue {queue} in copy mode"),
+                            source,
+                        })
                     }
                 }
             }
