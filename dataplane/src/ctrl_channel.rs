@@ -317,6 +317,53 @@ mod tests {
     }
 
     #[test]
+    fn a_peer_that_stops_reading_stalls_the_write_into_an_error() {
+        // Documented (docs/protocol.md, Timers): writing one control message while the peer
+        // does not read fails with `WriteStalled` after the write-stall limit, 10 s.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut a = TcpCtrl::connect(addr, Duration::from_secs(2), None).unwrap();
+        assert_eq!(
+            a.write_timeout,
+            Duration::from_secs(10),
+            "the documented limit"
+        );
+        // The peer accepts and never reads; small buffers on both ends fill quickly.
+        let (peer, _) = l.accept().unwrap();
+        setsockopt(&peer, sockopt::RcvBuf, &4096).unwrap();
+        setsockopt(&a.stream, sockopt::SndBuf, &4096).unwrap();
+        // The limit itself is what is under test, not its size: a short one keeps this fast.
+        let limit = Duration::from_millis(300);
+        a.write_timeout = limit;
+        let msg = CtrlMsg::Abort {
+            code: 1,
+            reason: "x".repeat(crate::message::MAX_REASON),
+        };
+        // The buffers take a bounded number of messages; the first send that cannot complete
+        // must fail, after the limit and not much later.
+        let mut accepted = 0usize;
+        let (err, took) = loop {
+            let t = Instant::now();
+            match a.send(&msg) {
+                Ok(()) => accepted += 1,
+                Err(e) => break (e, t.elapsed()),
+            }
+            assert!(accepted < 10_000, "sends never stalled");
+        };
+        assert!(
+            matches!(err, ChannelError::WriteStalled { timeout, .. } if timeout == limit),
+            "{err}"
+        );
+        assert!(err.to_string().contains("write stalled"), "{err}");
+        assert!(took >= limit, "gave up after {took:?}, before the limit");
+        assert!(
+            took < limit + Duration::from_secs(2),
+            "gave up after {took:?}, long after the limit"
+        );
+        drop(peer);
+    }
+
+    #[test]
     fn garbage_from_peer_is_a_clear_error() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();

@@ -365,8 +365,12 @@ fn receiver_that_disconnects_is_a_clear_error() {
         ..TransferConfig::default()
     };
     let h = std::thread::spawn(move || {
-        let (s, _) = listener.accept().unwrap();
-        std::thread::sleep(Duration::from_millis(50));
+        let (mut s, _) = listener.accept().unwrap();
+        // Disconnect once the sender has started the transfer (its FlowStart arrived), not
+        // after some time: closing with the request unread resets the connection.
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut first = [0u8; 1];
+        std::io::Read::read_exact(&mut s, &mut first).unwrap();
         drop(s);
     });
     let dp = UdpDatapath::bind(lo, UdpConfig::default()).unwrap();
@@ -470,5 +474,290 @@ fn multipath_round_robin_transfer() {
     assert!(
         report.rounds >= 1,
         "2 % loss on one path needs a retransmission round"
+    );
+}
+
+/// One transfer of a 4 MiB tensor over the loopback datapath with `drop` random loss at the
+/// receiver, with no explicit loss bound on either side, in `stage`.
+fn default_bound_case(stage: gradwire::message::Stage, drop: f64) -> RecvReport {
+    let (a, b) = addrs();
+    let (mut tx, rx) = Loopback::pair(a, b, 1472, 1 << 16);
+    let mut rx = FaultInjector::new(rx, FaultConfig::loss(drop)).unwrap();
+    let (mut ca, mut cb) = MemCtrl::pair();
+    let cfg = TransferConfig {
+        idle_timeout: Duration::from_secs(20),
+        ..TransferConfig::default()
+    };
+    let elems = (4 << 20) / 4;
+    let mut sent = Tensor::zeros(DType::F32, elems);
+    sent.fill_pattern(0xdef);
+    let mut got = Tensor::zeros(DType::F32, elems);
+    let opts = SendOptions {
+        stage,
+        ..SendOptions::new(5, 6)
+    };
+    assert_eq!(opts.loss_bound, None, "no explicit bound");
+    let ropts = RecvOptions::new(5, 6);
+    assert_eq!(ropts.loss_bound, None, "no explicit bound");
+    let prio = fixed_priority(Tag {
+        dscp: 10,
+        ect: true,
+    });
+    let report = std::thread::scope(|s| {
+        let c = cfg.clone();
+        let sent = &sent;
+        let h = s.spawn(move || send_tensor(&mut tx, &mut ca, b.ip(), sent, &opts, &prio, &c));
+        let r = recv_tensor(&mut rx, &mut cb, &mut got, &ropts, &cfg).unwrap();
+        h.join().unwrap().unwrap();
+        r
+    });
+    check(&report, &sent, &got, 0, report.loss_bound);
+    report
+}
+
+#[test]
+fn transfers_without_a_bound_use_the_documented_stage_defaults() {
+    use gradwire::message::Stage;
+    // docs/protocol.md: "the library defaults (`LossDefaults`), used when the sender gives no
+    // explicit bound, are push 10 % (100 000 ppm), pull 1 % (10 000 ppm)".
+    let d = gradwire::flow::LossDefaults::default();
+    assert_eq!(d.push, LossBound::from_ppm(100_000).unwrap());
+    assert_eq!(d.pull, LossBound::from_ppm(10_000).unwrap());
+    assert_eq!(TransferConfig::default().loss_defaults, d);
+
+    // 5 % loss: within push's 10 %, so the first pass is enough; beyond pull's 1 %, so a pull
+    // needs retransmission. The receiver reports the bound it enforced.
+    let push = default_bound_case(Stage::Push, 0.05);
+    assert_eq!(push.loss_bound, 0.10, "push default");
+    assert!(push.delivered_fraction >= 0.90);
+    assert_eq!(push.rounds, 0, "5% loss meets a 10% bound in one pass");
+    assert!(push.delivered_fraction < 1.0, "the loss was not repaired");
+
+    let pull = default_bound_case(Stage::Pull, 0.05);
+    assert_eq!(pull.loss_bound, 0.01, "pull default");
+    assert!(pull.delivered_fraction >= 0.99);
+    assert!(
+        pull.rounds >= 1,
+        "5% loss cannot meet 1% without retransmission"
+    );
+}
+
+/// The sender's datapath, wrapped: records a copy of every datagram it sends, and can play
+/// earlier ones back ahead of its next batch (late packets of an earlier flow).
+struct Recorder<D> {
+    inner: D,
+    recorded: Vec<(Vec<u8>, gradwire::datapath::TxMeta)>,
+    replay: Vec<(Vec<u8>, gradwire::datapath::TxMeta)>,
+}
+
+impl<D: Datapath> Recorder<D> {
+    /// Sends `late` now, through the wrapped datapath.
+    fn send_raw(&mut self, late: Vec<(Vec<u8>, gradwire::datapath::TxMeta)>) {
+        let n = late.len();
+        let mut it = late.into_iter();
+        let sent = self
+            .inner
+            .send(n, &mut |buf: &mut [u8]| {
+                let (d, m) = it.next()?;
+                buf[..d.len()].copy_from_slice(&d);
+                Some((d.len(), m))
+            })
+            .unwrap();
+        assert_eq!(sent, n);
+    }
+}
+
+impl<D: Datapath> Datapath for Recorder<D> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr()
+    }
+    fn max_datagram(&self) -> usize {
+        self.inner.max_datagram()
+    }
+    fn send(
+        &mut self,
+        max: usize,
+        fill: &mut gradwire::datapath::Fill<'_>,
+    ) -> Result<usize, gradwire::datapath::DatapathError> {
+        let late = std::mem::take(&mut self.replay);
+        if !late.is_empty() {
+            self.send_raw(late);
+        }
+        let rec = &mut self.recorded;
+        self.inner.send(max, &mut |buf: &mut [u8]| {
+            let (len, meta) = fill(buf)?;
+            rec.push((buf[..len].to_vec(), meta));
+            Some((len, meta))
+        })
+    }
+    fn recv(
+        &mut self,
+        max: usize,
+        timeout: Duration,
+        deliver: &mut gradwire::datapath::Deliver<'_>,
+    ) -> Result<usize, gradwire::datapath::DatapathError> {
+        self.inner.recv(max, timeout, deliver)
+    }
+    fn stats(&self) -> gradwire::datapath::DatapathStats {
+        self.inner.stats()
+    }
+}
+
+/// The receiver's datapath, wrapped: tells `drained` (once) when a receive call comes back
+/// empty after at least `expect` datagrams went through, i.e. the receiver has read every
+/// datagram that was waiting.
+struct DrainProbe<D> {
+    inner: D,
+    seen: usize,
+    expect: usize,
+    drained: Option<std::sync::mpsc::Sender<usize>>,
+}
+
+impl<D: Datapath> Datapath for DrainProbe<D> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn local_addr(&self) -> SocketAddr {
+        self.inner.local_addr()
+    }
+    fn max_datagram(&self) -> usize {
+        self.inner.max_datagram()
+    }
+    fn send(
+        &mut self,
+        max: usize,
+        fill: &mut gradwire::datapath::Fill<'_>,
+    ) -> Result<usize, gradwire::datapath::DatapathError> {
+        self.inner.send(max, fill)
+    }
+    fn recv(
+        &mut self,
+        max: usize,
+        timeout: Duration,
+        deliver: &mut gradwire::datapath::Deliver<'_>,
+    ) -> Result<usize, gradwire::datapath::DatapathError> {
+        let n = self.inner.recv(max, timeout, deliver)?;
+        self.seen += n;
+        if n == 0 && self.seen >= self.expect {
+            if let Some(tx) = self.drained.take() {
+                let _ = tx.send(self.seen);
+            }
+        }
+        Ok(n)
+    }
+    fn stats(&self) -> gradwire::datapath::DatapathStats {
+        self.inner.stats()
+    }
+}
+
+#[test]
+fn late_packets_of_the_previous_flow_are_dropped_as_stale() {
+    // docs/protocol.md: late packets of a finished flow still queued when the next receive
+    // starts are drained as `stale_round` before its FlowStart; after it they fail the round
+    // check (also `stale_round`); they never touch the tensor.
+    const LATE: usize = 100;
+    let (a, b) = addrs();
+    let (tx, rx) = Loopback::pair(a, b, 1472, 1 << 16);
+    let mut tx = Recorder {
+        inner: tx,
+        recorded: Vec::new(),
+        replay: Vec::new(),
+    };
+    let mut rx = DrainProbe {
+        inner: rx,
+        seen: 0,
+        expect: usize::MAX,
+        drained: None,
+    };
+    let (mut ca, mut cb) = MemCtrl::pair();
+    let cfg = TransferConfig {
+        idle_timeout: Duration::from_secs(20),
+        ..TransferConfig::default()
+    };
+    let prio = fixed_priority(Tag {
+        dscp: 10,
+        ect: true,
+    });
+    let elems = (1 << 20) / 4;
+    let tensor = |round: u32| {
+        let mut t = Tensor::zeros(DType::F32, elems);
+        t.fill_pattern(u64::from(round) + 100);
+        t
+    };
+    let round_opts = |round: u32| {
+        (
+            SendOptions {
+                round,
+                loss_bound: Some(LossBound::RELIABLE),
+                ..SendOptions::new(7, 8)
+            },
+            RecvOptions {
+                round: Some(round),
+                ..RecvOptions::new(7, 8)
+            },
+        )
+    };
+
+    // Flow N (round 0), recorded.
+    let (sopts, ropts) = round_opts(0);
+    let first = tensor(0);
+    let mut got = Tensor::zeros(DType::F32, elems);
+    let r0 = std::thread::scope(|s| {
+        let (tx, ca, c, first, prio) = (&mut tx, &mut ca, cfg.clone(), &first, &prio);
+        let h = s.spawn(move || send_tensor(tx, ca, b.ip(), first, &sopts, prio, &c));
+        let r = recv_tensor(&mut rx, &mut cb, &mut got, &ropts, &cfg).unwrap();
+        h.join().unwrap().unwrap();
+        r
+    });
+    assert_eq!(r0.rejected.stale_round, 0);
+    assert!(got.as_bytes() == first.as_bytes());
+    assert!(tx.recorded.len() >= 2 * LATE);
+
+    // Late packets of flow N: LATE queued before flow N+1 starts, LATE more arriving in the
+    // middle of it (played back ahead of the sender's first batch of data, so after FlowStart).
+    let mut late = std::mem::take(&mut tx.recorded);
+    late.truncate(2 * LATE);
+    tx.replay = late.split_off(LATE);
+    tx.send_raw(late);
+
+    // Flow N+1 (round 1): the sender starts only once the receiver has drained the queue
+    // while waiting for FlowStart, so both paths are taken, in this order.
+    let (sopts, ropts) = round_opts(1);
+    let second = tensor(1);
+    let mut got = Tensor::zeros(DType::F32, elems);
+    got.as_bytes_mut().fill(0xAB);
+    let (drained_tx, drained_rx) = std::sync::mpsc::channel();
+    rx.seen = 0;
+    rx.expect = LATE;
+    rx.drained = Some(drained_tx);
+    let r1 = std::thread::scope(|s| {
+        let (tx, ca, c, second, prio) = (&mut tx, &mut ca, cfg.clone(), &second, &prio);
+        let h = s.spawn(move || {
+            let n = drained_rx
+                .recv_timeout(Duration::from_secs(10))
+                .expect("the receiver never drained the late packets");
+            assert_eq!(n, LATE, "only the late packets were queued");
+            send_tensor(tx, ca, b.ip(), second, &sopts, prio, &c)
+        });
+        let r = recv_tensor(&mut rx, &mut cb, &mut got, &ropts, &cfg).unwrap();
+        h.join().unwrap().unwrap();
+        r
+    });
+    assert!(tx.replay.is_empty(), "the late packets were played back");
+    assert_eq!(
+        r1.rejected,
+        gradwire::flow::RejectCounts {
+            stale_round: 2 * LATE as u64,
+            ..Default::default()
+        },
+        "every late packet, and nothing else, refused as stale"
+    );
+    assert_eq!(r1.received_segments, r1.segments);
+    assert!(
+        got.as_bytes() == second.as_bytes(),
+        "flow N+1's tensor is exactly its sender's"
     );
 }
