@@ -13,8 +13,10 @@
 //! - [`ctrl_channel`]: the reliable control channel (kernel TCP, or in-memory for tests).
 //! - [`transport`]: the drivers that run one transfer, and the `Sender`/`Receiver` API
 //!   (DLCP's `dlcp_send` / `dlcp_recv`).
+//! - [`addr`]: `host:port` as users write it, resolved once through the system resolver.
 #![doc(html_no_source)]
 
+pub mod addr;
 #[cfg(feature = "afxdp")]
 pub mod afxdp;
 pub mod ctrl_channel;
