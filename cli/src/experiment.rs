@@ -11,7 +11,7 @@ use crate::args::IncastArgs;
 type Res<T = ()> = Result<T, Box<dyn Error + Send + Sync>>;
 
 pub fn incast(a: &IncastArgs) -> Res {
-    if !gradwire::testbed::is_root() {
+    if !gradwire_netns::is_root() {
         return Err("gradwire experiment needs root (network namespaces, XDP, AF_XDP)".into());
     }
     if !(a.scale > 0.0 && a.scale <= 1.0) {

@@ -15,11 +15,11 @@ use gradwire::flow::{fixed_priority, SenderConfig, Tag};
 use gradwire::message::{LossBound, Stage};
 use gradwire::rate::RateConfig;
 use gradwire::tensor::Tensor;
-use gradwire::testbed::{Testbed, TestbedConfig};
 use gradwire::transport::{
     accept_within, recv_tensor, send_tensor, MissingFill, RecvOptions, RecvReport, SendOptions,
     SendReport, TransferConfig,
 };
+use gradwire_netns::{Testbed, TestbedConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::{Common, DatapathKind, DemoArgs, RecvArgs, SendArgs};
@@ -370,7 +370,7 @@ type ReceiverOutcome = (Vec<(RecvReport, bool)>, Option<AfXdpStats>, Duration);
 /// receiver in one and the sender in the other, each with its own XDP classifier and AF_XDP
 /// socket; loss is injected by the receiver's classifier.
 fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
-    if !gradwire::testbed::is_root() {
+    if !gradwire_netns::is_root() {
         return Err("gradwire demo --datapath afxdp needs root (it creates network namespaces and attaches XDP programs); run it with sudo, or use --datapath udp".into());
     }
     // The demo's links are veth, where native XDP first copies every skb-borne packet into a

@@ -186,7 +186,7 @@ fn bad_input_gets_a_clear_error() {
 
 #[test]
 fn demo_over_afxdp_in_namespaces() {
-    if !gradwire::testbed::require_root("demo_over_afxdp_in_namespaces") {
+    if !gradwire_netns::require_root("demo_over_afxdp_in_namespaces") {
         return;
     }
     let out = gradwire(&[

@@ -21,7 +21,6 @@ pub mod addr;
 pub mod afxdp;
 pub mod ctrl_channel;
 pub mod datapath;
-pub mod testbed;
 pub mod transport;
 
 pub use gradwire_proto::{bitmap, datagram, flow, message, rate, tagging, tensor, wire};

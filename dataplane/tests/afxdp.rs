@@ -15,10 +15,10 @@ use gradwire::datapath::Datapath;
 use gradwire::flow::{fixed_priority, Tag};
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
-use gradwire::testbed::{require_root, Testbed, TestbedConfig};
 use gradwire::transport::{
     Receiver, RecvOptions, RecvReport, SendOptions, SendReport, Sender, TransferConfig,
 };
+use gradwire_netns::{require_root, Testbed, TestbedConfig};
 
 const DATA_PORT: u16 = 7000;
 const CTRL_PORT: u16 = 7001;
@@ -159,18 +159,11 @@ fn transfer(
     (s, r)
 }
 
-/// Connect the control channel, retrying while the receiver starts up.
+/// Connects the control channel ([`gradwire_netns::connect_retry`] for up to 10 s while the
+/// receiver starts up).
 fn connect_retry(addr: SocketAddr) -> gradwire::ctrl_channel::TcpCtrl {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match gradwire::ctrl_channel::TcpCtrl::connect(addr, Duration::from_secs(1), None) {
-            Ok(c) => return c,
-            Err(e) => {
-                assert!(Instant::now() < deadline, "receiver never listened: {e}");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-    }
+    let stream = gradwire_netns::connect_retry(addr, Duration::from_secs(10)).expect("connect");
+    gradwire::ctrl_channel::TcpCtrl::new(stream, None).expect("control channel")
 }
 
 fn testbed() -> Option<Testbed> {

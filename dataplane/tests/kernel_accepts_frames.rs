@@ -1,8 +1,8 @@
 //! The Linux kernel accepts the frames `wire::frame::emit_headers` builds.
 //!
-//! Two private network namespaces (`gwk-<pid>-a`, `gwk-<pid>-b`) joined by a veth pair. In `a`
-//! an AF_PACKET socket injects raw Ethernet frames on the veth; in `b` ordinary kernel UDP
-//! sockets must receive exactly the datagram bytes. Sockets stay bound to the namespace they
+//! Two private network namespaces of the namespace kit (`gw<pid>t<n>-a`, `-b`) joined by a
+//! veth pair. In `a` an AF_PACKET socket injects raw Ethernet frames on the veth; in `b`
+//! ordinary kernel UDP sockets must receive exactly the datagram bytes. Sockets stay bound to the namespace they
 //! were created in, so each namespace is entered only briefly, on a throwaway thread, to create
 //! its sockets; all sending and receiving then happens on the test thread.
 //!
@@ -12,25 +12,24 @@
 //!
 //! Addresses: IPv4 only from 198.18.0.0/15 (benchmarking range), IPv6 only link-local on the
 //! veth. Needs root; without it the test prints `SKIPPED: needs root` unless
-//! `GRADWIRE_REQUIRE_PRIV=1`, in which case it fails.
+//! `GRADWIRE_REQUIRE_PRIV=1`, in which case it fails. The same holds for the IPv6 half on a
+//! kernel without IPv6.
 
 use gradwire::wire::frame::{self, Ecn, FrameMeta};
 use gradwire::wire::header::{self, Flags, Kind};
-use nix::sched::{setns, CloneFlags};
+use gradwire_netns::{
+    exec_in_netns, link, new_netns_prefix, require_root, run_in_netns, skip_part, IpBatch,
+    NamespaceSet, Veth, VethEnd, COMMAND_TIMEOUT,
+};
 use nix::sys::socket::{sendto, socket, AddressFamily, LinkAddr, MsgFlags, SockFlag, SockType};
 use std::collections::BTreeSet;
-use std::fs::File;
-use std::io::{ErrorKind, Write};
+use std::io::ErrorKind;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::process::{Command, Stdio};
-use std::thread;
 use std::time::{Duration, Instant};
 
 const MAC_A: [u8; 6] = [0x02, 0x67, 0x77, 0x00, 0x00, 0x0a];
 const MAC_B: [u8; 6] = [0x02, 0x67, 0x77, 0x00, 0x00, 0x0b];
-const MAC_A_STR: &str = "02:67:77:00:00:0a";
-const MAC_B_STR: &str = "02:67:77:00:00:0b";
 const IP_A: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
 const IP_B: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
 const LL_A: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0xa);
@@ -46,126 +45,80 @@ const VETH_B: &str = "gw1";
 const RECV_TIMEOUT: Duration = Duration::from_secs(3);
 const QUIET_PERIOD: Duration = Duration::from_millis(300);
 
-fn run_ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run `ip`: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "`ip {}` failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-fn ip(args: &[&str]) {
-    if let Err(e) = run_ip(args) {
-        panic!("{e}");
-    }
-}
-
-/// Owns the two namespaces; dropping it deletes them (and with them the veth pair), also when
-/// the test panics.
+/// Two namespaces of the namespace kit joined by a veth pair; dropping it deletes them (by the
+/// kit's teardown rule), also when the test panics, and the kit's reaper deletes them if the
+/// test process is killed.
 struct Namespaces {
     a: String,
     b: String,
+    _set: NamespaceSet,
 }
 
 impl Namespaces {
     fn create() -> Namespaces {
-        let pid = std::process::id();
-        let ns = Namespaces {
-            a: format!("gwk-{pid}-a"),
-            b: format!("gwk-{pid}-b"),
-        };
-        // Leftovers from a killed run with a recycled pid would make `add` fail.
-        ns.delete();
-        ip(&["netns", "add", &ns.a]);
-        ip(&["netns", "add", &ns.b]);
-        // Created inside `a` with the peer moved to `b`, so the fixed names never clash with
-        // anything in the root namespace.
-        ip(&[
-            "-n", &ns.a, "link", "add", VETH_A, "address", MAC_A_STR, "type", "veth", "peer",
-            "name", VETH_B, "address", MAC_B_STR, "netns", &ns.b,
-        ]);
-        ip(&["-n", &ns.a, "addr", "add", "198.18.0.1/24", "dev", VETH_A]);
-        ip(&["-n", &ns.b, "addr", "add", "198.18.0.2/24", "dev", VETH_B]);
-        ip(&["-n", &ns.a, "link", "set", VETH_A, "up"]);
-        ip(&["-n", &ns.b, "link", "set", VETH_B, "up"]);
-        ns
+        let prefix = new_netns_prefix();
+        let (a, b) = (format!("{prefix}-a"), format!("{prefix}-b"));
+        let set = NamespaceSet::temporary("kernel_accepts_frames", &[a.clone(), b.clone()])
+            .expect("create namespaces");
+        Veth {
+            a: VethEnd {
+                netns: &a,
+                ifname: VETH_A,
+                mac: Some(MAC_A),
+            },
+            b: VethEnd {
+                netns: &b,
+                ifname: VETH_B,
+                mac: Some(MAC_B),
+            },
+            mtu: None,
+            queues: None,
+        }
+        .create()
+        .expect("veth pair");
+        IpBatch::new()
+            .addr(VETH_A, IP_A.into(), 24)
+            .up(VETH_A)
+            .apply(&a)
+            .expect("configure a");
+        IpBatch::new()
+            .addr(VETH_B, IP_B.into(), 24)
+            .up(VETH_B)
+            .apply(&b)
+            .expect("configure b");
+        Namespaces { a, b, _set: set }
     }
 
-    /// Adds the link-local IPv6 addresses; `false` if the kernel has no IPv6.
+    /// Enables IPv6 on the veth (the kit disables it in new namespaces) and adds the
+    /// link-local addresses; `false` if the kernel has no IPv6, which is a visible skip of the
+    /// IPv6 half, or a failure under `GRADWIRE_REQUIRE_PRIV=1`.
     fn add_ipv6(&self) -> bool {
-        // nodad: usable immediately instead of tentative for a second.
-        let a = run_ip(&[
-            "-n",
-            &self.a,
-            "-6",
-            "addr",
-            "add",
-            "fe80::a/64",
-            "dev",
-            VETH_A,
-            "nodad",
-        ]);
-        let b = run_ip(&[
-            "-n",
-            &self.b,
-            "-6",
-            "addr",
-            "add",
-            "fe80::b/64",
-            "dev",
-            VETH_B,
-            "nodad",
-        ]);
-        match (a, b) {
-            (Ok(()), Ok(())) => true,
-            (a, b) => {
-                visible(&format!(
-                    "IPv6 part SKIPPED: cannot add link-local addresses: {a:?} {b:?}"
-                ));
-                false
+        for (ns, dev, addr) in [(&self.a, VETH_A, LL_A), (&self.b, VETH_B, LL_B)] {
+            match link::enable_ipv6(ns, dev) {
+                Ok(()) => {}
+                Err(e) if link::is_ipv6_missing(&e) => {
+                    skip_part(
+                        "kernel_accepts_emitted_frames",
+                        "IPv6 half",
+                        &format!("the kernel has no IPv6: {e}"),
+                    );
+                    return false;
+                }
+                Err(e) => panic!("{e}"),
             }
+            IpBatch::new()
+                .addr6_nodad(dev, addr, 64)
+                .apply(ns)
+                .unwrap_or_else(|e| panic!("IPv6 link-local address: {e}"));
         }
-    }
-
-    fn delete(&self) {
-        for name in [&self.a, &self.b] {
-            let _ = Command::new("ip")
-                .args(["netns", "del", name])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        }
-    }
-}
-
-impl Drop for Namespaces {
-    fn drop(&mut self) {
-        self.delete();
+        true
     }
 }
 
 /// Runs `f` on a fresh thread that has joined network namespace `name`. Only that thread
 /// switches namespace; sockets it creates stay in `name` after it exits.
 fn in_netns<R: Send + 'static>(name: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let path = format!("/var/run/netns/{name}");
-    let handle = thread::spawn(move || {
-        let ns = File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
-        setns(&ns, CloneFlags::CLONE_NEWNET).expect("setns");
-        f()
-    });
-    match handle.join() {
-        Ok(r) => r,
-        Err(p) => std::panic::resume_unwind(p),
-    }
+    run_in_netns(name, f).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// The raw-frame sender in namespace `a`.
@@ -280,12 +233,8 @@ fn collect(sock: &UdpSocket, expected: &BTreeSet<Vec<u8>>) -> Vec<(Vec<u8>, Sock
 /// two-line tables in `snmp`/`netstat` (e.g. "Udp"), or "" for the name-value `snmp6` format.
 fn net_counter(ns: &str, file: &str, table: &str, name: &str) -> u64 {
     let path = format!("/proc/net/{file}");
-    let out = Command::new("ip")
-        .args(["netns", "exec", ns, "cat", &path])
-        .output()
-        .expect("run ip netns exec cat");
-    assert!(out.status.success(), "cannot read {path} in {ns}");
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = exec_in_netns(ns, &["cat", &path], COMMAND_TIMEOUT)
+        .unwrap_or_else(|e| panic!("cannot read {path} in {ns}: {e}"));
     let value = if table.is_empty() {
         text.lines().find_map(|l| {
             let mut it = l.split_whitespace();
@@ -308,24 +257,9 @@ fn net_counter(ns: &str, file: &str, table: &str, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("counter {table}:{name} not found in {path}"))
 }
 
-/// Writes a line straight to the stderr file descriptor: unlike `eprintln!`, this is not
-/// swallowed by the test harness's output capture for passing tests.
-fn visible(msg: &str) {
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
-
-fn require_priv() -> bool {
-    std::env::var("GRADWIRE_REQUIRE_PRIV").is_ok_and(|v| v == "1")
-}
-
 #[test]
 fn kernel_accepts_emitted_frames() {
-    if !nix::unistd::geteuid().is_root() {
-        assert!(
-            !require_priv(),
-            "GRADWIRE_REQUIRE_PRIV=1 but not running as root"
-        );
-        visible("SKIPPED: needs root (kernel_accepts_emitted_frames)");
+    if !require_root("kernel_accepts_emitted_frames") {
         return;
     }
     let ns = Namespaces::create();

@@ -1,31 +1,28 @@
 //! Attaching to real interfaces: a veth pair between two network namespaces this test creates
-//! (names unique per process, addresses in 198.18.0.0/15, removed by a Drop guard even when an
-//! assertion fails, every step bounded in time). Nothing is ever attached outside these
-//! namespaces: the work runs on threads that entered them with `setns`.
+//! with the namespace kit (names `gw<pid>t<n>-a`/`-b`, addresses in 198.18.0.0/15, removed by
+//! the kit's teardown rule even when an assertion fails, and by its reaper if the test process
+//! is killed; every step bounded in time). Nothing is ever attached outside these namespaces:
+//! the work runs on threads that entered them.
 //!
 //! Needs root: without it the tests print `SKIPPED: needs root` to stderr and return, unless
 //! `GRADWIRE_REQUIRE_PRIV=1`, in which case they fail.
 
 mod common;
 
-use std::fs::File;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{require_root, PORT};
 use gradwire_ebpf::{query_attached, AttachMode, XdpAttachedMode, XdpConfig, XdpError, XdpProgram};
+use gradwire_netns::{
+    cmd, enter, new_netns_prefix, spawn_in_netns, IpBatch, NamespaceSet, Veth, VethEnd,
+};
 
-/// Namespaces are `gwxdp<pid>t<n><side>`: `gwx` never collides with the dataplane testbed's
-/// `gw<digit>` names, and the pid lets a later run remove leftovers of a dead process.
-const NS_PREFIX: &str = "gwxdp";
-const NETNS_DIR: &str = "/run/netns";
-const CMD_TIMEOUT: Duration = Duration::from_secs(10);
 const TEST_TIMEOUT: Duration = Duration::from_secs(90);
 /// Interface names live inside the private namespaces, so they can be fixed.
 const IF_A: &str = "a0";
@@ -36,156 +33,57 @@ const ADDR_B: Ipv4Addr = Ipv4Addr::new(198, 19, 255, 2);
 const CHILD_NS_ENV: &str = "GRADWIRE_EBPF_TEST_CHILD_NS";
 const CHILD_UNPRIV_ENV: &str = "GRADWIRE_EBPF_TEST_CHILD_UNPRIV";
 
-/// Runs a command, killing it after `CMD_TIMEOUT`; returns stdout or a description of the
-/// failure.
-fn run_cmd(cmd: &mut Command) -> Result<String, String> {
-    let desc = format!("{cmd:?}");
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("{desc}: {e}"))?;
-    let deadline = Instant::now() + CMD_TIMEOUT;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(s)) => break s,
-            Ok(None) if Instant::now() < deadline => thread::sleep(Duration::from_millis(10)),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!("{desc}: timed out after {CMD_TIMEOUT:?}"));
-            }
-            Err(e) => return Err(format!("{desc}: {e}")),
-        }
-    };
-    let mut out = String::new();
-    let mut err = String::new();
-    if let Some(mut o) = child.stdout.take() {
-        let _ = o.read_to_string(&mut out);
-    }
-    if let Some(mut e) = child.stderr.take() {
-        let _ = e.read_to_string(&mut err);
-    }
-    if status.success() {
-        Ok(out)
-    } else {
-        Err(format!("{desc}: {status}: {}", err.trim()))
-    }
-}
-
-fn ip(args: &[&str]) -> Result<String, String> {
-    run_cmd(Command::new("ip").args(args))
-}
-
-/// Deletes namespaces of earlier runs of this test whose process is gone.
-fn remove_stale() {
-    let Ok(dir) = std::fs::read_dir(NETNS_DIR) else {
-        return;
-    };
-    for e in dir.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix(NS_PREFIX) else {
-            continue;
-        };
-        let Some(pid) = rest.split('t').next().and_then(|p| p.parse::<i32>().ok()) else {
-            continue;
-        };
-        let alive = match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
-            Ok(()) => true,
-            Err(e) => e == nix::errno::Errno::EPERM,
-        };
-        if !alive {
-            let _ = ip(&["netns", "del", &name]);
-        }
-    }
-}
-
 /// Two namespaces joined by a veth pair (one queue each way, so native XDP works on veth).
-/// Dropping it deletes both namespaces, which also removes the veths and any XDP program.
+/// Dropping it removes both by the kit's teardown rule: the veths (and with them any XDP
+/// program) first, then the namespaces.
 struct Lab {
     a: String,
     b: String,
+    _set: NamespaceSet,
 }
 
 impl Lab {
     fn up() -> Lab {
-        static N: AtomicU32 = AtomicU32::new(0);
-        remove_stale();
-        let n = N.fetch_add(1, Ordering::Relaxed);
-        let base = format!("{NS_PREFIX}{}t{n}", std::process::id());
-        let lab = Lab {
-            a: format!("{base}a"),
-            b: format!("{base}b"),
-        };
-        // The guard exists before anything is created, so a failure below cleans up.
-        ip(&["netns", "add", &lab.a]).expect("netns add");
-        ip(&["netns", "add", &lab.b]).expect("netns add");
-        ip(&[
-            "link",
-            "add",
-            IF_A,
-            "netns",
-            &lab.a,
-            "numrxqueues",
-            "1",
-            "numtxqueues",
-            "1",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            IF_B,
-            "netns",
-            &lab.b,
-            "numrxqueues",
-            "1",
-            "numtxqueues",
-            "1",
-        ])
+        let prefix = new_netns_prefix();
+        let (a, b) = (format!("{prefix}-a"), format!("{prefix}-b"));
+        // Exists before the veth, so a failure below cleans up.
+        let set = NamespaceSet::temporary("ebpf attach test", &[a.clone(), b.clone()])
+            .expect("create namespaces");
+        Veth {
+            a: VethEnd {
+                netns: &a,
+                ifname: IF_A,
+                mac: None,
+            },
+            b: VethEnd {
+                netns: &b,
+                ifname: IF_B,
+                mac: None,
+            },
+            mtu: None,
+            queues: Some(1),
+        }
+        .create()
         .expect("veth");
-        for (ns, ifname, addr) in [(&lab.a, IF_A, ADDR_A), (&lab.b, IF_B, ADDR_B)] {
-            ip(&[
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("{addr}/24"),
-                "dev",
-                ifname,
-            ])
-            .expect("addr");
-            ip(&["-n", ns, "link", "set", ifname, "up"]).expect("up");
-            ip(&["-n", ns, "link", "set", "lo", "up"]).expect("lo up");
+        for (ns, ifname, addr) in [(&a, IF_A, ADDR_A), (&b, IF_B, ADDR_B)] {
+            IpBatch::new()
+                .addr(ifname, addr.into(), 24)
+                .up(ifname)
+                .apply(ns)
+                .expect("address and link up");
         }
-        lab
+        Lab { a, b, _set: set }
     }
-}
-
-impl Drop for Lab {
-    fn drop(&mut self) {
-        for ns in [&self.a, &self.b] {
-            if let Err(e) = ip(&["netns", "del", ns]) {
-                eprintln!("cleanup: {e}");
-            }
-        }
-    }
-}
-
-/// Moves the calling thread into namespace `ns`.
-fn enter(ns: &str) {
-    let f = File::open(format!("{NETNS_DIR}/{ns}")).expect("open netns handle");
-    nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
 }
 
 /// Runs `f` on a thread inside `ns`, failing the test if it takes longer than `TEST_TIMEOUT`
-/// (the caller's `Lab` guard then still deletes the namespaces).
+/// (the caller's `Lab` then still deletes the namespaces).
 fn in_ns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
     let (tx, rx) = mpsc::channel();
-    let ns = ns.to_owned();
-    let h = thread::spawn(move || {
-        enter(&ns);
+    let h = spawn_in_netns(ns, move || {
         let _ = tx.send(f());
-    });
+    })
+    .expect("enter namespace");
     match rx.recv_timeout(TEST_TIMEOUT) {
         Ok(v) => {
             let _ = h.join();
@@ -208,7 +106,8 @@ fn cfg(mode: AttachMode) -> XdpConfig {
 
 /// The `prog/xdp` line of `ip -d link show`, if any (an independent check of the query).
 fn xdp_in_link_show(ns: &str, ifname: &str) -> Option<String> {
-    let out = ip(&["-n", ns, "-d", "link", "show", "dev", ifname]).expect("ip link show");
+    let out =
+        cmd::ip(Some(ns), &["-n", ns, "-d", "link", "show", "dev", ifname]).expect("ip link show");
     out.lines()
         .find(|l| l.contains("prog/xdp"))
         .map(|l| l.trim().to_owned())
@@ -270,14 +169,14 @@ fn attach_refuse_second_and_detach_on_veth() {
         // gradwire datagram is dropped, a good one reaches the socket, ARP goes through.
         let rx = UdpSocket::bind(SocketAddrV4::new(ADDR_A, PORT)).expect("bind in A");
         rx.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let sender = thread::spawn(move || {
-            enter(&ns_b);
+        let sender = spawn_in_netns(&ns_b, move || {
             let tx = UdpSocket::bind(SocketAddrV4::new(ADDR_B, 0)).expect("bind in B");
             tx.send_to(&[0x11; 20], SocketAddrV4::new(ADDR_A, PORT))
                 .expect("send short");
             tx.send_to(&[0x22; 96], SocketAddrV4::new(ADDR_A, PORT))
                 .expect("send good");
-        });
+        })
+        .expect("enter B");
         let mut buf = [0u8; 256];
         let (n, from) = rx
             .recv_from(&mut buf)
@@ -439,7 +338,7 @@ fn child_attach_and_wait() {
     let Some(ns) = std::env::var_os(CHILD_NS_ENV) else {
         return;
     };
-    enter(&ns.to_string_lossy());
+    enter(&ns.to_string_lossy()).expect("enter the namespace");
     let p = XdpProgram::attach(IF_A, &cfg(AttachMode::Auto)).expect("child attach");
     println!("ATTACHED {}", p.prog_id());
     // Killed by the parent long before this ends.

@@ -17,7 +17,7 @@
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
-use gradwire::testbed::{exec_in_netns, spawn_in_netns};
+use gradwire_netns::{exec_in_netns, spawn_in_netns};
 use gradwire_control::render::fabric::FabricQos;
 use gradwire_ebpf::{AttachMode, XdpConfig, XdpProgram};
 use gradwire_fabric::netns::FabricNet;
@@ -248,7 +248,7 @@ fn kernel_router(ns: &str, topo: &Topology) -> Res {
 
 /// Runs both phases.
 pub fn run(a: &FabricBenchArgs) -> Res<Report> {
-    if !gradwire::testbed::is_root() {
+    if !gradwire_netns::is_root() {
         return Err("gradwire-fabric-bench needs root (namespaces, XDP, AF_XDP)".into());
     }
     let topo = topology(&a.rate)?;

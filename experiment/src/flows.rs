@@ -11,12 +11,12 @@ use gradwire::flow::{fixed_priority, Tag};
 use gradwire::message::LossBound;
 use gradwire::tagging::{DlcpTagger, MagnitudeConfig};
 use gradwire::tensor::{DType, Tensor};
-use gradwire::testbed::spawn_in_netns;
 use gradwire::transport::{Receiver, RecvOptions, SendOptions, Sender, TransferConfig};
 use gradwire_control::model::load_model;
 use gradwire_fabric::netns::FabricNet;
 use gradwire_fabric::run::{spawn, FabricConfig};
 use gradwire_fabric::topology::Topology;
+use gradwire_netns::spawn_in_netns;
 use serde::Serialize;
 
 use crate::report::{summarize, ExperimentReport, FlowRecord, VariantResult};

@@ -75,7 +75,7 @@ pub enum ExperimentError {
     Model(#[from] gradwire_control::model::ModelError),
     /// Namespaces.
     #[error(transparent)]
-    Testbed(#[from] gradwire::testbed::TestbedError),
+    Testbed(#[from] gradwire_netns::NetnsError),
     /// Fabric.
     #[error(transparent)]
     Fabric(#[from] gradwire_fabric::run::FabricError),

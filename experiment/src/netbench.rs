@@ -26,7 +26,7 @@ use gradwire::datapath::{tos, Datapath, RxMeta, TxMeta};
 use gradwire::flow::{fixed_priority, Tag};
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
-use gradwire::testbed::{Testbed, TestbedConfig};
+use gradwire_netns::{Testbed, TestbedConfig};
 use gradwire::transport::{Receiver, RecvOptions, SendOptions, Sender, TransferConfig};
 use gradwire::wire::header;
 use gradwire_ebpf::{XdpConfig, XdpProgram};
@@ -499,7 +499,7 @@ fn ratio(
 
 /// Run the benchmark.
 pub fn run(a: &BenchArgs) -> Res {
-    if !gradwire::testbed::is_root() {
+    if !gradwire_netns::is_root() {
         return Err(
             "gradwire bench needs root (it creates network namespaces and attaches XDP programs)"
                 .into(),

@@ -6,8 +6,8 @@
 
 use std::path::Path;
 
-use gradwire::testbed::require_root;
 use gradwire_experiment::{run, IncastConfig, Variant, VariantKind};
+use gradwire_netns::require_root;
 
 #[test]
 fn short_incast_keeps_the_invariants() {

@@ -13,7 +13,7 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use common::*;
-use gradwire::testbed::require_root;
+use gradwire_netns::require_root;
 use gradwire_fabric::netns::FabricNet;
 use gradwire_fabric::run::{spawn, FabricConfig};
 use gradwire_qos::DATA_DSCP;

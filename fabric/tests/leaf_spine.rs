@@ -13,7 +13,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::*;
-use gradwire::testbed::{require_root, run_in_netns, spawn_in_netns};
+use gradwire_netns::{require_root, run_in_netns, spawn_in_netns};
 use gradwire_fabric::netns::FabricNet;
 use gradwire_fabric::run::{spawn, FabricConfig};
 use gradwire_fabric::topology::Topology;

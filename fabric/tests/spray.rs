@@ -18,12 +18,12 @@ use gradwire::datapath::Datapath;
 use gradwire::flow::{fixed_priority, Tag};
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
-use gradwire::testbed::{require_root, spawn_in_netns};
 use gradwire::transport::{Receiver, RecvOptions, SendOptions, Sender, TransferConfig};
 use gradwire_ebpf::AttachMode;
 use gradwire_fabric::netns::FabricNet;
 use gradwire_fabric::run::{spawn, FabricConfig, FabricStats};
 use gradwire_fabric::topology::Topology;
+use gradwire_netns::{require_root, spawn_in_netns};
 
 const DATA_PORT: u16 = 7000;
 const CTRL_PORT: u16 = 7100;

@@ -16,7 +16,7 @@ use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath};
 use gradwire::message::LossBound;
 use gradwire::tagging::{DlcpTagger, MagnitudeConfig};
 use gradwire::tensor::Tensor;
-use gradwire::testbed::{require_root, spawn_in_netns};
+use gradwire_netns::{require_root, spawn_in_netns};
 use gradwire::transport::{Receiver, RecvOptions, SendOptions, Sender, TransferConfig};
 use gradwire_ebpf::AttachMode;
 use gradwire_fabric::netns::FabricNet;

@@ -1,35 +1,17 @@
-//! Shared helpers of the integration tests: privilege gate and frame builders.
+//! Shared helpers of the integration tests: privilege gate (the namespace kit's) and frame
+//! builders.
 //!
 //! Frames are built byte by byte here (not with the dataplane crate) so that these tests
 //! exercise the classifier against an independent encoding of the wire formats.
 
 #![allow(dead_code)]
 
-use std::io::Write;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use gradwire_ebpf::{XdpConfig, XdpCounters, XdpProgram};
 
-/// Environment variable that turns a privilege skip into a failure.
-pub const REQUIRE_PRIV_ENV: &str = "GRADWIRE_REQUIRE_PRIV";
-
-/// True when root. Otherwise prints `SKIPPED: needs root` to stderr and returns false, or
-/// panics when `GRADWIRE_REQUIRE_PRIV=1` so that a skip never passes silently in CI.
-pub fn require_root(test: &str) -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    if std::env::var_os(REQUIRE_PRIV_ENV).is_some_and(|v| v == "1") {
-        panic!("{test}: needs root and {REQUIRE_PRIV_ENV}=1 forbids skipping");
-    }
-    // Written to the stderr fd directly rather than with eprintln!, which libtest captures
-    // and hides for passing tests: a skip must be visible.
-    let _ = writeln!(
-        std::io::stderr(),
-        "SKIPPED: needs root ({test}; set {REQUIRE_PRIV_ENV}=1 to fail instead)"
-    );
-    false
-}
+/// The privilege gate of every root-only test: the namespace kit's.
+pub use gradwire_netns::require_root;
 
 /// The gradwire port the fixtures use.
 pub const PORT: u16 = 7000;

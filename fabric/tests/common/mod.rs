@@ -9,10 +9,10 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use gradwire::testbed::spawn_in_netns;
 use gradwire_control::render::fabric::FabricQos;
 use gradwire_ebpf::{AttachMode, XdpConfig, XdpCounters, XdpProgram};
 use gradwire_fabric::topology::{default_policy, Topology};
+use gradwire_netns::spawn_in_netns;
 
 /// The classifier's gradwire port on receivers.
 pub const PORT: u16 = 7000;
@@ -38,22 +38,11 @@ pub fn leaf_spine_per_flow() -> Topology {
     topo(&text)
 }
 
-/// Connects a gradwire control channel to `addr`, retrying for up to 10 s while the receiver
-/// starts.
+/// Connects a gradwire control channel to `addr` ([`gradwire_netns::connect_retry`] for up to
+/// 10 s while the receiver starts).
 pub fn connect_retry(addr: SocketAddr) -> gradwire::ctrl_channel::TcpCtrl {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        match gradwire::ctrl_channel::TcpCtrl::connect(addr, Duration::from_secs(1), None) {
-            Ok(c) => return c,
-            Err(e) => {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "receiver never listened: {e}"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-    }
+    let stream = gradwire_netns::connect_retry(addr, Duration::from_secs(10)).unwrap();
+    gradwire::ctrl_channel::TcpCtrl::new(stream, None).unwrap()
 }
 
 /// A receiver: the XDP classifier attached to `eth0` in `netns` (counting what arrives per

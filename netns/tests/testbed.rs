@@ -1,4 +1,4 @@
-//! The network-namespace testbed itself (`gradwire::testbed`): connectivity over a veth pair
+//! The namespace kit's testbed (`gradwire_netns::Testbed`): connectivity over a veth pair
 //! and over the bridge, the configuration it promises (addresses, MACs, queues, offloads, no
 //! IPv6, static neighbours), bounded commands, and teardown in every situation: drop, explicit
 //! `down`, a panicking closure, a stale namespace of a dead process, and a SIGKILLed process.
@@ -7,13 +7,13 @@
 //! `GRADWIRE_REQUIRE_PRIV=1`). Packets only travel inside the namespaces the tests create, with
 //! addresses from 198.18.0.0/15; every wait is bounded.
 
-use gradwire::testbed::{
-    self, cleanup_stale, netns_path, require_root, Testbed, TestbedConfig, TestbedError,
+use gradwire_netns::{
+    cleanup_stale, netns_path, require_root, NetnsError, Testbed, TestbedConfig, HOST_IFNAME,
 };
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -157,7 +157,7 @@ fn hosts_are_configured_as_reported() {
     let tb = Testbed::up(&config).expect("testbed up");
     for (i, h) in tb.hosts().iter().enumerate() {
         assert_eq!(h.index, i);
-        assert_eq!(h.ifname, testbed::HOST_IFNAME);
+        assert_eq!(h.ifname, HOST_IFNAME);
         assert_eq!(h.ipv4.octets(), [198, 18, 0, i as u8 + 1]);
         assert!(h.netns.starts_with(&format!("gw{}t", std::process::id())));
 
@@ -233,7 +233,7 @@ fn commands_in_hosts_are_bounded_and_errors_explain() {
     let err = tb
         .exec_timeout(0, &["sleep", "30"], Duration::from_millis(300))
         .unwrap_err();
-    assert!(matches!(err, TestbedError::Timeout { .. }), "{err}");
+    assert!(matches!(err, NetnsError::Timeout { .. }), "{err}");
     assert!(start.elapsed() < Duration::from_secs(5));
 
     let err = tb
@@ -247,11 +247,11 @@ fn commands_in_hosts_are_bounded_and_errors_explain() {
 
     assert!(matches!(
         tb.run_in(7, || ()),
-        Err(TestbedError::NoSuchHost { index: 7, hosts: 2 })
+        Err(NetnsError::NoSuchHost { index: 7, hosts: 2 })
     ));
     assert!(matches!(
         Testbed::up(&TestbedConfig::with_hosts(1)),
-        Err(TestbedError::InvalidConfig(_))
+        Err(NetnsError::InvalidConfig(_))
     ));
 }
 
@@ -291,6 +291,49 @@ fn namespaces_are_gone_after_a_panicking_closure() {
     assert!(names.iter().all(|n| !exists(n)), "left behind: {names:?}");
 }
 
+/// The teardown rule: a socket that outlives its namespace keeps the namespace object alive,
+/// but not its devices. A thread stays inside host 0 holding a socket while the testbed goes
+/// down; from inside, the veth must be gone at once and the socket must have no route.
+#[test]
+fn teardown_removes_the_devices_of_a_namespace_a_socket_still_holds() {
+    if !require_root("teardown_removes_the_devices_of_a_namespace_a_socket_still_holds") {
+        return;
+    }
+    let tb = up(2);
+    let (src, dst) = (tb.host(0).ipv4, SocketAddrV4::new(tb.host(1).ipv4, 47500));
+    let names = tb.namespaces().to_vec();
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let (check_tx, check_rx) = mpsc::channel::<()>();
+    let inside = tb
+        .spawn_in(0, move || {
+            let sock = UdpSocket::bind(SocketAddrV4::new(src, 0)).expect("bind in host 0");
+            sock.send_to(b"before", dst).expect("send before teardown");
+            ready_tx.send(()).expect("report ready");
+            // Bounded: the test thread either sends or drops the sender.
+            let _ = check_rx.recv_timeout(TIMEOUT);
+            let ifindex = nix::net::if_::if_nametoindex(HOST_IFNAME);
+            let send = sock.send_to(b"after", dst).map(drop);
+            (ifindex, send)
+        })
+        .expect("enter host 0");
+    ready_rx.recv_timeout(TIMEOUT).expect("socket ready");
+    tb.down().expect("clean teardown");
+    assert!(names.iter().all(|n| !exists(n)), "left behind: {names:?}");
+    check_tx.send(()).expect("thread waiting");
+    let (ifindex, send) = inside.join().expect("thread in host 0");
+    assert_eq!(
+        ifindex,
+        Err(nix::errno::Errno::ENODEV),
+        "the veth survived teardown in a namespace pinned by a socket"
+    );
+    let err = send.expect_err("a send without any device must fail");
+    assert_eq!(
+        err.raw_os_error(),
+        Some(nix::errno::Errno::ENETUNREACH as i32),
+        "{err}"
+    );
+}
+
 /// Deletes a hand-made namespace at the end of the test, whatever happens.
 struct HandMade(String);
 
@@ -310,6 +353,16 @@ impl Drop for HandMade {
         if exists(&self.0) {
             let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
         }
+    }
+}
+
+/// A child process killed and reaped when dropped.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -333,13 +386,16 @@ fn cleanup_stale_removes_only_namespaces_of_dead_processes() {
         .expect("a free pid");
     // The testbed counter part carries our pid so that parallel runs use distinct names.
     let stale = HandMade::create(format!("gw{dead}t{me}h0"));
-    // A live process other than us, started (and ended) by this test.
-    let mut sleeper = Command::new("sleep")
-        .arg("30")
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("spawn sleep");
-    let live = HandMade::create(format!("gw{}t{me}h0", sleeper.id()));
+    // A live process other than us, started (and ended) by this test; killed on drop should
+    // an assertion fail first.
+    let mut sleeper = KillOnDrop(
+        Command::new("sleep")
+            .arg("30")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn sleep"),
+    );
+    let live = HandMade::create(format!("gw{}t{me}h0", sleeper.0.id()));
     // Names of other shapes are never ours, whatever the pid.
     let foreign = HandMade::create(format!("gwx{dead}t{me}h0"));
 
@@ -349,13 +405,13 @@ fn cleanup_stale_removes_only_namespaces_of_dead_processes() {
     assert!(
         exists(&live.0),
         "namespace of live pid {} was removed",
-        sleeper.id()
+        sleeper.0.id()
     );
     assert!(exists(&foreign.0), "foreign name {} was removed", foreign.0);
 
-    sleeper.kill().expect("kill sleep");
+    sleeper.0.kill().expect("kill sleep");
     // Reaped, or the zombie would still count as alive.
-    sleeper.wait().expect("reap sleep");
+    sleeper.0.wait().expect("reap sleep");
     cleanup_stale().expect("cleanup_stale");
     assert!(!exists(&live.0), "namespace of the now dead pid survived");
     assert!(exists(&foreign.0));
