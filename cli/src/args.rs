@@ -4,7 +4,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use gradwire::addr::resolve;
 use gradwire::tensor::DType;
+use gradwire_units::{parse_rate, parse_size};
 
 /// gradwire: a bounded-loss-tolerant transport for distributed DNN training traffic.
 #[derive(Debug, Parser)]
@@ -59,8 +61,8 @@ pub struct IncastArgs {
     #[arg(long, default_value_t = 1.0 / 32.0)]
     pub scale: f64,
     /// Split tensors larger than this (after scaling) over all servers (default 4 MB x scale,
-    /// DLCP's 4 MB threshold at this scale).
-    #[arg(long, value_parser = parse_size)]
+    /// DLCP's 4 MB threshold at this scale; e.g. 128KiB, 1M).
+    #[arg(long, value_parser = |s: &str| parse_size(s).map(|b| b.0))]
     pub split_bytes: Option<u64>,
     /// Iterations per variant.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
@@ -223,8 +225,8 @@ pub struct Common {
     /// Datapath for data packets.
     #[arg(long, value_enum, default_value = "udp")]
     pub datapath: DatapathKind,
-    /// Tensor size in bytes (suffixes K, M, G, KiB, MiB, GiB).
-    #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+    /// Tensor size: bytes, or with a unit (K = 1000, KiB = 1024; e.g. 1500, 64KiB, 64M).
+    #[arg(long, default_value = "64MiB", value_parser = |s: &str| parse_size(s).map(|b| b.0))]
     pub size: u64,
     /// Number of tensors transferred, one after another.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
@@ -241,8 +243,9 @@ pub struct Common {
     /// IP MTU of the path.
     #[arg(long, default_value_t = 1500)]
     pub mtu: usize,
-    /// Line rate the sender starts at and never exceeds (bit/s, suffixes K, M, G).
-    #[arg(long, default_value = "25G", value_parser = parse_rate)]
+    /// Line rate the sender starts at and never exceeds, in bits per second with a unit
+    /// (e.g. 25G = 25Gbit, 200Mbit, 1.5Gbit).
+    #[arg(long, default_value = "25G", value_parser = |s: &str| parse_rate(s).map(|r| r.bps()))]
     pub line_rate: u64,
     /// Rate-control factor Δ: halve when send rate > Δ x receive rate.
     #[arg(long, default_value_t = 2.0)]
@@ -334,11 +337,11 @@ pub struct DemoArgs {
 
 #[derive(Debug, Args)]
 pub struct SendArgs {
-    /// The receiver's control address (host:port).
-    #[arg(long)]
+    /// The receiver's control address: host:port or IP:port (a name is resolved once).
+    #[arg(long, value_parser = resolve)]
     pub to: SocketAddr,
-    /// Local address for the data socket (port 0 picks one).
-    #[arg(long)]
+    /// Local address for the data socket, host:port or IP:port (port 0 picks one).
+    #[arg(long, value_parser = resolve)]
     pub bind: Option<SocketAddr>,
     /// Spray each transfer over this many UDP source ports (the --bind port and the next
     /// ones, rotating per packet), so that switches hashing flows for ECMP use every path.
@@ -351,53 +354,17 @@ pub struct SendArgs {
 
 #[derive(Debug, Args)]
 pub struct RecvArgs {
-    /// Control address to listen on (host:port).
-    #[arg(long)]
+    /// Control address to listen on: host:port or IP:port (a name is resolved once).
+    #[arg(long, value_parser = resolve)]
     pub listen: SocketAddr,
-    /// Data address (default: the listen address with port+1).
-    #[arg(long)]
+    /// Data address, host:port or IP:port (default: the listen address with port+1).
+    #[arg(long, value_parser = resolve)]
     pub data: Option<SocketAddr>,
     /// Seconds to wait for a sender to connect.
     #[arg(long, default_value_t = 300.0)]
     pub accept_timeout: f64,
     #[command(flatten)]
     pub common: Common,
-}
-
-/// Parse "1500", "64KiB", "64MiB", "1G", "10M".
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size (e.g. 1500, 64KiB, 64MiB, 1G)"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" => 1_000,
-        "kib" => 1 << 10,
-        "m" | "mb" => 1_000_000,
-        "mib" => 1 << 20,
-        "g" | "gb" => 1_000_000_000,
-        "gib" => 1 << 30,
-        other => {
-            return Err(format!(
-                "unknown size unit {other:?} (use K, M, G, KiB, MiB, GiB)"
-            ))
-        }
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("{s:?} is too large"))
-}
-
-/// Parse a rate in bit/s: "25G", "100M", "1000000".
-pub fn parse_rate(s: &str) -> Result<u64, String> {
-    let t = s.trim().trim_end_matches("bps").trim_end_matches("bit/s");
-    let v = parse_size(t)?;
-    if v == 0 {
-        return Err("rate must be positive".into());
-    }
-    Ok(v)
 }
 
 /// Parse a probability in [0, 1].
@@ -417,19 +384,60 @@ pub fn parse_fraction(s: &str) -> Result<f64, String> {
 mod tests {
     use super::*;
 
+    use gradwire_units::{BitRate, Bytes};
+
     #[test]
     fn sizes_rates_fractions() {
-        assert_eq!(parse_size("1500"), Ok(1500));
-        assert_eq!(parse_size("64MiB"), Ok(64 << 20));
-        assert_eq!(parse_size("1G"), Ok(1_000_000_000));
+        // Sizes and rates are gradwire-units' grammar, as in every other place.
+        assert_eq!(parse_size("1500"), Ok(Bytes(1500)));
+        assert_eq!(parse_size("64MiB"), Ok(Bytes(64 << 20)));
+        assert_eq!(parse_size("1G"), Ok(Bytes(1_000_000_000)));
         assert!(parse_size("12XB").is_err());
         assert!(parse_size("-1").is_err());
         assert!(parse_size("99999999999999GiB").is_err());
-        assert_eq!(parse_rate("25G"), Ok(25_000_000_000));
+        assert_eq!(parse_rate("25G"), Ok(BitRate(25_000_000_000)));
         assert!(parse_rate("0").is_err());
         assert_eq!(parse_fraction("0.05"), Ok(0.05));
         assert!(parse_fraction("1.5").is_err());
         assert!(parse_fraction("nan").is_err());
+    }
+
+    #[test]
+    fn units_and_host_names_as_users_write_them() {
+        let c = Cli::try_parse_from([
+            "gradwire",
+            "send",
+            "--to",
+            "localhost:7070",
+            "--line-rate",
+            "200Mbit",
+            "--size",
+            "64KiB",
+        ])
+        .unwrap();
+        let Command::Send(s) = c.command else {
+            panic!("not send")
+        };
+        assert_eq!(s.to, "127.0.0.1:7070".parse().unwrap());
+        assert_eq!(s.common.line_rate, 200_000_000);
+        assert_eq!(s.common.size, 65536);
+        for rate in ["25G", "25Gbit", "200M", "1.5Gbit"] {
+            assert!(
+                Cli::try_parse_from(["gradwire", "demo", "--line-rate", rate]).is_ok(),
+                "{rate}"
+            );
+        }
+        let e = Cli::try_parse_from(["gradwire", "demo", "--line-rate", "25Gbps"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&parse_rate("25Gbps").unwrap_err().to_string()),
+            "{e}"
+        );
+        let e = Cli::try_parse_from(["gradwire", "recv", "--listen", "hostb"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"hostb\" has no port"), "{e}");
     }
 
     #[test]

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use gradwire_experiment::quantile;
+use gradwire_units::human_size;
 use serde::Serialize;
 
 /// One tensor transfer.
@@ -55,15 +57,6 @@ pub struct Summary {
     pub afxdp_receiver: Option<gradwire::afxdp::AfXdpStats>,
 }
 
-/// Nearest-rank percentile of sorted values.
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
 impl Summary {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -106,8 +99,8 @@ impl Summary {
             } else {
                 delivered_bytes as f64 * 8.0 / elapsed.as_secs_f64() / 1e9
             },
-            fct_p50_us: percentile(&fcts, 50.0),
-            fct_p99_us: percentile(&fcts, 99.0),
+            fct_p50_us: quantile(&fcts, 0.50),
+            fct_p99_us: quantile(&fcts, 0.99),
             fct_mean_us: fcts.iter().sum::<f64>() / n,
             elapsed_s: elapsed.as_secs_f64(),
             verified,
@@ -129,7 +122,7 @@ impl Summary {
             "gradwire {}: {} x {} {} over {}, loss bound {:.2}%, injected loss {:.2}%",
             self.role,
             self.count,
-            human_bytes(self.size_bytes),
+            human_size(self.size_bytes),
             self.dtype,
             self.datapath,
             self.loss_bound * 100.0,
@@ -182,34 +175,21 @@ fn opt(v: Option<u64>) -> String {
     v.map_or_else(|| "-".into(), |v| v.to_string())
 }
 
-pub fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn percentiles_nearest_rank() {
+        // The summary's p50/p99 are gradwire_experiment::quantile (q in 0..=1) and its sizes
+        // gradwire_units::human_size: the workspace's one helper for each.
         let v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&v, 50.0), 50.0);
-        assert_eq!(percentile(&v, 99.0), 99.0);
-        assert_eq!(percentile(&[7.0], 99.0), 7.0);
-        assert_eq!(percentile(&[], 50.0), 0.0);
-        assert_eq!(human_bytes(64 << 20), "64.0 MiB");
-        assert_eq!(human_bytes(1500), "1.5 KiB");
+        assert_eq!(quantile(&v, 0.50), 50.0);
+        assert_eq!(quantile(&v, 0.99), 99.0);
+        assert_eq!(quantile(&[7.0], 0.99), 7.0);
+        assert_eq!(quantile(&[], 0.50), 0.0);
+        assert_eq!(human_size(64 << 20), "64.0 MiB");
+        assert_eq!(human_size(1500), "1.5 KiB");
     }
 
     #[test]

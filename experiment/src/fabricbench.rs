@@ -43,9 +43,9 @@ pub struct FabricBenchArgs {
     /// Seconds per phase.
     #[arg(long, default_value_t = 3.0)]
     pub seconds: f64,
-    /// Emulated link rate (high, so that it is not the limit).
+    /// Emulated link rate, bits per second with a unit (high, so that it is not the limit).
     #[arg(long, default_value = "40Gbit")]
-    pub rate: String,
+    pub rate: gradwire_units::BitRate,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -251,7 +251,7 @@ pub fn run(a: &FabricBenchArgs) -> Res<Report> {
     if !gradwire_netns::is_root() {
         return Err("gradwire-fabric-bench needs root (namespaces, XDP, AF_XDP)".into());
     }
-    let topo = topology(&a.rate)?;
+    let topo = topology(&a.rate.to_string())?;
     let net = FabricNet::up(&topo)?;
 
     let fabric = spawn(&topo, net.switch_namespaces(), FabricConfig::default())?;

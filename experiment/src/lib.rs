@@ -33,7 +33,7 @@ mod flows;
 mod report;
 
 pub use flows::{run, Variant, VariantKind};
-pub use report::{print_table, ExperimentReport, VariantResult};
+pub use report::{print_table, quantile, ExperimentReport, VariantResult};
 pub use workload::{TensorSpec, Workload};
 
 use std::path::PathBuf;

@@ -73,8 +73,11 @@ pub struct BenchArgs {
     /// UMEM frame size.
     #[arg(long, default_value_t = 4096)]
     pub frame_size: u32,
-    /// Tensor size of the transfer phase (bytes).
-    #[arg(long, default_value_t = 64 << 20)]
+    /// Tensor size of the transfer phase: bytes, or with a unit (e.g. 64MiB, 1G).
+    #[arg(long, default_value = "64MiB", value_parser = |s: &str| -> Result<usize, String> {
+        let b = gradwire_units::parse_size(s).map_err(|e| e.to_string())?;
+        usize::try_from(b.0).map_err(|_| format!("{s:?} does not fit this machine's memory"))
+    })]
     pub size: usize,
     /// Transfers in the transfer phase.
     #[arg(long, default_value_t = 4)]

@@ -126,8 +126,11 @@ pub struct ExperimentReport {
     pub results: Vec<VariantResult>,
 }
 
-/// The `q` quantile (nearest rank) of `v`, which is sorted.
-fn quantile(v: &[f64], q: f64) -> f64 {
+/// The `q` quantile (0 <= q <= 1) of `v`, which is sorted, by nearest rank: the smallest
+/// value with at least a fraction `q` of the values at or below it (so always one of the
+/// values, never interpolated); 0 for no values. The one percentile helper of the
+/// workspace: the `gradwire` CLI's FCT percentiles use it too.
+pub fn quantile(v: &[f64], q: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }

@@ -1,0 +1,207 @@
+//! Sizes, rates and addresses as users write them: the `gradwire` command line, the
+//! `gradwire-ctl` command line, policy files and topology files accept the same spellings
+//! and refuse a bad one with the same message (the `gradwire-units` grammar); `--to` takes
+//! a host name.
+
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+fn gradwire(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gradwire"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A directory of test files, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!("gw-spellings-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+
+    fn write(&self, name: &str, text: &str) -> String {
+        let p = self.0.join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_owned()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A topology that `testbed up` refuses while reading it (before any namespace exists).
+fn topology(rate: &str, policy: Option<&str>) -> String {
+    let policy = policy.map_or(String::new(), |p| format!("policy = \"{p}\"\n"));
+    format!(
+        "name = \"spell\"\n{policy}[defaults]\nrate = \"{rate}\"\ndelay = \"20us\"\n\
+         [[switch]]\nname = \"s0\"\n[[host]]\nname = \"h\"\ncount = 2\nuplink = \"s0\"\n"
+    )
+}
+
+fn ctl(args: &[&str]) -> String {
+    let mut out = Vec::new();
+    let args = std::iter::once("gradwire-ctl").chain(args.iter().copied());
+    gradwire_control::cli::run(args, &mut out)
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn a_bad_rate_reads_the_same_on_the_command_line_and_in_a_topology() {
+    let dir = TempDir::new("rate");
+    for bad in ["25Gbps", "100", "fast", "64KiB"] {
+        let want = gradwire_units::parse_rate(bad).unwrap_err().to_string();
+        let o = gradwire(&["demo", "--datapath", "loopback", "--line-rate", bad]);
+        assert_eq!(o.status.code(), Some(2), "{bad}");
+        assert!(stderr(&o).contains(&want), "{bad}: {}", stderr(&o));
+
+        let file = dir.write("t.toml", &topology(bad, None));
+        let o = gradwire(&["testbed", "up", &file]);
+        assert_eq!(o.status.code(), Some(1), "{bad}");
+        let e = stderr(&o);
+        assert!(
+            e.contains(&format!("field `defaults.rate`: {want}")),
+            "{bad}: {e}"
+        );
+    }
+    // ... and the good spellings are good in both.
+    for good in ["25G", "25Gbit", "200Mbit", "200M"] {
+        let cli = gradwire_units::parse_rate(good).unwrap();
+        let qos = gradwire_control::render::fabric::FabricQos::from_policy(
+            &gradwire_fabric::topology::default_policy(),
+        )
+        .unwrap();
+        let t = gradwire_fabric::topology::Topology::from_toml(&topology(good, None), qos).unwrap();
+        assert_eq!(t.switches[0].ports[0].link.rate_bps, cli.bps(), "{good}");
+    }
+}
+
+#[test]
+fn a_bad_size_reads_the_same_in_gradwire_gradwire_ctl_and_a_policy_file() {
+    let dir = TempDir::new("size");
+    for bad in ["64KiBs", "KiB", "1.5KiB", "99999999999999999999"] {
+        let want = gradwire_units::parse_size(bad).unwrap_err().to_string();
+        let o = gradwire(&["demo", "--datapath", "loopback", "--size", bad]);
+        assert_eq!(o.status.code(), Some(2), "{bad}");
+        assert!(stderr(&o).contains(&want), "{bad}: {}", stderr(&o));
+
+        let e = ctl(&[
+            "render",
+            "--target",
+            "sonic",
+            "--ports",
+            "Ethernet0",
+            "--base-threshold",
+            bad,
+            "--step",
+            "0.5",
+        ]);
+        assert_eq!(e, format!("--base-threshold: {want}"), "{bad}");
+
+        // The topology's policy file, read by gradwire-control's policy-file reader.
+        let policy = dir.write(
+            "p.toml",
+            &format!("port_buffer = \"{bad}\"\n[thresholds]\nbase = \"64KiB\"\nstep = 0.5\n"),
+        );
+        let file = dir.write("t.toml", &topology("1Gbit", Some(&policy)));
+        let o = gradwire(&["testbed", "up", &file]);
+        assert_eq!(o.status.code(), Some(1), "{bad}");
+        let e = stderr(&o);
+        assert!(
+            e.contains(&format!("field `port_buffer`: {want}")),
+            "{bad}: {e}"
+        );
+    }
+}
+
+#[test]
+fn a_host_name_that_does_not_resolve_is_named() {
+    let o = gradwire(&["send", "--to", "no-such-host.invalid:7070"]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(
+        e.contains("cannot resolve host name \"no-such-host.invalid\""),
+        "{e}"
+    );
+    let o = gradwire(&["recv", "--listen", "hostb"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("\"hostb\" has no port"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+/// Kills the receiver if the test fails before it exits.
+struct Reap(Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn send_to_localhost_reaches_a_receiver_on_127_0_0_1() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let common = [
+        "--size",
+        "64KiB",
+        "--count",
+        "1",
+        "--loss-bound",
+        "0",
+        "--timeout",
+        "20",
+    ];
+    let mut recv = Reap(
+        Command::new(env!("CARGO_BIN_EXE_gradwire"))
+            .args(["recv", "--listen", &format!("127.0.0.1:{port}")])
+            .args(["--accept-timeout", "60"])
+            .args(common)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    // The receiver says it waits once its control socket listens.
+    let (tx, rx) = mpsc::channel();
+    let err = recv.0.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            if line.contains("waiting for a sender") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("receiver never listened");
+
+    let to = format!("localhost:{port}");
+    let o = gradwire(&[&["send", "--to", &to, "--json"][..], &common[..]].concat());
+    assert!(o.status.success(), "send --to {to}: {}", stderr(&o));
+    let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(s["role"], "send");
+    assert_eq!(s["count"], 1);
+    assert!(recv.0.wait().unwrap().success());
+}
