@@ -8,7 +8,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
 use std::time::{Duration, Instant};
 
 use gradwire::afxdp::engine::{Engine, EngineConfig};
-use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath};
+use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath, AfXdpStats, QueueStats};
 use gradwire::datapath::fault::{FaultConfig, FaultInjector};
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::datapath::Datapath;
@@ -59,12 +59,13 @@ fn datapath(kind: Kind, ip: IpAddr, loss: f64) -> Box<dyn Datapath> {
             if loss > 0.0 {
                 c.fault_drop = vec![(DSCP, loss)];
             }
-            let cores = if std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2 {
-                vec![0, 1]
-            } else {
-                vec![]
-            };
-            Box::new(Engine::start(EngineConfig { afxdp: c, cores }).expect("AF_XDP engine"))
+            Box::new(
+                Engine::start(EngineConfig {
+                    afxdp: c,
+                    cores: engine_cores(),
+                })
+                .expect("AF_XDP engine"),
+            )
         }
         Kind::Udp => {
             let dp = UdpDatapath::bind(local, UdpConfig::default()).expect("UDP datapath");
@@ -98,6 +99,28 @@ fn transfer(
     loss: f64,
     bound: f64,
 ) -> (SendReport, RecvReport) {
+    let t = transfer_with_stats(tb, tx, rx, bytes, loss, bound);
+    (t.send, t.recv)
+}
+
+/// What one transfer reports: both ends' reports and their AF_XDP counters (per queue, with
+/// the cores of the engine's workers; `None` for kernel UDP), read when each end finished.
+struct Transfer {
+    send: SendReport,
+    recv: RecvReport,
+    tx_stats: Option<AfXdpStats>,
+    rx_stats: Option<AfXdpStats>,
+}
+
+/// [`transfer`], keeping the datapaths' counters.
+fn transfer_with_stats(
+    tb: &Testbed,
+    tx: Kind,
+    rx: Kind,
+    bytes: usize,
+    loss: f64,
+    bound: f64,
+) -> Transfer {
     let elems = bytes / 4;
     let rx_ip = IpAddr::V4(tb.host(1).ipv4);
     let tx_ip = IpAddr::V4(tb.host(0).ipv4);
@@ -125,7 +148,7 @@ fn transfer(
                     );
                 }
             }
-            report
+            (report, AfXdpStats::of(&**r.datapath()))
         })
         .unwrap();
     let sender = tb
@@ -138,25 +161,32 @@ fn transfer(
                 loss_bound: Some(LossBound::from_fraction(bound).unwrap()),
                 ..SendOptions::new(4, 2)
             };
-            s.send(
-                &t,
-                &opts,
-                &fixed_priority(Tag {
-                    dscp: DSCP,
-                    ect: true,
-                }),
-            )
-            .unwrap()
+            let report = s
+                .send(
+                    &t,
+                    &opts,
+                    &fixed_priority(Tag {
+                        dscp: DSCP,
+                        ect: true,
+                    }),
+                )
+                .unwrap();
+            (report, AfXdpStats::of(&**s.datapath()))
         })
         .unwrap();
-    let s = sender.join().expect("sender panicked");
-    let r = receiver.join().expect("receiver panicked");
+    let (s, tx_stats) = sender.join().expect("sender panicked");
+    let (r, rx_stats) = receiver.join().expect("receiver panicked");
     assert!(
         r.delivered_fraction >= 1.0 - bound - 1e-12,
         "delivered {} < 1 - {bound}",
         r.delivered_fraction
     );
-    (s, r)
+    Transfer {
+        send: s,
+        recv: r,
+        tx_stats,
+        rx_stats,
+    }
 }
 
 /// Connects the control channel ([`gradwire_netns::connect_retry`] for up to 10 s while the
@@ -411,10 +441,138 @@ fn malformed_and_foreign_packets_are_dropped_counted_and_touch_nothing() {
     assert_eq!(stats.queues[0].rx_malformed, 0);
 }
 
+/// Without static neighbours, an AF_XDP sender finds the receiver's MAC through the kernel's
+/// ARP (`afxdp::neigh::resolve`: one kernel datagram to the peer's discard port, then the ARP
+/// table) and the transfer delivers every byte. The control channel is in memory, so nothing
+/// else crosses the veth that could make the kernel resolve the peer first.
+#[test]
+fn afxdp_resolves_the_peer_through_arp_without_static_neighbours() {
+    use gradwire::ctrl_channel::MemCtrl;
+    use gradwire::transport::{recv_tensor, send_tensor};
+    let Some(tb) = testbed() else { return };
+    let (tx_ip, rx_ip) = (tb.host(0).ipv4, tb.host(1).ipv4);
+    // Remove the testbed's permanent entries, both ways.
+    for (host, peer) in [(0, rx_ip), (1, tx_ip)] {
+        tb.exec(
+            host,
+            &["ip", "neigh", "del", &peer.to_string(), "dev", "gw0"],
+        )
+        .expect("delete the static neighbour");
+        let left = tb
+            .exec(host, &["ip", "-4", "neigh", "show", "dev", "gw0"])
+            .unwrap();
+        assert_eq!(left.trim(), "", "host {host} still has neighbours");
+    }
+    const ELEMS: usize = (4 << 20) / 4;
+    let (mut tx_ctrl, mut rx_ctrl) = MemCtrl::pair();
+    let (rx_ip, tx_ip) = (IpAddr::V4(rx_ip), IpAddr::V4(tx_ip));
+    let receiver = tb
+        .spawn_in(1, move || {
+            let mut dp = datapath(Kind::Afxdp, rx_ip, 0.0);
+            let mut got = Tensor::zeros(DType::F32, ELEMS);
+            let opts = RecvOptions::new(4, 2);
+            let report = recv_tensor(&mut *dp, &mut rx_ctrl, &mut got, &opts, &cfg()).unwrap();
+            (report, got)
+        })
+        .unwrap();
+    let sender = tb
+        .spawn_in(0, move || {
+            let mut dp = datapath(Kind::Afxdp, tx_ip, 0.0);
+            let opts = SendOptions {
+                loss_bound: Some(LossBound::RELIABLE),
+                ..SendOptions::new(4, 2)
+            };
+            let prio = fixed_priority(Tag {
+                dscp: DSCP,
+                ect: true,
+            });
+            let t = pattern(ELEMS, 5);
+            let report = send_tensor(&mut *dp, &mut tx_ctrl, rx_ip, &t, &opts, &prio, &cfg());
+            (report.unwrap(), dp.stats())
+        })
+        .unwrap();
+    let (s, tx_stats) = sender.join().expect("sender panicked");
+    let (r, got) = receiver.join().expect("receiver panicked");
+    assert_eq!(r.received_segments, r.segments);
+    assert_eq!(got.as_bytes(), pattern(ELEMS, 5).as_bytes(), "bytes differ");
+    assert_eq!(
+        tx_stats.tx_dropped, 0,
+        "no frame went unaddressed: {tx_stats:?}"
+    );
+    assert!(s.stats.packets >= u64::from(r.segments));
+    // The sender's kernel learnt the receiver's real address, dynamically.
+    let entry = tb
+        .exec(
+            0,
+            &[
+                "ip",
+                "-4",
+                "neigh",
+                "show",
+                &rx_ip.to_string(),
+                "dev",
+                "gw0",
+            ],
+        )
+        .unwrap();
+    assert!(
+        entry.contains(&format!("lladdr {}", tb.host(1).mac_string())),
+        "{entry}"
+    );
+    assert!(!entry.contains("PERMANENT"), "{entry}");
+}
+
+/// Cores of the engine's workers (queue 0 on core 0, queue 1 on core 1) when the machine has
+/// two; none otherwise.
+fn engine_cores() -> Vec<usize> {
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2 {
+        vec![0, 1]
+    } else {
+        vec![]
+    }
+}
+
+/// Checks what the engine of one end reports per queue: both queues, each worker on the core
+/// it was given, and traffic through each queue (`packets` reads a queue's count).
+fn check_engine_queues(
+    end: &str,
+    stats: Option<&AfXdpStats>,
+    packets: impl Fn(&QueueStats) -> u64,
+) -> u64 {
+    let stats = stats.unwrap_or_else(|| panic!("{end}: no AF_XDP counters"));
+    let queues: Vec<u32> = stats.queues.iter().map(|q| q.queue).collect();
+    assert_eq!(queues, [0, 1], "{end}: {stats:?}");
+    let cores = engine_cores();
+    let mut total = 0;
+    for (i, q) in stats.queues.iter().enumerate() {
+        assert_eq!(
+            q.core,
+            cores.get(i).copied(),
+            "{end}: core of queue {}",
+            q.queue
+        );
+        assert!(
+            packets(q) > 0,
+            "{end}: nothing went through queue {}: {q:?}",
+            q.queue
+        );
+        assert_eq!(q.rx_malformed, 0, "{end}: queue {}: {q:?}", q.queue);
+        total += packets(q);
+    }
+    total
+}
+
 #[test]
 fn engine_with_pinned_workers_on_two_queues() {
     if !require_root("afxdp engine") {
         return;
+    }
+    if engine_cores().is_empty() {
+        gradwire_netns::skip_part(
+            "engine_with_pinned_workers_on_two_queues",
+            "pinning the workers",
+            "the machine has one core; the workers run unpinned",
+        );
     }
     let tb = Testbed::up(&TestbedConfig {
         queues: 2,
@@ -422,14 +580,34 @@ fn engine_with_pinned_workers_on_two_queues() {
     })
     .expect("testbed");
     for (loss, bound) in [(0.0, 0.01), (0.05, 0.01), (0.05, 0.0)] {
-        let (s, r) = transfer(&tb, Kind::Engine, Kind::Engine, 64 << 20, loss, bound);
+        let t = transfer_with_stats(&tb, Kind::Engine, Kind::Engine, 64 << 20, loss, bound);
+        let (s, r) = (&t.send, &t.recv);
         if bound == 0.0 {
             assert_eq!(r.received_segments, r.segments);
         }
         assert!(s.stats.packets >= u64::from(r.received_segments));
+        // The sender's API thread alternates its TX queues; on veth the receiving end's
+        // native XDP sees each packet on the queue it was sent from, so both workers of each
+        // end carry traffic, and every segment the receiver has came through one of them.
+        check_engine_queues("sender", t.tx_stats.as_ref(), |q| q.tx_packets);
+        let received = check_engine_queues("receiver", t.rx_stats.as_ref(), |q| q.rx_packets);
+        assert!(
+            received >= u64::from(r.received_segments),
+            "the receiver's queues counted {received} packets for {} segments",
+            r.received_segments
+        );
         eprintln!(
-            "engine loss {loss} bound {bound}: delivered {:.4} rounds {} fct {:?}",
-            r.delivered_fraction, r.rounds, r.fct
+            "engine loss {loss} bound {bound}: delivered {:.4} rounds {} fct {:?}; per queue \
+             tx {:?} rx {:?}",
+            r.delivered_fraction,
+            r.rounds,
+            r.fct,
+            t.tx_stats
+                .as_ref()
+                .map(|s| s.queues.iter().map(|q| q.tx_packets).collect::<Vec<_>>()),
+            t.rx_stats
+                .as_ref()
+                .map(|s| s.queues.iter().map(|q| q.rx_packets).collect::<Vec<_>>()),
         );
     }
     // Interop with the single-thread datapath and kernel UDP.
