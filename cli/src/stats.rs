@@ -1,13 +1,14 @@
-//! Live statistics: every `gradwire send`/`recv` writes its counters to a small JSON file after
-//! each transfer (`/run/gradwire/<pid>.json`, or under `$TMPDIR` when /run is not writable);
-//! `gradwire stats` reads the files of the processes still alive and prints them.
+//! Live statistics: every `gradwire send`/`recv` writes its counters ([`ProcessStats`]) to a
+//! small JSON file after each transfer (`/run/gradwire/<pid>.json`, or under `$TMPDIR` when
+//! /run is not writable); `gradwire stats` reads the files of the processes still alive back as
+//! the same type and prints them. A file that does not decode is an error naming it.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use gradwire::afxdp::AfXdpStats;
+use gradwire::afxdp::{AfXdpStats, BindMode};
 use gradwire::datapath::DatapathStats;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
 
 use crate::args::StatsArgs;
 
@@ -18,6 +19,49 @@ pub fn stats_dir() -> PathBuf {
         return run.to_path_buf();
     }
     std::env::temp_dir().join(format!("gradwire-{}", nix::unistd::geteuid()))
+}
+
+/// What a `gradwire send`/`recv` process publishes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProcessStats {
+    /// The process.
+    pub pid: u32,
+    /// `send` or `recv`.
+    pub role: String,
+    /// Datapath name (`udp`, `afxdp`, ...).
+    pub datapath: String,
+    /// Wall-clock time of this snapshot, seconds since the epoch.
+    pub updated_unix: u64,
+    /// Transfers finished.
+    pub transfers: u32,
+    /// The datapath's counters.
+    pub stats: DatapathStats,
+    /// AF_XDP counters, for the AF_XDP datapath (`null` otherwise; the field must be there).
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub afxdp: Option<AfXdpStats>,
+}
+
+/// A stats file of a live process that could not be read back.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessStatsError {
+    /// Reading it.
+    #[error("{}: cannot read: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Its contents.
+    #[error("{}: not gradwire send/recv stats: {source} (written by another gradwire version?)", path.display())]
+    Decode {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        #[source]
+        source: serde_json::Error,
+    },
 }
 
 /// This process's stats file; removed when dropped.
@@ -48,17 +92,20 @@ impl StatsFile {
             .duration_since(UNIX_EPOCH)
             .unwrap_or(Duration::ZERO)
             .as_secs();
-        let v = json!({
-            "pid": std::process::id(),
-            "role": self.role,
-            "datapath": self.datapath,
-            "updated_unix": now,
-            "transfers": transfers,
-            "stats": dp,
-            "afxdp": afxdp,
-        });
+        let v = ProcessStats {
+            pid: std::process::id(),
+            role: self.role.to_owned(),
+            datapath: self.datapath.to_owned(),
+            updated_unix: now,
+            transfers,
+            stats: dp,
+            afxdp,
+        };
+        let Ok(text) = serde_json::to_vec(&v) else {
+            return;
+        };
         let tmp = path.with_extension("tmp");
-        if std::fs::write(&tmp, v.to_string()).is_ok() {
+        if std::fs::write(&tmp, text).is_ok() {
             let _ = std::fs::rename(&tmp, path);
         }
     }
@@ -72,88 +119,69 @@ impl Drop for StatsFile {
     }
 }
 
-/// Field `k` of a JSON object as u64 (0 when absent).
-pub(crate) fn u(v: &Value, k: &str) -> u64 {
-    v.get(k).and_then(Value::as_u64).unwrap_or(0)
+/// The name of a bind mode as in the JSON.
+fn bind_mode_name(mode: Option<BindMode>) -> &'static str {
+    match mode {
+        Some(BindMode::ZeroCopy) => "zerocopy",
+        Some(BindMode::Copy) => "copy",
+        None => "?",
+    }
 }
 
-fn pk(v: &Value, k: &str) -> u64 {
-    v.get(k).map_or(0, |c| u(c, "packets"))
-}
-
-/// Print AF_XDP socket and classifier counters (from their JSON form).
-pub fn print_afxdp_value(who: &str, st: &Value) {
-    let ifname = st.get("ifname").and_then(Value::as_str).unwrap_or("?");
-    let mode = st.get("xdp_mode").and_then(Value::as_str).unwrap_or("?");
-    println!("afxdp {who} on {ifname} (XDP {mode}):");
-    for q in st
-        .get("queues")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        let k = q.get("kernel").cloned().unwrap_or(Value::Null);
+/// Print AF_XDP socket and classifier counters.
+pub fn print_afxdp(who: &str, st: &AfXdpStats) {
+    let mode = st.xdp_mode.map_or("?".to_owned(), |m| m.to_string());
+    println!("afxdp {who} on {} (XDP {mode}):", st.ifname);
+    for q in &st.queues {
+        let k = &q.kernel;
         println!(
             "  queue {}{} {} hugepages={}  rx {} pkts {} B  tx {} pkts {} B  malformed {}  tx_ring_full {}  fill_empty {}  sleeps {}  kicks {}",
-            u(q, "queue"),
-            q.get("core").and_then(Value::as_u64).map_or(String::new(), |c| format!(" (core {c})")),
-            q.get("mode").and_then(Value::as_str).unwrap_or("?"),
-            q.get("hugepages").and_then(Value::as_bool).unwrap_or(false),
-            u(q, "rx_packets"),
-            u(q, "rx_bytes"),
-            u(q, "tx_packets"),
-            u(q, "tx_bytes"),
-            u(q, "rx_malformed"),
-            u(q, "tx_ring_full"),
-            u(q, "fill_empty"),
-            u(q, "sleeps"),
-            u(q, "kicks"),
+            q.queue,
+            q.core.map_or(String::new(), |c| format!(" (core {c})")),
+            bind_mode_name(q.mode),
+            q.hugepages,
+            q.rx_packets,
+            q.rx_bytes,
+            q.tx_packets,
+            q.tx_bytes,
+            q.rx_malformed,
+            q.tx_ring_full,
+            q.fill_empty,
+            q.sleeps,
+            q.kicks,
         );
         println!(
             "    kernel: rx_dropped {}  rx_ring_full {}  fill_ring_empty {}  tx_ring_empty {}  invalid descs rx {} tx {}",
-            u(&k, "rx_dropped"),
-            u(&k, "rx_ring_full"),
-            u(&k, "rx_fill_ring_empty_descs"),
-            u(&k, "tx_ring_empty_descs"),
-            u(&k, "rx_invalid_descs"),
-            u(&k, "tx_invalid_descs"),
+            k.rx_dropped,
+            k.rx_ring_full,
+            k.rx_fill_ring_empty_descs,
+            k.tx_ring_empty_descs,
+            k.rx_invalid_descs,
+            k.tx_invalid_descs,
         );
     }
-    if let Some(x) = st.get("xdp").filter(|x| !x.is_null()) {
+    if let Some(x) = &st.xdp {
         println!(
             "  xdp: gradwire {}  redirected {}  to_kernel {}  passed {}  drop truncated {} not_allowed {} fault {}  CE {}",
-            pk(x, "gradwire"),
-            pk(x, "redirected"),
-            pk(x, "to_kernel"),
-            pk(x, "passed"),
-            pk(x, "drop_truncated"),
-            pk(x, "drop_not_allowed"),
-            pk(x, "drop_fault"),
-            u(x, "ce_packets"),
+            x.gradwire.packets,
+            x.redirected.packets,
+            x.to_kernel.packets,
+            x.passed.packets,
+            x.drop_truncated.packets,
+            x.drop_not_allowed.packets,
+            x.drop_fault.packets,
+            x.ce_packets,
         );
         const ECN: [&str; 4] = ["not-ect", "ect1", "ect0", "ce"];
-        for c in x
-            .get("classes")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
+        for c in &x.classes {
             println!(
                 "    dscp {:>2} {:<7} {} pkts {} B",
-                u(c, "dscp"),
-                ECN[(u(c, "ecn") & 3) as usize],
-                u(c, "packets"),
-                u(c, "bytes")
+                c.dscp,
+                ECN[usize::from(c.ecn & 3)],
+                c.packets,
+                c.bytes
             );
         }
-    }
-}
-
-/// Print AF_XDP counters.
-pub fn print_afxdp(who: &str, st: &AfXdpStats) {
-    match serde_json::to_value(st) {
-        Ok(v) => print_afxdp_value(who, &v),
-        Err(e) => eprintln!("gradwire: cannot show AF_XDP stats: {e}"),
     }
 }
 
@@ -165,11 +193,11 @@ fn alive(pid: i32) -> bool {
     )
 }
 
-/// Stats of live gradwire processes.
-pub fn collect(dir: &Path) -> Vec<Value> {
+/// Stats of live gradwire processes, by pid. Files of dead processes are removed.
+pub fn collect(dir: &Path) -> Result<Vec<ProcessStats>, ProcessStatsError> {
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir(dir) else {
-        return out;
+        return Ok(out);
     };
     for e in rd.flatten() {
         let p = e.path();
@@ -188,24 +216,27 @@ pub fn collect(dir: &Path) -> Vec<Value> {
             let _ = std::fs::remove_file(&p);
             continue;
         }
-        if let Some(v) = std::fs::read_to_string(&p)
-            .ok()
-            .and_then(|s| serde_json::from_str::<Value>(&s).ok())
-        {
-            out.push(v);
-        }
+        let text = match std::fs::read_to_string(&p) {
+            Ok(t) => t,
+            // The process finished (and removed its file) since the listing.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(source) => return Err(ProcessStatsError::Read { path: p, source }),
+        };
+        let v = serde_json::from_str(&text)
+            .map_err(|source| ProcessStatsError::Decode { path: p, source })?;
+        out.push(v);
     }
-    out.sort_by_key(|v| u(v, "pid"));
-    out
+    out.sort_by_key(|v: &ProcessStats| v.pid);
+    Ok(out)
 }
 
 /// `gradwire stats`.
 pub fn run(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let dir = a.dir.clone().unwrap_or_else(stats_dir);
     loop {
-        let all = collect(&dir);
+        let all = collect(&dir)?;
         if a.json {
-            println!("{}", Value::Array(all));
+            println!("{}", serde_json::to_string(&all)?);
         } else if all.is_empty() {
             println!(
                 "no running gradwire send/recv (stats files in {})",
@@ -213,22 +244,22 @@ pub fn run(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>
             );
         } else {
             for v in &all {
-                let s = v.get("stats").cloned().unwrap_or(Value::Null);
+                let s = &v.stats;
                 println!(
                     "pid {} {} over {}: {} transfers; tx {} pkts {} B (dropped {}), rx {} pkts {} B (dropped {})",
-                    u(v, "pid"),
-                    v.get("role").and_then(Value::as_str).unwrap_or("?"),
-                    v.get("datapath").and_then(Value::as_str).unwrap_or("?"),
-                    u(v, "transfers"),
-                    u(&s, "tx_packets"),
-                    u(&s, "tx_bytes"),
-                    u(&s, "tx_dropped"),
-                    u(&s, "rx_packets"),
-                    u(&s, "rx_bytes"),
-                    u(&s, "rx_dropped"),
+                    v.pid,
+                    v.role,
+                    v.datapath,
+                    v.transfers,
+                    s.tx_packets,
+                    s.tx_bytes,
+                    s.tx_dropped,
+                    s.rx_packets,
+                    s.rx_bytes,
+                    s.rx_dropped,
                 );
-                if let Some(x) = v.get("afxdp").filter(|x| !x.is_null()) {
-                    print_afxdp_value("", x);
+                if let Some(x) = &v.afxdp {
+                    print_afxdp("", x);
                 }
             }
         }
@@ -245,21 +276,71 @@ pub fn run(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>
 mod tests {
     use super::*;
 
+    fn record(pid: u32) -> ProcessStats {
+        ProcessStats {
+            pid,
+            role: "recv".into(),
+            datapath: "udp".into(),
+            updated_unix: 1000,
+            transfers: 3,
+            stats: DatapathStats {
+                rx_packets: 7,
+                ..DatapathStats::default()
+            },
+            afxdp: None,
+        }
+    }
+
+    struct Dir(PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    fn dir(tag: &str) -> Dir {
+        let d = std::env::temp_dir().join(format!("gw-stats-test-{}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        Dir(d)
+    }
+
     #[test]
     fn files_of_dead_processes_are_ignored_and_removed() {
-        let dir = std::env::temp_dir().join(format!("gw-stats-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let d = dir("dead");
+        let dir = &d.0;
         std::fs::write(
             dir.join(format!("{}.json", std::process::id())),
-            r#"{"pid": 1, "role": "recv"}"#,
+            serde_json::to_string(&record(std::process::id())).unwrap(),
         )
         .unwrap();
         // pid 0x7ffffffe is never a live process.
         std::fs::write(dir.join("2147483646.json"), "{}").unwrap();
         std::fs::write(dir.join("junk.json"), "{}").unwrap();
-        let got = collect(&dir);
+        let got = collect(dir).unwrap();
         assert_eq!(got.len(), 1);
+        let want = record(std::process::id());
+        assert_eq!(
+            (got[0].pid, &got[0].role, got[0].transfers, got[0].stats),
+            (want.pid, &want.role, want.transfers, want.stats)
+        );
         assert!(!dir.join("2147483646.json").exists());
-        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_live_process_file_with_a_missing_field_is_an_error_naming_it() {
+        let d = dir("missing");
+        let path = d.0.join(format!("{}.json", std::process::id()));
+        let mut v = serde_json::to_value(record(std::process::id())).unwrap();
+        v["stats"].as_object_mut().unwrap().remove("rx_packets");
+        std::fs::write(&path, v.to_string()).unwrap();
+        let e = collect(&d.0).unwrap_err().to_string();
+        assert!(e.contains(&path.display().to_string()), "{e}");
+        assert!(e.contains("missing field `rx_packets`"), "{e}");
+
+        // `afxdp` may be null, but not absent.
+        let mut v = serde_json::to_value(record(std::process::id())).unwrap();
+        v.as_object_mut().unwrap().remove("afxdp");
+        std::fs::write(&path, v.to_string()).unwrap();
+        let e = collect(&d.0).unwrap_err().to_string();
+        assert!(e.contains("missing field `afxdp`"), "{e}");
     }
 }

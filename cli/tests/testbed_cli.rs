@@ -1,29 +1,46 @@
 //! `gradwire testbed` and `gradwire fabric` end to end: clear errors for bad input (any user),
 //! and as root a whole testbed life cycle: up, a TCP transfer between two hosts through the
-//! emulated switch, the fabric's counters, status, down.
+//! emulated switch, the fabric's counters, status, down. The JSON the commands print is read
+//! back as the library's types ([`TestbedStatus`], [`FabricStats`]). Every wait is for a
+//! condition, bounded; every process a test starts is stopped when the test ends, passing or
+//! failing (the fabric by `testbed down` in a guard).
 
 #![allow(clippy::unwrap_used)]
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use gradwire::testbed::{require_root, run_in_netns, spawn_in_netns};
-use serde_json::Value;
+use gradwire_fabric::stats::FabricStats;
+use gradwire_fabric::supervise::TestbedStatus;
+use gradwire_netns::{require_root, run_in_netns, spawn_in_netns};
+
+/// A child process killed and reaped when dropped, so that a failing test leaves none behind.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
 
 /// Runs `gradwire args`, killed after `timeout`; `None` if it had to be killed.
 fn try_gradwire(args: &[&str], timeout: Duration) -> Option<Output> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_gradwire"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .ok()?;
-    let mut so = child.stdout.take()?;
-    let mut se = child.stderr.take()?;
+    let mut child = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_gradwire"))
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .ok()?,
+    );
+    let mut so = child.0.stdout.take()?;
+    let mut se = child.0.stderr.take()?;
     let out = std::thread::spawn(move || {
         let mut v = Vec::new();
         let _ = so.read_to_end(&mut v);
@@ -36,12 +53,11 @@ fn try_gradwire(args: &[&str], timeout: Duration) -> Option<Output> {
     });
     let deadline = Instant::now() + timeout;
     let status = loop {
-        if let Ok(Some(s)) = child.try_wait() {
+        if let Ok(Some(s)) = child.0.try_wait() {
             break s;
         }
         if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
+            // Dropping the guard kills it.
             return None;
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -207,7 +223,7 @@ impl Drop for Down {
     }
 }
 
-fn proc_gone(pid: u64) -> bool {
+fn proc_gone(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => true,
         Ok(s) => s
@@ -219,21 +235,36 @@ fn proc_gone(pid: u64) -> bool {
 
 const PAYLOAD: usize = 1_000_000;
 const PORT: u16 = 5001;
+/// Bound of every wait for the network (a hang guard, not a speed requirement).
+const NET_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// 1 MB from host 0's namespace to host 1's over TCP; returns what host 1 received.
+/// 1 MB from host 0's namespace to host 1's over TCP; returns what host 1 received. The client
+/// connects once the server listens (it says so on a channel); if the client fails, the test
+/// thread drops `_client_alive` as it unwinds and the server stops waiting for it.
 fn transfer(src_ns: &str, dst_ns: &str, dst: Ipv4Addr) -> Vec<u8> {
+    let (listening_tx, listening) = mpsc::sync_channel::<()>(1);
+    let (_client_alive, client_alive) = mpsc::channel::<()>();
     let server = spawn_in_netns(dst_ns, move || -> std::io::Result<Vec<u8>> {
         let l = TcpListener::bind((dst, PORT))?;
         l.set_nonblocking(true)?;
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let _ = listening_tx.send(());
+        let deadline = Instant::now() + NET_TIMEOUT;
         let mut s = loop {
             match l.accept() {
                 Ok((s, _)) => break s,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
-                        return Err(std::io::Error::other("no connection within 20 s"));
+                        return Err(std::io::Error::other(format!(
+                            "no connection within {NET_TIMEOUT:?}"
+                        )));
                     }
-                    std::thread::sleep(Duration::from_millis(10));
+                    // Waits a little for the next connection attempt, and ends at once when
+                    // the test thread is gone.
+                    if let Err(mpsc::RecvTimeoutError::Disconnected) =
+                        client_alive.recv_timeout(Duration::from_millis(10))
+                    {
+                        return Err(std::io::Error::other("the client gave up"));
+                    }
                 }
                 Err(e) => return Err(e),
             }
@@ -245,7 +276,11 @@ fn transfer(src_ns: &str, dst_ns: &str, dst: Ipv4Addr) -> Vec<u8> {
         Ok(v)
     })
     .unwrap();
-    std::thread::sleep(Duration::from_millis(200));
+    if listening.recv_timeout(NET_TIMEOUT).is_err() {
+        // It failed before listening (or hangs): its error says why.
+        let why = server.join().map(|r| r.map(|v| v.len()));
+        panic!("the server in {dst_ns} did not listen: {why:?}");
+    }
     let sent = run_in_netns(src_ns, move || -> std::io::Result<()> {
         let mut s = TcpStream::connect_timeout(&(dst, PORT).into(), Duration::from_secs(5))?;
         s.set_write_timeout(Some(Duration::from_secs(15)))?;
@@ -258,8 +293,19 @@ fn transfer(src_ns: &str, dst_ns: &str, dst: Ipv4Addr) -> Vec<u8> {
     server.join().unwrap().unwrap()
 }
 
-fn u(v: &Value) -> u64 {
-    v.as_u64().unwrap()
+/// `gradwire testbed status --json`, read back as the library's type.
+fn status() -> Vec<TestbedStatus> {
+    let out = succeeds(&["testbed", "status", "--json"], Duration::from_secs(10));
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("status JSON: {e}: {out}"))
+}
+
+/// `gradwire fabric stats NAME --json`, read back as the library's type.
+fn fabric_stats(name: &str) -> FabricStats {
+    let out = succeeds(
+        &["fabric", "stats", name, "--json"],
+        Duration::from_secs(10),
+    );
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("fabric stats JSON: {e}: {out}"))
 }
 
 #[test]
@@ -267,7 +313,6 @@ fn testbed_life_cycle_with_tcp_through_the_fabric() {
     if !require_root("testbed_life_cycle_with_tcp_through_the_fabric") {
         return;
     }
-    let t0 = Instant::now();
     let dir = TempDir::new("life");
     let name = unique_name('t');
     let file = dir.write("tb.toml", &topology(&name));
@@ -294,31 +339,19 @@ fn testbed_life_cycle_with_tcp_through_the_fabric() {
     let err = fails(&["testbed", "up", &file]);
     assert!(err.contains("already up"), "{err}");
 
-    let status: Value = serde_json::from_str(&succeeds(
-        &["testbed", "status", "--json"],
-        Duration::from_secs(10),
-    ))
-    .unwrap();
-    let me = status
-        .as_array()
-        .unwrap()
+    let all = status();
+    let me = all
         .iter()
-        .find(|t| t["name"] == name.as_str())
-        .unwrap_or_else(|| panic!("{name} not in {status}"))
+        .find(|t| t.record.name == name)
+        .unwrap_or_else(|| panic!("{name} not in {all:?}"))
         .clone();
-    assert_eq!(me["running"], true, "{me}");
-    assert_eq!(
-        me["file"],
-        std::fs::canonicalize(&file).unwrap().to_str().unwrap()
-    );
-    let pid = u(&me["pid"]);
-    let hosts = me["hosts"].as_array().unwrap();
+    assert!(me.running, "{me:?}");
+    assert_eq!(me.record.file, std::fs::canonicalize(&file).unwrap());
+    let pid = me.record.pid;
+    let hosts = &me.record.hosts;
     assert_eq!(hosts.len(), 2);
-    let ns: Vec<String> = hosts
-        .iter()
-        .chain(me["switches"].as_array().unwrap())
-        .map(|h| h["netns"].as_str().unwrap().to_owned())
-        .collect();
+    let ns: Vec<String> = me.record.namespaces().map(str::to_owned).collect();
+    assert_eq!(ns.len(), 3);
     for n in &ns {
         assert!(Path::new("/run/netns").join(n).exists(), "{n} missing");
     }
@@ -330,56 +363,57 @@ fn testbed_life_cycle_with_tcp_through_the_fabric() {
         "{table}"
     );
 
-    let dst: Ipv4Addr = hosts[1]["ip"].as_str().unwrap().parse().unwrap();
-    let got = transfer(
-        hosts[0]["netns"].as_str().unwrap(),
-        hosts[1]["netns"].as_str().unwrap(),
-        dst,
-    );
+    // `up` returned once the fabric published that it runs.
+    let before = fabric_stats(&name);
+    assert_eq!(before.topology, name);
+    assert!(before.running, "{before:?}");
+
+    let got = transfer(&hosts[0].netns, &hosts[1].netns, hosts[1].ip);
     assert_eq!(got.len(), PAYLOAD);
     assert!(got.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
 
     // At least ceil(1 MB / 1460 B of payload per frame) data segments crossed the switch (plus
-    // ACKs and the handshake); the stats file trails the fabric by up to 200 ms.
+    // ACKs and the handshake). The stats file trails the fabric by a stats interval: wait for
+    // the snapshot that shows them (bounded; failing, the message shows the last snapshot).
     let min_segments = PAYLOAD.div_ceil(1460) as u64;
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let to_h1 = |s: &FabricStats| {
+        s.switch("s0")
+            .and_then(|sw| sw.ports.iter().find(|p| p.peer == "host h1"))
+            .map_or(0, |p| p.egress.delivered_pkts)
+    };
+    let deadline = Instant::now() + NET_TIMEOUT;
     let stats = loop {
-        let out = succeeds(
-            &["fabric", "stats", &name, "--json"],
-            Duration::from_secs(10),
-        );
-        let v: Value = serde_json::from_str(&out).unwrap();
-        let sw = &v["switches"][0];
-        let to_h1 = sw["ports"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["peer"] == "host h1")
-            .unwrap();
-        if u(&to_h1["egress"]["delivered_pkts"]) >= min_segments || Instant::now() >= deadline {
-            break v;
+        let s = fabric_stats(&name);
+        if to_h1(&s) >= min_segments {
+            break s;
         }
+        assert!(
+            Instant::now() < deadline,
+            "the fabric never reported {min_segments} frames delivered to h1: {s:?}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     };
-    assert_eq!(stats["topology"], name.as_str());
-    assert_eq!(stats["running"], true);
-    let sw = &stats["switches"][0];
-    assert_eq!(sw["name"], "s0");
-    let forwarded = u(&sw["forward"]["forwarded"]);
+    assert_eq!(stats.topology, name);
+    assert!(stats.running);
+    assert_eq!(stats.switches.len(), 1);
+    let sw = &stats.switches[0];
+    assert_eq!(sw.name, "s0");
+    let forwarded = sw.forward.forwarded;
     assert!(
         forwarded >= 700 && forwarded >= min_segments,
-        "{}",
-        sw["forward"]
+        "{:?}",
+        sw.forward
     );
-    assert_eq!(u(&sw["forward"]["no_route"]), 0, "{}", sw["forward"]);
-    for p in sw["ports"].as_array().unwrap() {
-        let delivered = u(&p["egress"]["delivered_pkts"]);
-        assert!(delivered > 0, "port {} delivered nothing: {p}", p["ifname"]);
-        if p["peer"] == "host h1" {
-            assert!(delivered >= min_segments, "{p}");
+    assert_eq!(sw.forward.no_route, 0, "{:?}", sw.forward);
+    for p in &sw.ports {
+        let delivered = p.egress.delivered_pkts;
+        assert!(delivered > 0, "port {} delivered nothing: {p:?}", p.ifname);
+        if p.peer == "host h1" {
+            assert!(delivered >= min_segments, "{p:?}");
         }
     }
-    assert!(u(&stats["lag"]["departures"]) >= forwarded.min(min_segments));
+    assert!(stats.lag.departures >= forwarded.min(min_segments));
+    assert!(stats.updated_unix >= before.updated_unix);
 
     let human = succeeds(&["fabric", "stats", &name], Duration::from_secs(10));
     eprintln!("{human}");
@@ -398,6 +432,18 @@ fn testbed_life_cycle_with_tcp_through_the_fabric() {
         out.contains(&format!("fabric (pid {pid}) stopped")),
         "{out}"
     );
+    // It stopped in order: its final stats (running: false) give the summary, and they count
+    // at least what the running fabric reported.
+    let summary = out
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("  {name} stopped after ")))
+        .unwrap_or_else(|| panic!("no final summary: {out}"));
+    let final_forwarded: u64 = summary
+        .split_once(" s: ")
+        .and_then(|(_, r)| r.split_once(" frames forwarded"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or_else(|| panic!("no forwarded count in {summary:?}"));
+    assert!(final_forwarded >= forwarded, "{summary}");
     assert!(
         out.contains(&format!("testbed {name} is down: 3 namespaces removed")),
         "{out}"
@@ -409,16 +455,13 @@ fn testbed_life_cycle_with_tcp_through_the_fabric() {
         );
     }
     assert!(proc_gone(pid), "fabric pid {pid} still running");
-    let status = succeeds(&["testbed", "status", "--json"], Duration::from_secs(10));
-    assert!(!status.contains(&format!("\"{name}\"")), "{status}");
+    assert!(
+        !status().iter().any(|t| t.record.name == name),
+        "{name} still recorded"
+    );
     let err = fails(&["fabric", "stats", &name]);
     assert!(err.contains("no fabric stats"), "{err}");
     // Idempotent.
     let out = succeeds(&["testbed", "down", &file], Duration::from_secs(30));
     assert_eq!(out.trim(), format!("testbed {name} is not up"));
-    assert!(
-        t0.elapsed() < Duration::from_secs(60),
-        "took {:?}",
-        t0.elapsed()
-    );
 }

@@ -4,7 +4,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::layout::{GW_ALLOWLIST_MAX, GW_FAULT_ALWAYS, GW_MAX_PORTS, GW_NUM_DSCP};
 use crate::XdpError;
@@ -17,7 +17,7 @@ pub const MAX_PORTS: usize = GW_MAX_PORTS as usize;
 pub const ALLOWLIST_CAPACITY: usize = GW_ALLOWLIST_MAX as usize;
 
 /// How to attach the program.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AttachMode {
     /// Native (driver) mode, else generic mode with one line on stderr.

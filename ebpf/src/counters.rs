@@ -1,9 +1,9 @@
 //! Counter snapshots read from the per-CPU maps.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Packets and bytes (frame length as seen by XDP: Ethernet header to end of frame, no FCS).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counter {
     /// Packets.
     pub packets: u64,
@@ -32,7 +32,7 @@ impl Counter {
 }
 
 /// Traffic of one (DSCP, ECN) pair.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClassCounter {
     /// DSCP codepoint, 0..=63.
     pub dscp: u8,
@@ -51,7 +51,7 @@ pub struct ClassCounter {
 /// `passed` and `switched` (switch-port mode). `classes` counts every gradwire packet that passed the length checks, *before*
 /// the allowlist and fault injection (it shows what arrived on the wire), so its sum is
 /// `gradwire - drop_truncated`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct XdpCounters {
     /// UDP to a configured port, whatever happened next.
     pub gradwire: Counter,

@@ -74,7 +74,7 @@ pub enum DropReason {
 }
 
 /// Per-switch drop counters of the forwarding stage.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ForwardCounters {
     /// Frames received on any port.
     pub rx: u64,

@@ -9,29 +9,29 @@
 //!
 //! Queueing is decided on the emulated clock, so a slow iteration delays *when* a frame is
 //! put on the wire but not the order, marks or drops. How late frames go out is measured per
-//! departure (lag = send time - scheduled delivery time); when more than
+//! departure (lag = send time - scheduled delivery time, [`crate::lag`]); when more than
 //! [`FabricConfig::max_late_fraction`] of departures are later than
 //! [`FabricConfig::max_lag_ns`], the stats say `behind: true` and the run must not be used as
-//! a result.
+//! a result. The stats ([`FabricStats`], [`crate::stats`]) are published to a file every
+//! [`FabricConfig::stats_interval`] when [`FabricConfig::stats_path`] is set.
 
-use std::fs::File;
-use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use gradwire::afxdp::port::{RawPort, RawPortStats};
-use gradwire::afxdp::AfXdpError;
-use gradwire::afxdp::{KernelStats, SocketConfig};
+use gradwire::afxdp::port::RawPort;
+use gradwire::afxdp::{AfXdpError, SocketConfig};
 use gradwire_ebpf::AttachMode;
+use gradwire_netns::with_netns;
 use nix::poll::{PollFd, PollFlags};
-use nix::sched::{setns, CloneFlags};
-use serde::Serialize;
 
-use crate::forward::{ForwardCounters, Forwarder, Pkt, PortMacs};
-use crate::sched::{ConfigError, EgressPort, PortConfig, PortCounters, NUM_QUEUES};
+use crate::forward::{Forwarder, Pkt, PortMacs};
+use crate::lag::LagHist;
+use crate::sched::{ConfigError, EgressPort, PortConfig, NUM_QUEUES};
+use crate::stats::StatsPublisher;
+pub use crate::stats::{FabricStats, LagStats, PortStats, SwitchStats};
 use crate::topology::{Ecmp, Peer, Topology};
 
 /// Fabric settings that are not part of the topology.
@@ -84,14 +84,12 @@ impl Default for FabricConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum FabricError {
     /// Entering a switch namespace.
-    #[error("switch {switch}: enter network namespace {netns}: {source}")]
+    #[error("switch {switch}: {source}")]
     Netns {
         /// Switch.
         switch: String,
-        /// Namespace.
-        netns: String,
-        /// Why.
-        source: std::io::Error,
+        /// Why (names the namespace).
+        source: gradwire_netns::NetnsError,
     },
     /// Opening a port.
     #[error("switch {switch}: {source}")]
@@ -119,106 +117,6 @@ pub enum FabricError {
     Thread(String),
 }
 
-/// How late departures were.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
-pub struct LagStats {
-    /// Frames sent (or lost on a link) so far.
-    pub departures: u64,
-    /// Of those, later than `max_lag_ns`.
-    pub late: u64,
-    /// The bound.
-    pub max_lag_ns: u64,
-    /// Largest lag seen.
-    pub worst_ns: u64,
-    /// Mean lag.
-    pub mean_ns: u64,
-    /// 99th percentile (upper bound of its power-of-two bucket).
-    pub p99_ns: u64,
-    /// `late / departures` exceeded the allowed fraction: results of this run are not valid.
-    pub behind: bool,
-}
-
-/// Counters of one switch port.
-#[derive(Debug, Clone, Serialize)]
-pub struct PortStats {
-    /// Interface in the switch namespace.
-    pub ifname: String,
-    /// What is at the other end (`host NAME` or `switch NAME port`).
-    pub peer: String,
-    /// Link rate.
-    pub rate_bps: u64,
-    /// Link delay.
-    pub delay_ns: u64,
-    /// Link loss probability.
-    pub loss: f64,
-    /// Egress queueing counters.
-    pub egress: PortCounters,
-    /// Bytes queued now, per queue.
-    pub depth_bytes: [u64; NUM_QUEUES],
-    /// Socket counters (rx = frames received on this port, tx = frames sent).
-    pub socket: RawPortStats,
-    /// The kernel's socket counters (drops before the fabric saw a frame).
-    pub kernel: KernelStats,
-}
-
-/// Counters of one switch.
-#[derive(Debug, Clone, Serialize)]
-pub struct SwitchStats {
-    /// Name.
-    pub name: String,
-    /// ECMP mode.
-    pub ecmp: Ecmp,
-    /// Forwarding counters.
-    pub forward: ForwardCounters,
-    /// Ports.
-    pub ports: Vec<PortStats>,
-}
-
-/// Everything the fabric counts.
-#[derive(Debug, Clone, Serialize)]
-pub struct FabricStats {
-    /// Topology name.
-    pub topology: String,
-    /// Still forwarding.
-    pub running: bool,
-    /// Seconds since start.
-    pub uptime_s: f64,
-    /// Wall-clock time of this snapshot, seconds since the epoch.
-    pub updated_unix: u64,
-    /// Lag of departures against the emulated clock.
-    pub lag: LagStats,
-    /// Loop iterations and how many ended in a sleep.
-    pub iterations: u64,
-    /// Sleeps in `ppoll()`.
-    pub sleeps: u64,
-    /// CPU time (user + system) of the fabric's thread so far, seconds: the cost of the switch
-    /// itself. Kernel work on veth that runs in other contexts (the senders' softirqs running
-    /// the XDP program and copying into the UMEM) is not in it.
-    pub loop_cpu_s: f64,
-    /// Per switch.
-    pub switches: Vec<SwitchStats>,
-}
-
-impl FabricStats {
-    /// Frames queued or in flight anywhere in the fabric.
-    pub fn in_fabric(&self) -> u64 {
-        self.switches
-            .iter()
-            .flat_map(|s| &s.ports)
-            .map(|p| {
-                let c = &p.egress;
-                let arrived: u64 = c.queues.iter().map(|q| q.enqueued_pkts).sum();
-                arrived.saturating_sub(c.delivered_pkts + c.lost_pkts)
-            })
-            .sum()
-    }
-
-    /// The stats of switch `name`.
-    pub fn switch(&self, name: &str) -> Option<&SwitchStats> {
-        self.switches.iter().find(|s| s.name == name)
-    }
-}
-
 struct PortRt {
     raw: RawPort,
     egress: EgressPort<Pkt>,
@@ -230,58 +128,6 @@ struct SwitchRt {
     ecmp: Ecmp,
     fwd: Forwarder,
     ports: Vec<PortRt>,
-}
-
-/// Power-of-two lag histogram, bucket k = [2^k, 2^(k+1)) ns.
-#[derive(Debug, Clone)]
-struct LagHist {
-    buckets: [u64; 64],
-    count: u64,
-    sum: u128,
-    worst: u64,
-    late: u64,
-}
-
-impl LagHist {
-    fn add(&mut self, lag: u64, bound: u64) {
-        let k = 63 - lag.max(1).leading_zeros() as usize;
-        self.buckets[k] += 1;
-        self.count += 1;
-        self.sum += u128::from(lag);
-        self.worst = self.worst.max(lag);
-        if lag > bound {
-            self.late += 1;
-        }
-    }
-
-    fn stats(&self, bound: u64, fraction: f64) -> LagStats {
-        let mut p99 = 0;
-        let target = self.count - self.count / 100;
-        let mut seen = 0;
-        for (k, n) in self.buckets.iter().enumerate() {
-            seen += n;
-            if seen >= target && self.count > 0 {
-                p99 = if k >= 63 {
-                    u64::MAX
-                } else {
-                    (1u64 << (k + 1)) - 1
-                };
-                break;
-            }
-        }
-        LagStats {
-            departures: self.count,
-            late: self.late,
-            max_lag_ns: bound,
-            worst_ns: self.worst,
-            mean_ns: self
-                .sum
-                .checked_div(u128::from(self.count))
-                .map_or(0, |m| m as u64),
-            p99_ns: p99,
-            behind: self.count > 0 && self.late as f64 > fraction * self.count as f64,
-        }
-    }
 }
 
 /// The running fabric (not `Send`: its sockets and XDP programs stay on the thread that
@@ -304,18 +150,6 @@ impl std::fmt::Debug for Fabric {
             .field("topology", &self.topology)
             .finish_non_exhaustive()
     }
-}
-
-/// Runs `f` with the calling thread inside network namespace `netns` (a name under
-/// /run/netns), then returns the thread to the namespace it was in.
-fn in_netns<R>(netns: &str, f: impl FnOnce() -> R) -> std::io::Result<R> {
-    let home = File::open("/proc/thread-self/ns/net")?;
-    let target = File::open(gradwire::testbed::netns_path(netns))?;
-    setns(target.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
-    let r = f();
-    // Failing to return would leave this thread in the switch namespace for good.
-    setns(home.as_fd(), CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)?;
-    Ok(r)
 }
 
 impl Fabric {
@@ -350,12 +184,12 @@ impl Fabric {
             let netns = &switch_ns[si];
             let mut ports = Vec::with_capacity(s.ports.len());
             for (pi, p) in s.ports.iter().enumerate() {
-                let raw = in_netns(netns, || {
+                // Sockets keep the namespace they were created in: one thread serves them all.
+                let raw = with_netns(netns, || {
                     RawPort::open(&p.ifname, cfg.xdp_mode, &cfg.socket)
                 })
                 .map_err(|source| FabricError::Netns {
                     switch: s.name.clone(),
-                    netns: netns.clone(),
                     source,
                 })?
                 .map_err(|source| FabricError::Port {
@@ -417,13 +251,7 @@ impl Fabric {
             scratch: Vec::new(),
             cfg,
             start: Instant::now(),
-            lag: LagHist {
-                buckets: [0; 64],
-                count: 0,
-                sum: 0,
-                worst: 0,
-                late: 0,
-            },
+            lag: LagHist::default(),
             iterations: 0,
             sleeps: 0,
         })
@@ -594,15 +422,6 @@ fn thread_cpu_s() -> f64 {
     })
 }
 
-/// Writes `stats` to `path` atomically (temporary file + rename). Failures only cost
-/// visibility, so they are returned for the caller to report once.
-pub fn write_stats(path: &std::path::Path, stats: &FabricStats) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    let text = serde_json::to_vec_pretty(stats).map_err(std::io::Error::other)?;
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path)
-}
-
 /// A fabric running on its own thread.
 #[derive(Debug)]
 pub struct FabricHandle {
@@ -637,18 +456,10 @@ pub fn spawn(
                     return;
                 }
             };
-            let mut warned = false;
+            let mut publisher = path.map(StatsPublisher::new);
             fabric.run(&stop2, |s| {
-                if let Some(p) = &path {
-                    if let Err(e) = write_stats(p, s) {
-                        if !warned {
-                            eprintln!(
-                                "gradwire fabric: cannot write stats to {}: {e}",
-                                p.display()
-                            );
-                            warned = true;
-                        }
-                    }
+                if let Some(p) = &mut publisher {
+                    p.publish(s);
                 }
                 if let Ok(mut l) = latest2.lock() {
                     *l = Some(s.clone());

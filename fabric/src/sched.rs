@@ -160,7 +160,7 @@ pub struct Departure<T> {
 }
 
 /// Per-queue counters. `enqueued_*` counts admitted packets, marked ones included.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QueueCounters {
     /// Packets admitted (marked ones included).
     pub enqueued_pkts: u64,
@@ -179,8 +179,11 @@ pub struct QueueCounters {
     /// Largest depth of this queue in bytes.
     pub max_depth_bytes: u64,
     /// Time of the first drop (threshold or buffer).
+    // `deserialize_with`: a missing field is an error, not `None` (written as `null`).
+    #[serde(deserialize_with = "Option::deserialize")]
     pub first_drop_ns: Option<u64>,
     /// Time of the first CE mark.
+    #[serde(deserialize_with = "Option::deserialize")]
     pub first_mark_ns: Option<u64>,
 }
 
@@ -192,7 +195,7 @@ impl QueueCounters {
 }
 
 /// Per-port counters.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PortCounters {
     /// Per queue, 0..=7.
     pub queues: [QueueCounters; NUM_QUEUES],

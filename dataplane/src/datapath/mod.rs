@@ -29,7 +29,7 @@ pub mod udp;
 pub use gradwire_proto::datagram::{tos, RxMeta, TxMeta};
 
 /// Counters every datapath keeps.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DatapathStats {
     /// Datagrams handed to the network.
     pub tx_packets: u64,
