@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A network-namespace testbed by hand, the same shape as gradwire::testbed (dataplane/src/testbed.rs):
+# A network-namespace testbed by hand, the same shape as gradwire_netns::Testbed (netns/src/testbed.rs):
 #
 #   scripts/testbed.sh up [N] [--queues Q] [--mtu M]   N hosts (default 2), Q veth queues (1)
 #   scripts/testbed.sh status
@@ -12,8 +12,9 @@
 # bridge br0 in namespace gwshsw.
 #
 # The prefix gwsh keeps these apart from the Rust testbed (gw<pid>t<n>..., cleaned up by pid);
-# `down` removes exactly the namespaces `up` recorded in /run/gradwire-testbed.list, which
-# takes their veths and any XDP program attached to them along, and touches nothing else.
+# `down` removes exactly the namespaces `up` recorded in /run/gradwire-testbed.list, by the
+# namespace kit's teardown rule (netns/src/lib.rs): host veths first, then the namespaces; it
+# touches nothing else.
 set -euo pipefail
 
 readonly LIST=/run/gradwire-testbed.list

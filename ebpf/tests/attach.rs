@@ -34,8 +34,7 @@ const CHILD_NS_ENV: &str = "GRADWIRE_EBPF_TEST_CHILD_NS";
 const CHILD_UNPRIV_ENV: &str = "GRADWIRE_EBPF_TEST_CHILD_UNPRIV";
 
 /// Two namespaces joined by a veth pair (one queue each way, so native XDP works on veth).
-/// Dropping it removes both by the kit's teardown rule: the veths (and with them any XDP
-/// program) first, then the namespaces.
+/// Dropping it removes both by the kit's teardown rule.
 struct Lab {
     a: String,
     b: String,
