@@ -6,9 +6,10 @@ set -euo pipefail
 need_pkgs=()
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 # clang builds the XDP program; libelf-dev and zlib1g-dev the vendored libbpf; iproute2 (ip,
-# tc) and ethtool the network-namespace testbeds; fonts-dejavu-core the font of the
+# tc) and ethtool the network-namespace testbeds; util-linux (setpriv, prlimit) the AF_XDP error
+# tests that drop privileges; fonts-dejavu-core the font of the
 # experiment's plot (`gradwire experiment incast --plot`).
-for p in iproute2 ethtool pkg-config make gcc libc6-dev clang libelf-dev zlib1g-dev fonts-dejavu-core; do
+for p in iproute2 ethtool util-linux pkg-config make gcc libc6-dev clang libelf-dev zlib1g-dev fonts-dejavu-core; do
     have "$p" || need_pkgs+=("$p")
 done
 if ((${#need_pkgs[@]})); then
