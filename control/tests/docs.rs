@@ -16,7 +16,7 @@ fn doc() -> String {
 /// no longer says the data plane does not use the crate.
 #[test]
 fn doc_matches_the_data_plane_use_of_gradwire_qos() {
-    let channel = std::fs::read_to_string(root().join("dataplane/src/channel.rs")).unwrap();
+    let channel = std::fs::read_to_string(root().join("dataplane/src/ctrl_channel.rs")).unwrap();
     assert!(channel.contains("gradwire_qos::CONTROL_DSCP"));
     let d = doc();
     assert!(!d.contains("does not use `gradwire-qos`"), "stale claim");

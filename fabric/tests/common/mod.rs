@@ -66,8 +66,9 @@ impl Receiver {
                 .unwrap();
             ready_tx.send(()).unwrap();
             let mut buf = vec![0u8; 2048];
-            // Drain the socket so that its buffer never matters; stop when told.
-            while done_rx.try_recv().is_err() {
+            // Drain the socket so that its buffer never matters; stop when told, or when the
+            // test dropped its end without telling (it failed before `finish`).
+            while let Err(std::sync::mpsc::TryRecvError::Empty) = done_rx.try_recv() {
                 let _ = sock.recv(&mut buf);
             }
             let _ = sock.as_fd();
