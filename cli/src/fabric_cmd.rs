@@ -151,6 +151,9 @@ pub fn testbed_down(a: &TestbedDownArgs) -> Res {
     let target = DownTarget::parse(&a.target)?;
     let report = testbeds()?.down(target)?;
     let name = &report.name;
+    if let Some(e) = &report.ignored_record {
+        eprintln!("gradwire: warning: ignoring the testbed record: {e}");
+    }
     if !report.was_up {
         println!("testbed {name} is not up");
         return Ok(());

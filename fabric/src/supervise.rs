@@ -513,8 +513,10 @@ pub struct StoppedFabric {
 pub struct DownReport {
     /// Testbed.
     pub name: String,
-    /// Nothing was up (no record, namespace or fabric process).
+    /// Something was up (a record, a namespace or a fabric process).
     pub was_up: bool,
+    /// The record could not be read, so it was ignored: the namespaces were found by name.
+    pub ignored_record: Option<SuperviseError>,
     /// The recorded fabric.
     pub fabric: Option<StoppedFabric>,
     /// Fabric processes of this testbed that were not in the record.
@@ -784,13 +786,14 @@ impl Testbeds {
             record: self.record_path(&name),
             name: name.clone(),
             was_up: true,
+            ignored_record: None,
             fabric: None,
             strays: Vec::new(),
             removed: 0,
             problems: Vec::new(),
         };
         let record = self.record(&name).unwrap_or_else(|e| {
-            eprintln!("gradwire: warning: ignoring the testbed record: {e}");
+            report.ignored_record = Some(e);
             None
         });
         let prefix = testbed_prefix(&name);
@@ -1205,6 +1208,66 @@ mod tests {
         let _ = std::fs::remove_dir_all(tb.dir());
     }
 
+    #[test]
+    fn a_left_over_record_blocks_up_and_down_cleans_it_up() {
+        if !gradwire_netns::require_root("a_left_over_record_blocks_up_and_down_cleans_it_up") {
+            return;
+        }
+        let tb = testbeds("leftover");
+        let name = format!("l{:05}", std::process::id() % 100_000);
+        // A fabric that died (its pid never lives), namespaces that do not exist.
+        let rec = TestbedRecord {
+            name: name.clone(),
+            file: "/nonexistent/leftover.toml".into(),
+            pid: i32::MAX - 1,
+            prefix: testbed_prefix(&name),
+            hosts: vec![],
+            switches: vec![SwitchRecord {
+                name: "s0".into(),
+                netns: format!("{}-s0", testbed_prefix(&name)),
+            }],
+        };
+        tb.write_record(&rec).unwrap();
+        std::fs::write(tb.stats_path(&name), "{}").unwrap();
+
+        let file = tb.dir().join("leftover.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "name = \"{name}\"\n[[switch]]\nname = \"s0\"\n\
+                 [[host]]\nname = \"h\"\ncount = 2\nuplink = \"s0\"\n"
+            ),
+        )
+        .unwrap();
+        let topo = load_topology(&file).unwrap();
+        let opts = LaunchOptions {
+            xdp_mode: AttachMode::Generic,
+            seed: 1,
+        };
+        let e = tb.up(&topo, &file, opts).unwrap_err();
+        assert!(matches!(e, SuperviseError::LeftOver { .. }), "{e}");
+        assert!(e.to_string().contains("is left over"), "{e}");
+        // Refused before anything was built.
+        assert!(!netns_path(&rec.switches[0].netns).exists());
+
+        let report = tb.down(DownTarget::parse(&name).unwrap()).unwrap();
+        assert!(report.was_up);
+        assert!(report.ignored_record.is_none());
+        assert_eq!(
+            report.fabric.as_ref().map(|f| &f.outcome),
+            Some(&StopOutcome::NotRunning)
+        );
+        assert_eq!(report.removed, 0);
+        assert!(report.problems.is_empty(), "{:?}", report.problems);
+        report.result().unwrap();
+        assert!(!tb.record_path(&name).exists());
+        assert!(!tb.stats_path(&name).exists());
+        // Idempotent: nothing is up any more.
+        let report = tb.down(DownTarget::parse(&name).unwrap()).unwrap();
+        assert!(!report.was_up);
+        let _ = std::fs::remove_dir_all(tb.dir());
+    }
+
     /// Kills and reaps the child when dropped, so that a failing test leaves nothing running.
     struct KillOnDrop(Child);
 
@@ -1233,6 +1296,13 @@ mod tests {
             subcommand: vec!["fabric".into(), "run".into()],
         };
         assert!(pid_running(pid));
+        // `spawn` returns once exec has begun, a moment before the kernel shows the new command
+        // line: wait for it (bounded).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c.is_empty()) {
+            assert!(Instant::now() < deadline, "no command line for pid {pid}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         assert!(sh.is_running_as(pid, &prefix));
         assert_eq!(sh.find(&prefix), [pid]);
         // Another prefix, another program or another subcommand: not this fabric.
