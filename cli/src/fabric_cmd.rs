@@ -17,6 +17,7 @@ use gradwire_fabric::supervise::{
     StoppedFabric, TestbedRecord, Testbeds,
 };
 use gradwire_fabric::topology::Topology;
+use gradwire_units::human_size;
 
 use crate::args::{
     FabricRunArgs, FabricStatsArgs, TestbedDownArgs, TestbedStatusArgs, TestbedUpArgs,
@@ -339,17 +340,6 @@ fn fmt_rate(bps: u64) -> String {
     format!("{bps}bit")
 }
 
-fn fmt_bytes(b: u64) -> String {
-    let f = b as f64;
-    if b < 10_000 {
-        format!("{b}")
-    } else if b < 10_000_000 {
-        format!("{:.1}K", f / 1e3)
-    } else {
-        format!("{:.1}M", f / 1e6)
-    }
-}
-
 /// The human form of fabric stats. `alive`: whether the fabric's pid lives, if known.
 fn render_stats(s: &FabricStats, alive: Option<bool>, now: u64) -> String {
     let stopped = !s.running || alive == Some(false) || is_stale(s, now);
@@ -433,8 +423,8 @@ fn render_stats(s: &FabricStats, alive: Option<bool>, now: u64) -> String {
                     qc.marked.to_string(),
                     qc.dropped_threshold.to_string(),
                     qc.dropped_buffer.to_string(),
-                    fmt_bytes(qc.max_depth_bytes),
-                    fmt_bytes(*depth),
+                    human_size(qc.max_depth_bytes),
+                    human_size(*depth),
                 ]);
                 rows.push(r);
                 any = true;
@@ -484,8 +474,6 @@ mod tests {
         assert_eq!(fmt_ns(640), "640ns");
         assert_eq!(fmt_ns(65_535), "65.5us");
         assert_eq!(fmt_ns(2_500_000), "2.50ms");
-        assert_eq!(fmt_bytes(1538), "1538");
-        assert_eq!(fmt_bytes(45_100), "45.1K");
     }
 
     #[test]
@@ -574,7 +562,7 @@ mod tests {
             cells,
             [
                 "s0", "p0", "host", "h0", "200Mbit", "899", "0", "1", "900", "899", "12", "3", "0",
-                "45.1K", "1538"
+                "44.0KiB", "1.5KiB"
             ]
         );
         let p1 = out.lines().find(|l| l.contains(" p1 ")).unwrap();

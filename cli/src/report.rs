@@ -188,8 +188,8 @@ mod tests {
         assert_eq!(quantile(&v, 0.99), 99.0);
         assert_eq!(quantile(&[7.0], 0.99), 7.0);
         assert_eq!(quantile(&[], 0.50), 0.0);
-        assert_eq!(human_size(64 << 20), "64.0 MiB");
-        assert_eq!(human_size(1500), "1.5 KiB");
+        assert_eq!(human_size(64 << 20), "64.0MiB");
+        assert_eq!(human_size(1500), "1.5KiB");
     }
 
     #[test]

@@ -123,9 +123,10 @@ pub fn parse_size(s: &str) -> Result<Bytes, UnitError> {
         .ok_or_else(|| UnitError::Overflow { input: s.into() })
 }
 
-/// A size rounded for people reading a table: `1500 B`, `1.5 KiB`, `64.0 MiB` (binary
-/// prefixes, one decimal). Not meant to be parsed back: [`Bytes`]'s `Display` is the exact
-/// form [`parse_size`] reads.
+/// A size rounded for people: `1000B`, `1.5KiB`, `64.0MiB` (binary prefixes, one decimal,
+/// no space, so it is one cell of a whitespace-separated table). The one size formatter of
+/// the workspace (transfer reports, fabric tables). Not meant to be parsed back: [`Bytes`]'s
+/// `Display` is the exact form [`parse_size`] reads.
 pub fn human_size(bytes: u64) -> String {
     const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
     let mut v = bytes as f64;
@@ -135,9 +136,9 @@ pub fn human_size(bytes: u64) -> String {
         u += 1;
     }
     if u == 0 {
-        format!("{bytes} B")
+        format!("{bytes}B")
     } else {
-        format!("{v:.1} {}", UNITS[u])
+        format!("{v:.1}{}", UNITS[u])
     }
 }
 
@@ -245,10 +246,10 @@ mod tests {
 
     #[test]
     fn human_sizes() {
-        assert_eq!(human_size(64 << 20), "64.0 MiB");
-        assert_eq!(human_size(1500), "1.5 KiB");
-        assert_eq!(human_size(1000), "1000 B");
-        assert_eq!(human_size(3 << 30), "3.0 GiB");
+        assert_eq!(human_size(64 << 20), "64.0MiB");
+        assert_eq!(human_size(1500), "1.5KiB");
+        assert_eq!(human_size(1000), "1000B");
+        assert_eq!(human_size(3 << 30), "3.0GiB");
     }
 
     #[test]
