@@ -17,12 +17,12 @@
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
-use gradwire_netns::{exec_in_netns, spawn_in_netns};
 use gradwire_control::render::fabric::FabricQos;
 use gradwire_ebpf::{AttachMode, XdpConfig, XdpProgram};
 use gradwire_fabric::netns::FabricNet;
 use gradwire_fabric::run::{spawn, FabricConfig};
 use gradwire_fabric::topology::{default_policy, Topology};
+use gradwire_netns::{exec_in_netns, spawn_in_netns};
 use gradwire_qos::{CONTROL_DSCP, DATA_DSCP};
 use serde::Serialize;
 

@@ -26,10 +26,10 @@ use gradwire::datapath::{tos, Datapath, RxMeta, TxMeta};
 use gradwire::flow::{fixed_priority, Tag};
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
-use gradwire_netns::{Testbed, TestbedConfig};
 use gradwire::transport::{Receiver, RecvOptions, SendOptions, Sender, TransferConfig};
 use gradwire::wire::header;
 use gradwire_ebpf::{XdpConfig, XdpProgram};
+use gradwire_netns::{Testbed, TestbedConfig};
 use serde::Serialize;
 
 type Res<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
