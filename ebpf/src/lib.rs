@@ -1,4 +1,5 @@
-//! gradwire's XDP classifier and its loader.
+//! gradwire's XDP classifier and its loader, and DCTCP as a BPF TCP congestion control
+//! ([`tcp_cc`], for the kernel-TCP baselines).
 //!
 //! The XDP program (`src/bpf/gradwire.bpf.c`, built by `build.rs` with clang as part of the
 //! normal cargo build) looks at every frame an interface receives and:
@@ -71,6 +72,7 @@ mod counters;
 pub mod error;
 mod layout;
 mod sys;
+pub mod tcp_cc;
 
 use std::ffi::OsStr;
 use std::fmt;
@@ -82,6 +84,7 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle, Object, ObjectBuilder, ProgramInpu
 pub use config::{AttachMode, XdpAttachedMode, XdpConfig, ALLOWLIST_CAPACITY, MAX_PORTS, NUM_DSCP};
 pub use counters::{ClassCounter, Counter, XdpCounters};
 pub use error::XdpError;
+pub use tcp_cc::{Dctcp, TcpCcError};
 
 use layout::*;
 
@@ -103,10 +106,10 @@ pub const GRADWIRE_HEADER_LEN: usize = GW_HDR_LEN as usize;
 
 const PROG_NAME: &str = "gradwire_xdp";
 
-/// The BPF object built by build.rs. libbpf parses it in place, so keep it 8-byte aligned
+/// A BPF object built by build.rs. libbpf parses it in place, so keep it 8-byte aligned
 /// like an ELF file read from disk would be.
 #[repr(C, align(8))]
-struct Aligned<B: ?Sized>(B);
+pub(crate) struct Aligned<B: ?Sized>(pub(crate) B);
 static OBJECT: &Aligned<[u8]> =
     &Aligned(*include_bytes!(concat!(env!("OUT_DIR"), "/gradwire.bpf.o")));
 
