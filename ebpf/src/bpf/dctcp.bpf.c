@@ -154,8 +154,8 @@ void BPF_PROG(gw_dctcp_init, struct sock *sk)
 	struct gw_dctcp *ca = ca_of(sk);
 	struct gw_dctcp_sock_stats *st;
 
-	/* RFC 8257 §4: start at 1, the conservative choice (a full halving on
-	 * the first ECE). */
+	/* The initial Alpha is the implementation's choice (RFC 8257 §4): 1 is
+	 * the conservative one, a full halving on the first ECE. */
 	ca->alpha = GW_DCTCP_ALPHA_ONE;
 	ca->window_end = tp->snd_nxt;
 	ca->bytes_acked = 0;
