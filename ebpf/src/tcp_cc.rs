@@ -28,7 +28,7 @@
 //! and any socket may select it. Only one registration per name can exist; a second
 //! [`Dctcp::register`] (in this process or another) fails with
 //! [`TcpCcError::AlreadyRegistered`]. A process that needs DCTCP registers it once and shares
-//! the [`Dctcp`] among its users.
+//! the [`Dctcp`] among its users (it is `Send + Sync`, e.g. in an `Arc`).
 //!
 //! The registration belongs to a bpf_link owned by the [`Dctcp`]: dropping it, calling
 //! [`Dctcp::unregister`] or the process dying in any way unregisters the name. Sockets that
@@ -607,6 +607,12 @@ mod tests {
         assert!((s.alpha() - 0.25).abs() < 1e-9);
         assert!(s.ecn_negotiated());
         assert!(DctcpSocketStats::decode(&bytes[1..]).is_none());
+    }
+
+    #[test]
+    fn a_registration_can_be_shared_between_threads() {
+        fn shareable<T: Send + Sync>() {}
+        shareable::<Dctcp>();
     }
 
     #[test]
