@@ -51,9 +51,15 @@ pub enum ExperimentCommand {
 
 #[derive(Debug, Args)]
 pub struct IncastArgs {
-    /// Topology file: hosts named ps* are parameter servers, the others workers.
-    #[arg(long, default_value = "testbeds/ps-incast.toml")]
-    pub topology: std::path::PathBuf,
+    /// Settings to run: current (testbeds/ps-incast.toml: 100 Mbit/s, buffers of many BDPs,
+    /// TCP with the kernel's 200 ms minimum RTO) or paper (testbeds/ps-incast-paper.toml:
+    /// buffers of about one BDP per port, fan-in 8, TCP with a 10 ms minimum RTO).
+    #[arg(long, value_enum, default_value = "current")]
+    pub regime: gradwire_experiment::Regime,
+    /// Topology file instead of the regime's: hosts named ps* are parameter servers, the
+    /// others workers.
+    #[arg(long)]
+    pub topology: Option<std::path::PathBuf>,
     /// Model layer file.
     #[arg(long, default_value = "control/models/resnet50.toml")]
     pub model: std::path::PathBuf,
@@ -64,11 +70,13 @@ pub struct IncastArgs {
     /// DLCP's 4 MB threshold at this scale; e.g. 128KiB, 1M).
     #[arg(long, value_parser = |s: &str| parse_size(s).map(|b| b.0))]
     pub split_bytes: Option<u64>,
-    /// Iterations per variant.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    /// Iterations per variant (the reported figures use at least 20).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub iterations: u32,
-    /// Variants, comma-separated: gw-p<percent>[-notag][-nospray][-norc], tcp-<congestion>
-    /// (default: gw-p1,gw-p10,gw-p0,tcp-cubic,tcp-dctcp,gw-p1-notag,gw-p1-nospray,gw-p1-norc).
+    /// Variants, comma-separated: gw-p<percent>[-notag][-nospray][-norc],
+    /// tcp-<congestion>[-ecn][-rto<ms>] (default: the regime's: gw-p1, gw-p10, gw-p0, TCP
+    /// CUBIC, DCTCP, BBR and CUBIC with ECN (current regime: each also with -rto10), and the
+    /// gradwire ablations gw-p1-notag, gw-p1-nospray, gw-p1-norc).
     #[arg(long, value_delimiter = ',')]
     pub variants: Option<Vec<String>>,
     /// Source ports gradwire sprays each transfer over.
@@ -78,16 +86,20 @@ pub struct IncastArgs {
     /// default scales it to the emulated links' longer RTT).
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(50..=1_000_000))]
     pub period_us: u64,
-    /// Seed of tensor placement and contents.
+    /// Seed of tensor placement and contents, and of the bootstrap.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Bootstrap resamples of the confidence intervals (95 %).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub resamples: u32,
     /// Print the whole report as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Also write the report (JSON) and every flow (CSV) into this directory.
+    /// Write incast.json (the report), incast-flows.csv (every flow), incast-fct.png (p50,
+    /// p99, p99.9 FCT with CIs per variant) and incast-cdf.png (FCT CDFs) into this directory.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,
-    /// Draw mean and p99 FCT per variant into this PNG file.
+    /// Also draw the FCT bars (as incast-fct.png) into this PNG file.
     #[arg(long)]
     pub plot: Option<std::path::PathBuf>,
 }

@@ -1,4 +1,12 @@
 //! Running the variants: one fresh fabric per variant, phases of concurrent pairs.
+//!
+//! Nothing here aborts the experiment once it runs: a flow that fails (an error of its
+//! sender or receiver, a thread that gives no result in time) becomes a [`FlowRecord`] with
+//! its reason, the rest of the phase and of the run goes on, and a variant whose setup fails
+//! is reported with its error while the next variant runs. Every blocking call is bounded
+//! (gradwire's connect and idle timeouts, TCP socket timeouts, bounded accepts) and the phase
+//! waits for its threads at most until a deadline, after which a thread is left to end on its
+//! own timeouts and its pair is recorded as failed.
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
@@ -7,21 +15,26 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
+use gradwire::datapath::Datapath;
 use gradwire::flow::{fixed_priority, Tag};
 use gradwire::message::LossBound;
 use gradwire::tagging::{DlcpTagger, MagnitudeConfig};
 use gradwire::tensor::{DType, Tensor};
-use gradwire::transport::{Receiver, RecvOptions, SendOptions, Sender, TransferConfig};
+use gradwire::transport::{
+    accept_within, Receiver, RecvOptions, SendOptions, Sender, TransferConfig,
+};
 use gradwire_control::model::load_model;
+use gradwire_ebpf::tcp_cc;
 use gradwire_fabric::netns::FabricNet;
 use gradwire_fabric::run::{spawn, FabricConfig};
 use gradwire_fabric::topology::Topology;
 use gradwire_netns::spawn_in_netns;
 use serde::Serialize;
 
-use crate::report::{summarize, ExperimentReport, FlowRecord, VariantResult};
+use crate::report::{summarize, ExperimentReport, FlowRecord, TcpSettings, VariantResult};
+use crate::tcp_host::{data_segs_out, resolve_congestion, HostTcp};
 use crate::workload::{tensor_values, TensorSpec, Workload};
-use crate::{ExperimentError, IncastConfig};
+use crate::{ExperimentError, IncastConfig, ReceiverFault};
 
 /// What a variant runs.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -37,10 +50,15 @@ pub enum VariantKind {
         /// Rate control; off: Δ = 10⁹, the sender never halves.
         rate_control: bool,
     },
-    /// Kernel TCP with this congestion control.
+    /// Kernel TCP.
     Tcp {
-        /// `cubic`, `dctcp`, ...
+        /// `cubic`, `bbr`, `dctcp` (gradwire-ebpf's `gw_dctcp`), ...
         congestion: String,
+        /// ECN on (`net.ipv4.tcp_ecn = 1` in every host namespace); always on for DCTCP.
+        ecn: bool,
+        /// `rto_min` on every host route, ms; `None`: the regime's default
+        /// ([`IncastConfig::tcp_rto_min_ms`]).
+        rto_min_ms: Option<u32>,
     },
 }
 
@@ -53,23 +71,25 @@ pub struct Variant {
     pub kind: VariantKind,
 }
 
+/// The variant grammar, for messages and `--help`.
+pub const VARIANT_GRAMMAR: &str =
+    "gw-p<percent>[-notag][-nospray][-norc] or tcp-<congestion>[-ecn][-rto<ms>]";
+
 impl Variant {
-    /// A variant by name: `gw-p<percent>[-notag][-nospray][-norc]` or `tcp-<congestion>`.
+    /// A variant by name (see [`VARIANT_GRAMMAR`]): `gw-p<percent>` followed by ablation
+    /// suffixes, or `tcp-<congestion>` followed by `-ecn` (ECN on) and/or `-rto<ms>` (the
+    /// hosts' routes carry `rto_min <ms>ms`). A new mode is one more arm in the suffix match
+    /// of its family.
     pub fn parse(name: &str) -> Result<Variant, String> {
-        if let Some(cc) = name.strip_prefix("tcp-") {
-            if cc.is_empty() || !cc.bytes().all(|b| b.is_ascii_alphanumeric()) {
-                return Err(format!("variant {name:?}: bad congestion control name"));
-            }
+        if let Some(rest) = name.strip_prefix("tcp-") {
             return Ok(Variant {
                 name: name.into(),
-                kind: VariantKind::Tcp {
-                    congestion: cc.into(),
-                },
+                kind: parse_tcp(name, rest)?,
             });
         }
-        let rest = name.strip_prefix("gw-p").ok_or_else(|| {
-            format!("variant {name:?}: expected gw-p<percent>[-notag][-nospray][-norc] or tcp-<cc>")
-        })?;
+        let rest = name
+            .strip_prefix("gw-p")
+            .ok_or_else(|| format!("variant {name:?}: expected {VARIANT_GRAMMAR}"))?;
         let mut parts = rest.split('-');
         let pct: f64 = parts
             .next()
@@ -98,9 +118,10 @@ impl Variant {
         })
     }
 
-    /// The issue's comparison and ablations.
+    /// The gradwire comparison and ablations of the first incast experiment, with CUBIC and
+    /// DCTCP; [`crate::Regime::variants`] adds the other TCP baselines.
     pub fn defaults() -> Vec<Variant> {
-        [
+        Variant::list(&[
             "gw-p1",
             "gw-p10",
             "gw-p0",
@@ -109,22 +130,108 @@ impl Variant {
             "gw-p1-notag",
             "gw-p1-nospray",
             "gw-p1-norc",
-        ]
-        .iter()
-        .filter_map(|n| Variant::parse(n).ok())
-        .collect()
+        ])
+    }
+
+    /// Variants by name; names that do not parse are left out (for built-in lists).
+    pub(crate) fn list(names: &[&str]) -> Vec<Variant> {
+        names
+            .iter()
+            .filter_map(|n| Variant::parse(n).ok())
+            .collect()
     }
 }
 
-/// Congestion controls this kernel offers.
-fn available_cc() -> Vec<String> {
-    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control")
-        .map(|s| s.split_whitespace().map(String::from).collect())
-        .unwrap_or_default()
+/// `tcp-<congestion>[-ecn][-rto<ms>]` after the `tcp-`.
+fn parse_tcp(name: &str, rest: &str) -> Result<VariantKind, String> {
+    let mut parts = rest.split('-');
+    let cc = parts.next().unwrap_or_default();
+    if cc.is_empty() || !cc.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+        return Err(format!("variant {name:?}: bad congestion control name"));
+    }
+    let mut ecn = cc == "dctcp";
+    let mut rto_min_ms = None;
+    for p in parts {
+        match p {
+            "ecn" => ecn = true,
+            _ if p.starts_with("rto") => {
+                let ms = p[3..]
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|ms| (1..=1000).contains(ms))
+                    .ok_or_else(|| {
+                        format!("variant {name:?}: -rto<ms> takes 1..=1000 milliseconds")
+                    })?;
+                rto_min_ms = Some(ms);
+            }
+            other => {
+                return Err(format!(
+                    "variant {name:?}: unknown TCP option {other:?} (expected -ecn or -rto<ms>)"
+                ))
+            }
+        }
+    }
+    Ok(VariantKind::Tcp {
+        congestion: cc.into(),
+        ecn,
+        rto_min_ms,
+    })
 }
 
 /// (delivered fraction, wrong bytes) of one received tensor.
 type Received = (f64, u64);
+
+/// One tensor its sender completed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Sent {
+    fct_us: f64,
+    data_packets: u64,
+}
+
+/// Why one side of a pair stopped, at the tensor after the ones it completed.
+#[derive(Debug, Clone, PartialEq)]
+struct Stop {
+    error: String,
+    /// Time spent on the tensor it stopped at, microseconds (0: not started).
+    elapsed_us: f64,
+    /// Data packets sent for that tensor.
+    data_packets: u64,
+}
+
+impl Stop {
+    fn new(error: String) -> Stop {
+        Stop {
+            error,
+            elapsed_us: 0.0,
+            data_packets: 0,
+        }
+    }
+}
+
+/// What one side (sender or receiver) of a pair did: the tensors it completed, in order, and
+/// why it stopped if it did not complete them all.
+#[derive(Debug, Clone, PartialEq)]
+struct Outcome<T> {
+    done: Vec<T>,
+    stopped: Option<Stop>,
+}
+
+impl<T> Outcome<T> {
+    /// Nothing done: `error` at the first tensor.
+    fn failed(error: String) -> Outcome<T> {
+        Outcome {
+            done: Vec::new(),
+            stopped: Some(Stop::new(error)),
+        }
+    }
+
+    fn of(done: Vec<T>, result: Result<(), Stop>) -> Outcome<T> {
+        Outcome {
+            done,
+            stopped: result.err(),
+        }
+    }
+}
 
 /// One direction of one phase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,7 +251,15 @@ struct Pair {
     tensors: Vec<TensorSpec>,
 }
 
-/// Runs every variant of `cfg`.
+/// How long the phase waits for every receiver to listen.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// TCP sockets' read and write timeouts (gradwire's are its idle and connect timeouts).
+const TCP_IO_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a receiver waits for its sender to connect.
+const ACCEPT_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Runs every variant of `cfg`. Fails only when the topology or model cannot be read; once
+/// variants run, failures are part of the report (see the module docs).
 pub fn run(cfg: &IncastConfig) -> Result<ExperimentReport, ExperimentError> {
     let topo = Topology::load(&cfg.topology)?;
     let model = load_model(&cfg.model)?;
@@ -161,25 +276,27 @@ pub fn run(cfg: &IncastConfig) -> Result<ExperimentReport, ExperimentError> {
         )));
     }
     let wl = Workload::new(&model, cfg.scale, servers.len(), cfg.split_bytes, cfg.seed);
-    let cc = available_cc();
     let mut results = Vec::new();
     for v in &cfg.variants {
-        if let VariantKind::Tcp { congestion } = &v.kind {
-            if !cc.contains(congestion) {
-                results.push(VariantResult::skipped(
-                    v,
-                    format!(
-                        "this kernel offers no {congestion} (tcp_available_congestion_control: {})",
-                        cc.join(" ")
-                    ),
-                ));
-                continue;
-            }
-        }
         eprintln!("experiment: variant {} ...", v.name);
-        results.push(run_variant(cfg, &topo, &wl, &servers, &workers, v)?);
+        let r = run_variant(cfg, &topo, &wl, &servers, &workers, v);
+        match (&r.skipped, &r.error) {
+            (Some(why), _) => eprintln!("experiment: variant {} skipped: {why}", v.name),
+            (None, err) => eprintln!(
+                "experiment: variant {}: {} flows, {} failed, valid: {}{}",
+                v.name,
+                r.flows,
+                r.failed_flows,
+                r.valid,
+                err.as_ref()
+                    .map(|e| format!(", error: {e}"))
+                    .unwrap_or_default()
+            ),
+        }
+        results.push(r);
     }
-    Ok(ExperimentReport {
+    let mut report = ExperimentReport {
+        regime: cfg.regime.name().into(),
         topology: cfg.topology.display().to_string(),
         model: model.name.clone(),
         scale: cfg.scale,
@@ -189,8 +306,15 @@ pub fn run(cfg: &IncastConfig) -> Result<ExperimentReport, ExperimentError> {
         bytes_per_worker: wl.bytes_per_worker(),
         tensors_per_worker: wl.per_server.iter().map(Vec::len).sum(),
         link_rate_bps: link_rate(&topo, workers[0]),
+        tcp_rto_min_ms: cfg.tcp_rto_min_ms,
+        bootstrap: cfg.bootstrap,
+        data_packets_source: crate::report::DATA_PACKETS_SOURCE,
         results,
-    })
+        ratios: Vec::new(),
+        ratios_vs_dctcp: Vec::new(),
+    };
+    report.compute_ratios();
+    Ok(report)
 }
 
 fn link_rate(topo: &Topology, host: usize) -> u64 {
@@ -230,6 +354,16 @@ fn pairs(phase: Phase, wl: &Workload, servers: &[usize], workers: &[usize]) -> V
     out
 }
 
+/// The error, plus what removing the testbed said if that failed too.
+fn with_teardown(error: String, down: Result<(), gradwire_netns::NetnsError>) -> String {
+    match down {
+        Ok(()) => error,
+        Err(e) => format!("{error} (and removing the testbed: {e})"),
+    }
+}
+
+/// One variant on a fresh testbed and fabric. Never fails: a setup error is the result's
+/// `error`, flows that failed are records with their reason.
 fn run_variant(
     cfg: &IncastConfig,
     topo: &Topology,
@@ -237,37 +371,155 @@ fn run_variant(
     servers: &[usize],
     workers: &[usize],
     v: &Variant,
-) -> Result<VariantResult, ExperimentError> {
-    let net = FabricNet::up(topo)?;
-    let fabric = spawn(topo, net.switch_namespaces(), FabricConfig::default())?;
+) -> VariantResult {
+    // TCP: the congestion control that runs (DCTCP registered for the variant's duration) and
+    // the host settings, or why this machine cannot run the variant.
+    let mut tcp_plan = None;
+    let mut _dctcp_registration = None;
+    if let VariantKind::Tcp {
+        congestion,
+        ecn,
+        rto_min_ms,
+    } = &v.kind
+    {
+        match resolve_congestion(congestion) {
+            Ok((name, registration)) => {
+                _dctcp_registration = registration;
+                tcp_plan = Some((name, *ecn, rto_min_ms.or(cfg.tcp_rto_min_ms)));
+            }
+            Err(why) => return VariantResult::skipped(v, why),
+        }
+    }
+    let net = match FabricNet::up(topo) {
+        Ok(n) => n,
+        Err(e) => return VariantResult::failed(v, format!("building the testbed: {e}")),
+    };
+    let fabric = match spawn(topo, net.switch_namespaces(), FabricConfig::default()) {
+        Ok(f) => f,
+        Err(e) => {
+            let why = with_teardown(format!("starting the fabric: {e}"), net.down());
+            return VariantResult::failed(v, why);
+        }
+    };
+    let mut host_tcp = None;
+    let mut settings = None;
+    if let Some((cc, ecn, rto)) = &tcp_plan {
+        match HostTcp::apply(net.host_namespaces(), *ecn, *rto) {
+            Ok(h) => {
+                settings = Some(TcpSettings {
+                    congestion: cc.clone(),
+                    tcp_ecn: h.tcp_ecn,
+                    rto_min_ms: *rto,
+                });
+                host_tcp = Some(h);
+            }
+            Err(e) => {
+                drop(fabric.stop());
+                let why = with_teardown(format!("TCP host settings: {e}"), net.down());
+                return VariantResult::failed(v, why);
+            }
+        }
+    }
+    let cc = settings.as_ref().map(|s| s.congestion.as_str());
     let mut flows = Vec::new();
     let mut iterations = Vec::new();
     for it in 0..cfg.iterations {
         let mut total = Duration::ZERO;
         for phase in [Phase::Push, Phase::Pull] {
             let ps = pairs(phase, wl, servers, workers);
-            let (took, mut recs) = run_phase(cfg, topo, &net, wl, v, phase, it, &ps)?;
+            let (took, mut recs) = run_phase(cfg, topo, &net, wl, v, cc, phase, it, &ps);
             total += took;
             flows.append(&mut recs);
         }
         iterations.push(total);
     }
-    let st = fabric.wait_idle(Duration::from_secs(10));
-    let stats = fabric
-        .stop()
-        .ok_or_else(|| ExperimentError::Other("the fabric published no stats".into()))?;
-    net.down()?;
-    if !st {
+    let mut errors = Vec::new();
+    if let Some(h) = host_tcp {
+        if let Err(e) = h.restore() {
+            errors.push(format!("restoring the TCP host settings: {e}"));
+        }
+    }
+    if !fabric.wait_idle(Duration::from_secs(10)) {
         eprintln!(
             "experiment: warning: the fabric did not drain after {}",
             v.name
         );
     }
-    Ok(summarize(v, flows, iterations, &stats))
+    let stats = fabric.stop();
+    if let Err(e) = net.down() {
+        errors.push(format!("removing the testbed: {e}"));
+    }
+    let mut r = summarize(v, flows, iterations, stats.as_ref(), &cfg.bootstrap);
+    r.tcp = settings;
+    errors.extend(r.error.take());
+    r.error = (!errors.is_empty()).then(|| errors.join("; "));
+    r
 }
 
-/// Starts every receiver, waits until all listen, then starts every sender; returns the
-/// phase's duration (first send to last completion) and its flows.
+/// How long a phase may take before its unfinished pairs count as failed: a minute plus 30
+/// times the time the busiest host link needs for its bytes at line rate.
+fn phase_deadline(topo: &Topology, pairs: &[Pair]) -> Duration {
+    let mut per_host = vec![0u64; topo.hosts.len()];
+    for p in pairs {
+        let bytes: u64 = p.tensors.iter().map(|t| t.elems as u64 * 4).sum();
+        per_host[p.src] += bytes;
+        per_host[p.dst] += bytes;
+    }
+    let busiest = (0..topo.hosts.len())
+        .map(|h| per_host[h] as f64 * 8.0 / link_rate(topo, h).max(1) as f64)
+        .fold(0.0, f64::max);
+    Duration::from_secs(60) + Duration::from_secs_f64(30.0 * busiest)
+}
+
+/// Waits until `out` has every outcome or `deadline` passes (or every thread is gone).
+fn collect<T>(
+    rx: &mpsc::Receiver<(usize, Outcome<T>)>,
+    out: &mut [Option<Outcome<T>>],
+    deadline: Instant,
+) {
+    while out.iter().any(Option::is_none) {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok((i, o)) => out[i] = Some(o),
+            Err(_) => break,
+        }
+    }
+}
+
+/// Joins the threads that gave their outcome or ended (a panic becomes the pair's error);
+/// leaves the others to end on their own timeouts and fills in their pairs' errors.
+fn finish_threads<T>(
+    role: &str,
+    threads: Vec<(usize, JoinHandle<()>)>,
+    out: &mut [Option<Outcome<T>>],
+    waited: Duration,
+) {
+    let mut abandoned = 0;
+    for (i, h) in threads {
+        if out[i].is_some() || h.is_finished() {
+            if h.join().is_err() && out[i].is_none() {
+                out[i] = Some(Outcome::failed(format!("the {role} thread panicked")));
+            }
+        } else {
+            abandoned += 1;
+        }
+    }
+    for o in out.iter_mut().filter(|o| o.is_none()) {
+        *o = Some(Outcome::failed(format!(
+            "timeout: the {role} gave no result within {:.0} s",
+            waited.as_secs_f64()
+        )));
+    }
+    if abandoned > 0 {
+        eprintln!(
+            "experiment: warning: {abandoned} {role} thread(s) still running at the phase \
+             deadline, left to end on their own timeouts"
+        );
+    }
+}
+
+/// Starts every receiver, waits (bounded) until they listen, then starts the senders of the
+/// pairs whose receiver listens; returns the phase's duration (first send to last sender
+/// result) and one record per tensor of every pair, failed ones included.
 #[allow(clippy::too_many_arguments)]
 fn run_phase(
     cfg: &IncastConfig,
@@ -275,89 +527,200 @@ fn run_phase(
     net: &FabricNet,
     wl: &Workload,
     v: &Variant,
+    tcp_cc: Option<&str>,
     phase: Phase,
     it: u32,
     pairs: &[Pair],
-) -> Result<(Duration, Vec<FlowRecord>), ExperimentError> {
-    let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
-    let mut receivers: Vec<JoinHandle<Result<Vec<Received>, String>>> = Vec::new();
-    for p in pairs {
-        let ns = net
-            .host_ns(p.dst)
-            .ok_or_else(|| ExperimentError::Other(format!("no host {}", p.dst)))?;
+) -> (Duration, Vec<FlowRecord>) {
+    let n = pairs.len();
+    let mut got: Vec<Option<Outcome<Received>>> = vec![None; n];
+    let mut sent: Vec<Option<Outcome<Sent>>> = vec![None; n];
+    let (ready_tx, ready_rx) = mpsc::channel::<(usize, bool)>();
+    let (got_tx, got_rx) = mpsc::channel::<(usize, Outcome<Received>)>();
+    let mut receivers = Vec::new();
+    for (i, p) in pairs.iter().enumerate() {
+        let Some(ns) = net.host_ns(p.dst) else {
+            got[i] = Some(Outcome::failed(format!("no host {}", p.dst)));
+            continue;
+        };
         let ip = IpAddr::V4(topo.hosts[p.dst].ip);
-        let (p2, v2, ready) = (p.clone(), v.clone(), ready_tx.clone());
-        let period = cfg.period_ns;
-        receivers.push(spawn_in_netns(ns, move || {
-            receive(&p2, &v2, ip, it, period, &ready)
-        })?);
+        let fault = cfg
+            .receiver_fault
+            .filter(|f| f.iteration == it && phase == Phase::Push && i == 0)
+            .map(|f: ReceiverFault| f.after_tensors);
+        let (p2, v2, cc) = (p.clone(), v.clone(), tcp_cc.map(String::from));
+        let (ready, done, period) = (ready_tx.clone(), got_tx.clone(), cfg.period_ns);
+        let spawned = spawn_in_netns(ns, move || {
+            let mut out = Vec::with_capacity(p2.tensors.len());
+            let res = receive(
+                &p2,
+                &v2,
+                ip,
+                it,
+                period,
+                cc.as_deref(),
+                fault,
+                &ready,
+                i,
+                &mut out,
+            );
+            let _ = done.send((i, Outcome::of(out, res)));
+        });
+        match spawned {
+            Ok(h) => receivers.push((i, h)),
+            Err(e) => got[i] = Some(Outcome::failed(format!("receiver thread: {e}"))),
+        }
     }
-    drop(ready_tx);
-    for _ in pairs {
-        match ready_rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(ExperimentError::Other(e)),
-            Err(_) => return Err(ExperimentError::Other("a receiver never started".into())),
+    drop((ready_tx, got_tx));
+    let mut listening = vec![false; n];
+    let ready_by = Instant::now() + READY_TIMEOUT;
+    for _ in 0..receivers.len() {
+        match ready_rx.recv_timeout(ready_by.saturating_duration_since(Instant::now())) {
+            Ok((i, ok)) => listening[i] = ok,
+            Err(_) => break,
         }
     }
     let start = Instant::now();
-    let mut senders: Vec<JoinHandle<Result<Vec<f64>, String>>> = Vec::new();
-    for p in pairs {
-        let ns = net
-            .host_ns(p.src)
-            .ok_or_else(|| ExperimentError::Other(format!("no host {}", p.src)))?;
+    let (sent_tx, sent_rx) = mpsc::channel::<(usize, Outcome<Sent>)>();
+    let mut senders = Vec::new();
+    for (i, p) in pairs.iter().enumerate() {
+        if !listening[i] {
+            sent[i] = Some(Outcome::failed(
+                "sender not started: its receiver was not listening".into(),
+            ));
+            continue;
+        }
+        let Some(ns) = net.host_ns(p.src) else {
+            sent[i] = Some(Outcome::failed(format!("no host {}", p.src)));
+            continue;
+        };
         let src_ip = IpAddr::V4(topo.hosts[p.src].ip);
         let dst_ip = IpAddr::V4(topo.hosts[p.dst].ip);
         let rate = link_rate(topo, p.src);
-        let (p2, v2) = (p.clone(), v.clone());
+        let (p2, v2, cc, done) = (
+            p.clone(),
+            v.clone(),
+            tcp_cc.map(String::from),
+            sent_tx.clone(),
+        );
         let (layers, spray, period) = (wl.layers, cfg.spray_ports, cfg.period_ns);
-        senders.push(spawn_in_netns(ns, move || {
-            send(&p2, &v2, src_ip, dst_ip, rate, layers, spray, it, period)
-        })?);
-    }
-    let mut out = Vec::new();
-    let mut errors = Vec::new();
-    let mut fcts = Vec::new();
-    for h in senders {
-        match h.join() {
-            Ok(Ok(f)) => fcts.push(f),
-            Ok(Err(e)) => errors.push(e),
-            Err(_) => errors.push("a sender panicked".into()),
+        let spawned = spawn_in_netns(ns, move || {
+            let mut out = Vec::with_capacity(p2.tensors.len());
+            let res = send(
+                &p2,
+                &v2,
+                src_ip,
+                dst_ip,
+                rate,
+                layers,
+                spray,
+                it,
+                period,
+                cc.as_deref(),
+                &mut out,
+            );
+            let _ = done.send((i, Outcome::of(out, res)));
+        });
+        match spawned {
+            Ok(h) => senders.push((i, h)),
+            Err(e) => sent[i] = Some(Outcome::failed(format!("sender thread: {e}"))),
         }
     }
+    drop(sent_tx);
+    let deadline = phase_deadline(topo, pairs);
+    collect(&sent_rx, &mut sent, start + deadline);
     let took = start.elapsed();
-    let mut got = Vec::new();
-    for h in receivers {
-        match h.join() {
-            Ok(Ok(r)) => got.push(r),
-            Ok(Err(e)) => errors.push(e),
-            Err(_) => errors.push("a receiver panicked".into()),
-        }
+    // Receivers end shortly after their senders (or on their own timeouts).
+    let grace = ACCEPT_TIMEOUT + Duration::from_secs(10);
+    collect(
+        &got_rx,
+        &mut got,
+        Instant::now().max(start + deadline) + grace,
+    );
+    finish_threads("sender", senders, &mut sent, deadline);
+    finish_threads("receiver", receivers, &mut got, deadline + grace);
+    let mut out = Vec::new();
+    for ((p, s), r) in pairs.iter().zip(sent).zip(got) {
+        // finish_threads filled in every missing outcome.
+        out.extend(merge(
+            p,
+            phase == Phase::Push,
+            it,
+            s.unwrap_or_else(|| Outcome::failed("no result".into())),
+            r.unwrap_or_else(|| Outcome::failed("no result".into())),
+        ));
     }
-    if let Some(e) = errors.first() {
-        return Err(ExperimentError::Other(format!(
-            "variant {} {phase:?} iteration {it}: {e} ({} errors)",
-            v.name,
-            errors.len()
-        )));
-    }
-    for ((p, f), r) in pairs.iter().zip(fcts).zip(got) {
-        for ((t, fct), (delivered, wrong)) in p.tensors.iter().zip(f).zip(r) {
-            out.push(FlowRecord {
+    (took, out)
+}
+
+/// One record per tensor of `p` from what its sender and receiver did. A tensor is completed
+/// when both completed it; otherwise its error is the sender's and/or receiver's error at that
+/// tensor, or, for the tensors after a failure, that failure.
+fn merge(
+    p: &Pair,
+    push: bool,
+    it: u32,
+    sent: Outcome<Sent>,
+    got: Outcome<Received>,
+) -> Vec<FlowRecord> {
+    let stops = [
+        (sent.done.len(), sent.stopped.as_ref(), "sender"),
+        (got.done.len(), got.stopped.as_ref(), "receiver"),
+    ];
+    let first = stops
+        .iter()
+        .filter_map(|&(at, s, _)| s.map(|s| (at, s)))
+        .min_by_key(|&(at, _)| at)
+        .map(|(_, s)| s.error.clone())
+        .unwrap_or_else(|| "unknown".into());
+    p.tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let s = sent.done.get(i);
+            let r = got.done.get(i);
+            let here: Vec<&Stop> = stops
+                .iter()
+                .filter(|&&(at, _, _)| at == i)
+                .filter_map(|&(_, st, _)| st)
+                .collect();
+            let sender_stop = sent.stopped.as_ref().filter(|_| sent.done.len() == i);
+            let error = if s.is_some() && r.is_some() {
+                None
+            } else if here.is_empty() {
+                Some(format!(
+                    "after an earlier failure on this connection: {first}"
+                ))
+            } else {
+                Some(
+                    here.iter()
+                        .map(|s| s.error.as_str())
+                        .collect::<Vec<_>>()
+                        .join("; "),
+                )
+            };
+            FlowRecord {
                 iteration: it,
-                push: phase == Phase::Push,
+                push,
                 src: p.src,
                 dst: p.dst,
                 tensor: t.id,
                 layer: t.layer,
                 bytes: t.elems as u64 * 4,
-                fct_us: fct,
-                delivered_fraction: delivered,
-                wrong_bytes: wrong,
-            });
-        }
-    }
-    Ok((took, out))
+                fct_us: s
+                    .map(|s| s.fct_us)
+                    .or(sender_stop.map(|s| s.elapsed_us))
+                    .unwrap_or(0.0),
+                delivered_fraction: r.map_or(0.0, |r| r.0),
+                wrong_bytes: r.map_or(0, |r| r.1),
+                data_packets: s
+                    .map(|s| s.data_packets)
+                    .or(sender_stop.map(|s| s.data_packets))
+                    .unwrap_or(0),
+                error,
+            }
+        })
+        .collect()
 }
 
 fn data_port(peer: usize) -> u16 {
@@ -384,38 +747,58 @@ fn transfer_config(rate_bps: u64, rate_control: bool, period_ns: u64) -> Transfe
     c
 }
 
-/// Receives every tensor of `p`; returns (delivered fraction, wrong bytes) per tensor.
+/// Receives every tensor of `p` into `out` ((delivered fraction, wrong bytes) per tensor);
+/// stops at the first error. Tells `ready` (as pair `index`) whether it listens. `fault`:
+/// stop with an error after that many tensors (the harness's own failure test).
+#[allow(clippy::too_many_arguments)]
 fn receive(
     p: &Pair,
     v: &Variant,
     ip: IpAddr,
     it: u32,
     period_ns: u64,
-    ready: &mpsc::Sender<Result<(), String>>,
-) -> Result<Vec<Received>, String> {
+    tcp_cc: Option<&str>,
+    fault: Option<usize>,
+    ready: &mpsc::Sender<(usize, bool)>,
+    index: usize,
+    out: &mut Vec<Received>,
+) -> Result<(), Stop> {
     let e = |what: &str, err: &dyn std::fmt::Display| {
-        format!("receiver of job {} on host {}: {what}: {err}", p.job, p.dst)
+        Stop::new(format!(
+            "receiver of job {} on host {}: {what}: {err}",
+            p.job, p.dst
+        ))
     };
     // A setup failure is reported to the phase (which waits for every receiver) and returned.
-    let setup_failed = |m: String| {
-        let _ = ready.send(Err(m.clone()));
-        m
+    let setup_failed = |s: Stop| {
+        let _ = ready.send((index, false));
+        s
+    };
+    let injected = |i: usize| {
+        (fault == Some(i)).then(|| {
+            Stop::new(format!(
+                "receiver of job {} on host {}: injected fault: stops after {i} tensors",
+                p.job, p.dst
+            ))
+        })
     };
     let listener = TcpListener::bind(SocketAddr::new(ip, ctrl_port(p.src)))
         .map_err(|err| setup_failed(e("listen", &err)))?;
-    let mut out = Vec::with_capacity(p.tensors.len());
     match &v.kind {
         VariantKind::Gradwire { .. } => {
             let dp = UdpDatapath::bind(SocketAddr::new(ip, data_port(p.src)), UdpConfig::default())
                 .map_err(|err| setup_failed(e("bind data socket", &err)))?;
-            let _ = ready.send(Ok(()));
+            let _ = ready.send((index, true));
             let mut r = Receiver::accept(
                 &listener,
                 dp,
                 transfer_config(1_000_000_000, true, period_ns),
             )
             .map_err(|err| e("accept", &err))?;
-            for t in &p.tensors {
+            for (i, t) in p.tensors.iter().enumerate() {
+                if let Some(stop) = injected(i) {
+                    return Err(stop);
+                }
                 let mut got = Tensor::zeros(DType::F32, t.elems);
                 let opts = RecvOptions {
                     round: Some(it),
@@ -440,11 +823,22 @@ fn receive(
             }
         }
         VariantKind::Tcp { .. } => {
-            let _ = ready.send(Ok(()));
-            let (mut s, _) = listener.accept().map_err(|err| e("accept", &err))?;
-            s.set_read_timeout(Some(Duration::from_secs(60)))
+            if let Some(cc) = tcp_cc {
+                // Accepted sockets inherit the listener's congestion control (DCTCP's
+                // receiver half runs where the accepting socket uses it).
+                tcp_cc::set_congestion_control(&listener, cc)
+                    .map_err(|err| setup_failed(e("TCP_CONGESTION", &err)))?;
+            }
+            let _ = ready.send((index, true));
+            let mut s =
+                accept_within(&listener, ACCEPT_TIMEOUT).map_err(|err| e("accept", &err))?;
+            s.set_read_timeout(Some(TCP_IO_TIMEOUT))
+                .and_then(|()| s.set_write_timeout(Some(TCP_IO_TIMEOUT)))
                 .map_err(|err| e("timeout", &err))?;
-            for t in &p.tensors {
+            for (i, t) in p.tensors.iter().enumerate() {
+                if let Some(stop) = injected(i) {
+                    return Err(stop);
+                }
                 let mut buf = vec![0u8; t.elems * 4];
                 s.read_exact(&mut buf)
                     .map_err(|err| e(&format!("read tensor {}", t.id), &err))?;
@@ -459,10 +853,11 @@ fn receive(
             }
         }
     }
-    Ok(out)
+    Ok(())
 }
 
-/// Sends every tensor of `p`; returns the FCT of each in microseconds.
+/// Sends every tensor of `p`, recording the FCT and data packets of each in `out`; stops at
+/// the first error (which carries the time and packets spent on the tensor it stopped at).
 #[allow(clippy::too_many_arguments)]
 fn send(
     p: &Pair,
@@ -474,12 +869,16 @@ fn send(
     spray_ports: u16,
     it: u32,
     period_ns: u64,
-) -> Result<Vec<f64>, String> {
+    tcp_cc: Option<&str>,
+    out: &mut Vec<Sent>,
+) -> Result<(), Stop> {
     let e = |what: &str, err: &dyn std::fmt::Display| {
-        format!("sender of job {} on host {}: {what}: {err}", p.job, p.src)
+        Stop::new(format!(
+            "sender of job {} on host {}: {what}: {err}",
+            p.job, p.src
+        ))
     };
     let ctrl = SocketAddr::new(dst, ctrl_port(p.src));
-    let mut fcts = Vec::with_capacity(p.tensors.len());
     match &v.kind {
         VariantKind::Gradwire {
             loss_bound,
@@ -510,6 +909,7 @@ fn send(
                     loss_bound: Some(bound),
                     ..SendOptions::new(p.job, t.id)
                 };
+                let packets_before = s.datapath().stats().tx_packets;
                 let t0 = Instant::now();
                 let res = if *tagging {
                     let tagger = DlcpTagger::for_tensor(
@@ -528,31 +928,61 @@ fn send(
                     };
                     s.send(&tensor, &opts, &fixed_priority(tag))
                 };
-                res.map_err(|err| e(&format!("tensor {}", t.id), &err))?;
-                fcts.push(t0.elapsed().as_secs_f64() * 1e6);
+                let fct_us = t0.elapsed().as_secs_f64() * 1e6;
+                let data_packets = s.datapath().stats().tx_packets - packets_before;
+                match res {
+                    Ok(_) => out.push(Sent {
+                        fct_us,
+                        data_packets,
+                    }),
+                    Err(err) => {
+                        return Err(Stop {
+                            elapsed_us: fct_us,
+                            data_packets,
+                            ..e(&format!("tensor {}", t.id), &err)
+                        })
+                    }
+                }
             }
         }
-        VariantKind::Tcp { congestion } => {
-            let mut s = TcpStream::connect_timeout(&ctrl, Duration::from_secs(10))
+        VariantKind::Tcp { .. } => {
+            let mut s = TcpStream::connect_timeout(&ctrl, ACCEPT_TIMEOUT)
                 .map_err(|err| e("connect", &err))?;
             s.set_nodelay(true).map_err(|err| e("nodelay", &err))?;
-            let name = std::ffi::OsString::from(congestion);
-            nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::TcpCongestion, &name)
-                .map_err(|err| e("TCP_CONGESTION", &err))?;
-            s.set_read_timeout(Some(Duration::from_secs(60)))
+            if let Some(cc) = tcp_cc {
+                tcp_cc::set_congestion_control(&s, cc).map_err(|err| e("TCP_CONGESTION", &err))?;
+            }
+            s.set_read_timeout(Some(TCP_IO_TIMEOUT))
+                .and_then(|()| s.set_write_timeout(Some(TCP_IO_TIMEOUT)))
                 .map_err(|err| e("timeout", &err))?;
             let mut ack = [0u8; 1];
             for t in &p.tensors {
                 let tensor = tensor_values(t, p.sender_id, it);
+                let segs_before = data_segs_out(&s).map_err(|err| e("TCP_INFO", &err))?;
                 let t0 = Instant::now();
-                s.write_all(tensor.as_bytes())
-                    .map_err(|err| e(&format!("write tensor {}", t.id), &err))?;
-                s.read_exact(&mut ack).map_err(|err| e("ack", &err))?;
-                fcts.push(t0.elapsed().as_secs_f64() * 1e6);
+                let res = s
+                    .write_all(tensor.as_bytes())
+                    .map_err(|err| format!("write tensor {}: {err}", t.id))
+                    .and_then(|()| s.read_exact(&mut ack).map_err(|err| format!("ack: {err}")));
+                let fct_us = t0.elapsed().as_secs_f64() * 1e6;
+                let data_packets = data_segs_out(&s).map_or(0, |n| n.saturating_sub(segs_before));
+                match res {
+                    Ok(()) => out.push(Sent {
+                        fct_us,
+                        data_packets,
+                    }),
+                    Err(err) => {
+                        return Err(Stop {
+                            elapsed_us: fct_us,
+                            data_packets,
+                            ..e(&format!("tensor {}", t.id), &err)
+                        })
+                    }
+                }
             }
         }
     }
-    Ok(fcts)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -578,5 +1008,149 @@ mod tests {
         assert!(Variant::parse("gw-p1-fast").is_err());
         assert!(Variant::parse("udp").is_err());
         assert_eq!(Variant::defaults().len(), 8);
+    }
+
+    #[test]
+    fn tcp_variant_names() {
+        let tcp = |n: &str| Variant::parse(n).map(|v| v.kind);
+        assert_eq!(
+            tcp("tcp-cubic-ecn-rto10"),
+            Ok(VariantKind::Tcp {
+                congestion: "cubic".into(),
+                ecn: true,
+                rto_min_ms: Some(10)
+            })
+        );
+        assert_eq!(
+            tcp("tcp-bbr"),
+            Ok(VariantKind::Tcp {
+                congestion: "bbr".into(),
+                ecn: false,
+                rto_min_ms: None
+            })
+        );
+        // DCTCP runs with ECN whether or not the name says so.
+        assert_eq!(
+            tcp("tcp-dctcp-rto10"),
+            Ok(VariantKind::Tcp {
+                congestion: "dctcp".into(),
+                ecn: true,
+                rto_min_ms: Some(10)
+            })
+        );
+        for bad in [
+            "tcp-",
+            "tcp-cubic-fast",
+            "tcp-cubic-rto0",
+            "tcp-cubic-rtox",
+            "tcp-cu.bic",
+        ] {
+            assert!(tcp(bad).is_err(), "{bad}");
+        }
+    }
+
+    fn pair(tensors: u32) -> Pair {
+        Pair {
+            job: 1,
+            src: 0,
+            dst: 8,
+            sender_id: 0,
+            tensors: (0..tensors)
+                .map(|i| TensorSpec {
+                    id: i * 16,
+                    layer: i,
+                    elems: 1000,
+                    server: 0,
+                })
+                .collect(),
+        }
+    }
+
+    fn sent(n: usize) -> Vec<Sent> {
+        (0..n)
+            .map(|i| Sent {
+                fct_us: 100.0 + i as f64,
+                data_packets: 3,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_receiver_that_fails_mid_pair_fails_its_tensor_and_the_rest() {
+        let p = pair(5);
+        // The receiver delivered two tensors and failed at the third; the sender completed two
+        // and failed at the third (peer gone) after 7 ms and 4 packets.
+        let s = Outcome {
+            done: sent(2),
+            stopped: Some(Stop {
+                error: "sender: peer gone".into(),
+                elapsed_us: 7000.0,
+                data_packets: 4,
+            }),
+        };
+        let r = Outcome {
+            done: vec![(1.0, 0), (0.99, 0)],
+            stopped: Some(Stop::new("receiver: injected fault".into())),
+        };
+        let recs = merge(&p, true, 3, s, r);
+        assert_eq!(recs.len(), 5);
+        assert!(recs[0].completed() && recs[1].completed());
+        assert_eq!(recs[1].delivered_fraction, 0.99);
+        assert_eq!(recs[1].fct_us, 101.0);
+        let e2 = recs[2].error.as_deref().unwrap();
+        assert!(
+            e2.contains("peer gone") && e2.contains("injected fault"),
+            "{e2}"
+        );
+        assert_eq!((recs[2].fct_us, recs[2].data_packets), (7000.0, 4));
+        for r in &recs[3..] {
+            let e = r.error.as_deref().unwrap();
+            assert!(e.starts_with("after an earlier failure"), "{e}");
+            assert_eq!(
+                (r.fct_us, r.data_packets, r.delivered_fraction),
+                (0.0, 0, 0.0)
+            );
+        }
+        assert!(recs
+            .iter()
+            .all(|r| r.iteration == 3 && r.push && r.dst == 8));
+    }
+
+    #[test]
+    fn a_sender_without_a_result_fails_every_tensor_of_its_pair() {
+        let p = pair(3);
+        let recs = merge(
+            &p,
+            false,
+            0,
+            Outcome::failed("timeout: the sender gave no result within 60 s".into()),
+            Outcome {
+                done: vec![(1.0, 0)],
+                stopped: Some(Stop::new("receiver: peer stalled".into())),
+            },
+        );
+        assert!(recs[0].error.as_deref().unwrap().contains("timeout"));
+        // Tensor 1: the receiver failed there, the sender never got to it.
+        assert!(recs[1].error.as_deref().unwrap().contains("stalled"));
+        assert!(recs[2]
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("earlier failure"));
+        assert!(recs.iter().all(|r| !r.push && !r.completed()));
+    }
+
+    #[test]
+    fn complete_outcomes_give_completed_records() {
+        let p = pair(2);
+        let recs = merge(
+            &p,
+            true,
+            0,
+            Outcome::of(sent(2), Ok(())),
+            Outcome::of(vec![(1.0, 0), (1.0, 0)], Ok(())),
+        );
+        assert!(recs.iter().all(FlowRecord::completed));
+        assert_eq!(recs[1].bytes, 4000);
     }
 }
