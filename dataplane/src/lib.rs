@@ -1,8 +1,8 @@
 //! gradwire: a bounded-loss-tolerant transport for distributed DNN training traffic.
 //!
 //! The protocol itself, with no I/O, is the `gradwire-proto` crate; its modules are
-//! re-exported here ([`wire`], [`message`], [`datagram`], [`rate`], [`tensor`], [`bitmap`],
-//! [`flow`], [`tagging`]) so `gradwire::wire::...` is the one path users write. This crate
+//! re-exported here ([`wire`], [`message`], [`datagram`], [`rate`], [`grant`], [`tensor`],
+//! [`bitmap`], [`flow`], [`tagging`]) so `gradwire::wire::...` is the one path users write. This crate
 //! adds what touches the operating system:
 //!
 //! - [`datapath`]: the datapath trait and its in-memory, fault-injecting, multipath and
@@ -10,6 +10,8 @@
 //! - [`afxdp`] (cargo feature `afxdp`, on by default): the kernel-bypass datapath behind
 //!   gradwire's XDP classifier, the pinned-worker engine and a raw-frame port for the
 //!   emulated switch. Without the feature the crate builds with no clang and no libbpf.
+//! - [`grant_pool`]: one receiver downlink's grant allocator shared by its receiving
+//!   threads (receiver-driven incast congestion control).
 //! - [`ctrl_channel`]: the reliable control channel (kernel TCP, or in-memory for tests).
 //! - [`transport`]: the drivers that run one transfer, and the `Sender`/`Receiver` API
 //!   (DLCP's `dlcp_send` / `dlcp_recv`).
@@ -21,6 +23,7 @@ pub mod addr;
 pub mod afxdp;
 pub mod ctrl_channel;
 pub mod datapath;
+pub mod grant_pool;
 pub mod transport;
 
-pub use gradwire_proto::{bitmap, datagram, flow, message, rate, tagging, tensor, wire};
+pub use gradwire_proto::{bitmap, datagram, flow, grant, message, rate, tagging, tensor, wire};

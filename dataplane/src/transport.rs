@@ -47,6 +47,8 @@ use crate::flow::{
     FlowId, LossDefaults, PriorityFn, ProtoError, ReceiverFlow, RecvSpec, RejectCounts,
     SegmentInfo, SenderConfig, SenderFlow, SenderStats,
 };
+use crate::grant::GrantConfig;
+use crate::grant_pool::GrantPool;
 use crate::message::{CtrlMsg, LossBound, Stage, MAX_REASON};
 use crate::rate::RateConfig;
 use crate::tensor::{segment_payload_for, LayoutError, SegmentLayout, Tensor};
@@ -80,13 +82,21 @@ pub struct TransferConfig {
     pub control_dscp: Option<u8>,
     /// Default loss bounds per stage.
     pub loss_defaults: LossDefaults,
-    /// The receiver gives up after this many retransmission passes in a row that deliver
-    /// nothing new (the control channel works but the data path does not); 0 never.
-    pub max_futile_passes: u32,
-    /// ... and only if no new segment arrived for this long either: a switch queue held above
-    /// its threshold by an incast drops the not-ECT retransmissions of several quick passes
-    /// in a row while the data path works.
-    pub min_futile_time: Duration,
+    /// The receiver gives up on a flow whose passes keep ending with no new segment for this
+    /// long (the control channel works but the data path does not); zero: never. Congestion
+    /// is not a reason: passes that deliver nothing back off (up to `max_backoff`) instead.
+    pub no_progress_timeout: Duration,
+    /// Longest wait of a receiver before asking again after passes that delivered nothing.
+    pub max_backoff: Duration,
+    /// The receiver's downlink rate, which its grants share out; `None`: the line rate of
+    /// `sender.rate`.
+    pub receive_capacity_bps: Option<u64>,
+    /// The grant allocator this receiver shares with the other receivers of its host (see
+    /// [`GrantPool`]); `None`: a private one per transfer.
+    pub grant_pool: Option<GrantPool>,
+    /// A [`Sender`] starts each flow at the rate its previous flow to the same receiver
+    /// ended at (until the first grant, or as the ECN mode's start).
+    pub rate_memory: bool,
 }
 
 impl Default for TransferConfig {
@@ -99,8 +109,13 @@ impl Default for TransferConfig {
             connect_timeout: Duration::from_secs(10),
             control_dscp: Some(DEFAULT_CONTROL_DSCP),
             loss_defaults: LossDefaults::default(),
-            max_futile_passes: crate::flow::receiver::DEFAULT_MAX_FUTILE_PASSES,
-            min_futile_time: Duration::from_secs(1),
+            no_progress_timeout: Duration::from_nanos(
+                crate::flow::receiver::DEFAULT_NO_PROGRESS_NS,
+            ),
+            max_backoff: Duration::from_nanos(crate::flow::receiver::DEFAULT_MAX_BACKOFF_NS),
+            receive_capacity_bps: None,
+            grant_pool: None,
+            rate_memory: true,
         }
     }
 }
@@ -109,6 +124,18 @@ impl TransferConfig {
     /// The rate-control parameters.
     pub fn rate(&self) -> &RateConfig {
         &self.sender.rate
+    }
+
+    /// The pool a receiver draws its grants from: the shared one, or a new private one for
+    /// the capacity and report period configured here.
+    pub fn grant_pool(&self) -> GrantPool {
+        self.grant_pool.clone().unwrap_or_else(|| {
+            GrantPool::new(GrantConfig::new(
+                self.receive_capacity_bps
+                    .unwrap_or(self.sender.rate.line_rate_bps),
+                self.sender.rate.period_ns,
+            ))
+        })
     }
 
     /// Check every parameter.
@@ -465,6 +492,7 @@ fn send_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
                     continue;
                 }
                 let mut payload_bytes = 0u64;
+                let important = flow.retransmit_important();
                 let sent = dp
                     .send(budget, &mut |buf: &mut [u8]| {
                         let (index, repr) = flow.next_segment()?;
@@ -477,6 +505,8 @@ fn send_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
                             dtype: tensor.dtype(),
                             payload: seg,
                         });
+                        let mut tag = tag;
+                        tag.ect |= important;
                         let mut repr = repr;
                         if tag.ect {
                             repr.flags.insert(header::Flags::IMPORTANT);
@@ -638,8 +668,14 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
             return Err(TransferError::Protocol { flow, source });
         }
     };
-    flow.set_max_futile_passes(cfg.max_futile_passes);
-    flow.set_min_futile_time(u64::try_from(cfg.min_futile_time.as_nanos()).unwrap_or(u64::MAX));
+    flow.set_no_progress_timeout(
+        u64::try_from(cfg.no_progress_timeout.as_nanos()).unwrap_or(u64::MAX),
+    );
+    flow.set_max_backoff(u64::try_from(cfg.max_backoff.as_nanos()).unwrap_or(u64::MAX));
+    // This flow's share of the downlink, announced right after FlowAccept (by `poll`).
+    let pool = cfg.grant_pool();
+    let mut membership = pool.join();
+    flow.set_grant(membership.grant_bps());
     let flow_id = flow.id();
     let proto = |source| TransferError::Protocol {
         flow: flow_id,
@@ -680,9 +716,12 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         if seen(&flow) > before {
             last_progress = Instant::now();
         }
-        while let Some(m) = flow.poll(now()) {
-            ctrl.send(&m)?;
+        if flow.wants_data() {
+            flow.set_grant(membership.grant_bps());
+        } else {
+            membership.leave();
         }
+        send_due(&mut flow, ctrl, &pool, now())?;
         while !flow.is_done() {
             let Some(m) = ctrl.recv(Duration::ZERO)? else {
                 break;
@@ -703,9 +742,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
                         break;
                     }
                 }
-                while let Some(m) = flow.poll(now()) {
-                    ctrl.send(&m)?;
-                }
+                send_due(&mut flow, ctrl, &pool, now())?;
             }
             if let Some(reply) = flow.on_ctrl(m, now()).map_err(proto)? {
                 ctrl.send(&reply)?;
@@ -754,6 +791,28 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     })
 }
 
+/// Sends the receiver's messages that are due, feeding each rate report's packet and CE
+/// counts to the downlink's grant pool.
+fn send_due<C: CtrlChannel + ?Sized>(
+    flow: &mut ReceiverFlow,
+    ctrl: &mut C,
+    pool: &GrantPool,
+    now_ns: u64,
+) -> Result<(), TransferError> {
+    while let Some(m) = flow.poll(now_ns) {
+        if let CtrlMsg::RateReport {
+            packets,
+            ce_packets,
+            ..
+        } = m
+        {
+            pool.record(packets, ce_packets);
+        }
+        ctrl.send(&m)?;
+    }
+    Ok(())
+}
+
 /// Accept one control connection on `listener`, waiting at most `timeout`.
 pub fn accept_within(
     listener: &TcpListener,
@@ -799,6 +858,8 @@ pub struct Sender<D> {
     dp: D,
     ctrl: TcpCtrl,
     cfg: TransferConfig,
+    /// The rate the previous flow ended at (rate memory across tensors to this receiver).
+    last_rate_bps: Option<u64>,
 }
 
 impl<D: Datapath> Sender<D> {
@@ -810,7 +871,12 @@ impl<D: Datapath> Sender<D> {
     ) -> Result<Sender<D>, TransferError> {
         cfg.validate()?;
         let ctrl = TcpCtrl::connect(ctrl_addr, cfg.connect_timeout, cfg.control_dscp)?;
-        Ok(Sender { dp, ctrl, cfg })
+        Ok(Sender {
+            dp,
+            ctrl,
+            cfg,
+            last_rate_bps: None,
+        })
     }
 
     /// A sender over an already connected control channel (e.g. one connected with retries
@@ -821,7 +887,12 @@ impl<D: Datapath> Sender<D> {
         cfg: TransferConfig,
     ) -> Result<Sender<D>, TransferError> {
         cfg.validate()?;
-        Ok(Sender { dp, ctrl, cfg })
+        Ok(Sender {
+            dp,
+            ctrl,
+            cfg,
+            last_rate_bps: None,
+        })
     }
 
     /// Send a tensor, tagging each segment with `prio`.
@@ -832,15 +903,19 @@ impl<D: Datapath> Sender<D> {
         prio: &PriorityFn<'_>,
     ) -> Result<SendReport, TransferError> {
         let ip = self.ctrl.peer_addr().ip();
-        send_tensor(
-            &mut self.dp,
-            &mut self.ctrl,
-            ip,
-            tensor,
-            opts,
-            prio,
-            &self.cfg,
-        )
+        let remembered;
+        let cfg = match self.last_rate_bps {
+            Some(r) if self.cfg.rate_memory && self.cfg.sender.initial_rate_bps.is_none() => {
+                let mut c = self.cfg.clone();
+                c.sender.initial_rate_bps = Some(r);
+                remembered = c;
+                &remembered
+            }
+            _ => &self.cfg,
+        };
+        let report = send_tensor(&mut self.dp, &mut self.ctrl, ip, tensor, opts, prio, cfg)?;
+        self.last_rate_bps = Some(report.final_rate_bps);
+        Ok(report)
     }
 
     /// The datapath.

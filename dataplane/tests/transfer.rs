@@ -337,6 +337,11 @@ fn sender_that_disappears_mid_transfer_is_an_error_not_a_hang() {
                 ca.recv(Duration::from_secs(5)).unwrap(),
                 Some(CtrlMsg::FlowAccept { .. })
             ));
+            // The flow's share of the receiver's capacity follows the acceptance.
+            assert!(matches!(
+                ca.recv(Duration::from_secs(5)).unwrap(),
+                Some(CtrlMsg::RateGrant { .. })
+            ));
             let _ = tx.send(0, &mut |_: &mut [u8]| None);
             // The receiver gives up after its idle timeout and tells us why.
             match ca.recv(Duration::from_secs(3)).unwrap() {
@@ -424,6 +429,11 @@ fn protocol_violation_aborts_with_a_reason_the_peer_sees() {
             assert!(matches!(
                 ca.recv(Duration::from_secs(5)).unwrap(),
                 Some(CtrlMsg::FlowAccept { .. })
+            ));
+            // The flow's share of the receiver's capacity follows the acceptance.
+            assert!(matches!(
+                ca.recv(Duration::from_secs(5)).unwrap(),
+                Some(CtrlMsg::RateGrant { .. })
             ));
             // FinishConfirm before any FlowFinish: a protocol violation.
             ca.send(&CtrlMsg::FinishConfirm).unwrap();

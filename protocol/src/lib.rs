@@ -9,7 +9,9 @@
 //!   requests, rate and per-queue ECN reports), their length-prefixed framing and an
 //!   incremental decoder.
 //! - [`datagram`]: a datagram's peer address and TOS byte, as datapaths pass them.
-//! - [`rate`]: the DLCP rate-control state machine (Figure 7), a pacer and a rate meter.
+//! - [`rate`]: the sender's rate modes (receiver grants, a DCTCP-style CE reaction, DLCP's
+//!   Figure 7), a pacer and a rate meter; [`grant`]: the receiver's side, a downlink's
+//!   aggregate target shared out as per-flow grants.
 //! - [`tensor`] (aligned tensors, segment layout and placement by offset), [`bitmap`] (which
 //!   segments arrived).
 //! - [`flow`]: the sender and receiver state machines of one transfer.
@@ -20,6 +22,7 @@
 pub mod bitmap;
 pub mod datagram;
 pub mod flow;
+pub mod grant;
 pub mod message;
 pub mod rate;
 pub mod tagging;

@@ -49,6 +49,8 @@ pub mod kind {
     pub const ABORT: u8 = 9;
     /// [`super::CtrlMsg::EcnReport`].
     pub const ECN_REPORT: u8 = 10;
+    /// [`super::CtrlMsg::RateGrant`].
+    pub const RATE_GRANT: u8 = 11;
 }
 
 /// Switch queues an [`CtrlMsg::EcnReport`] covers (the 7 data queues and the control queue).
@@ -102,6 +104,9 @@ pub enum CtrlError {
     /// Bytes left in the body after the message's last field.
     #[error("{0} trailing bytes after control message")]
     TrailingBytes(usize),
+    /// A `RateGrant` of 0 bit/s (a receiver that wants a sender to pause grants the floor).
+    #[error("rate grant of 0 bit/s")]
+    ZeroGrant,
 }
 
 /// Tolerated loss for one tensor, in parts per million of its segments (`0..=1_000_000`).
@@ -391,6 +396,13 @@ pub enum CtrlMsg {
         /// Indexed by queue 0..=7.
         queues: [QueueEcn; ECN_QUEUES],
     },
+    /// Receiver -> sender: the rate this flow may send at, its share of the receiver's
+    /// capacity (kind 11). Sent right after `FlowAccept` and whenever the share changes; a
+    /// sender in grant mode paces at it, retransmission passes included.
+    RateGrant {
+        /// Granted rate in bit/s (at least 1).
+        rate_bps: u64,
+    },
     /// Either side gives up on the flow (kind 9).
     Abort {
         /// Application-defined code.
@@ -414,6 +426,7 @@ impl CtrlMsg {
             CtrlMsg::RateReport { .. } => kind::RATE_REPORT,
             CtrlMsg::Abort { .. } => kind::ABORT,
             CtrlMsg::EcnReport { .. } => kind::ECN_REPORT,
+            CtrlMsg::RateGrant { .. } => kind::RATE_GRANT,
         }
     }
 
@@ -426,6 +439,7 @@ impl CtrlMsg {
                 Err(CtrlError::ReasonTooLong(reason.len()))
             }
             CtrlMsg::RetransmitRequest { ranges, .. } => check_ranges(ranges),
+            CtrlMsg::RateGrant { rate_bps: 0 } => Err(CtrlError::ZeroGrant),
             _ => Ok(()),
         }
     }
@@ -445,6 +459,7 @@ impl CtrlMsg {
                 CtrlMsg::RateReport { .. } => 8 * 4,
                 CtrlMsg::Abort { reason, .. } => 1 + 2 + reason.len(),
                 CtrlMsg::EcnReport { .. } => ECN_QUEUES * 8,
+                CtrlMsg::RateGrant { .. } => 8,
             }
     }
 
@@ -548,6 +563,7 @@ impl CtrlMsg {
                 out.push(*code);
                 put_str(out, reason);
             }
+            CtrlMsg::RateGrant { rate_bps } => out.extend_from_slice(&rate_bps.to_be_bytes()),
         }
         Ok(())
     }
@@ -668,6 +684,10 @@ impl CtrlMsg {
                 }
                 CtrlMsg::EcnReport { queues }
             }
+            kind::RATE_GRANT => match r.u64()? {
+                0 => return Err(CtrlError::ZeroGrant),
+                rate_bps => CtrlMsg::RateGrant { rate_bps },
+            },
             other => return Err(CtrlError::UnknownKind(other)),
         };
         if !r.rest.is_empty() {
@@ -870,6 +890,9 @@ mod tests {
                     ce: if q == 7 { u32::MAX } else { q as u32 },
                 }),
             },
+            CtrlMsg::RateGrant {
+                rate_bps: 12_500_000,
+            },
         ]
     }
 
@@ -914,12 +937,28 @@ mod tests {
     }
 
     #[test]
+    fn rate_grant_layout_is_byte_exact_and_never_zero() {
+        let body = body_of(&CtrlMsg::RateGrant {
+            rate_bps: 0x0102_0304_0506_0708,
+        });
+        assert_eq!(body, [1, 11, 1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(
+            CtrlMsg::decode_body(&[1, 11, 0, 0, 0, 0, 0, 0, 0, 0]),
+            Err(CtrlError::ZeroGrant)
+        );
+        assert_eq!(
+            CtrlMsg::RateGrant { rate_bps: 0 }.to_frame(),
+            Err(CtrlError::ZeroGrant)
+        );
+    }
+
+    #[test]
     fn body_sizes() {
         let lens: Vec<usize> = samples().iter().map(|m| body_of(m).len()).collect();
         let reason = "size 10 != 12 ✓".len();
         assert_eq!(
             lens,
-            vec![40, 40, 16, 17 + reason, 10, 26, 10, 6, 2, 34, 5, 66]
+            vec![40, 40, 16, 17 + reason, 10, 26, 10, 6, 2, 34, 5, 66, 10]
         );
     }
 
@@ -949,8 +988,8 @@ mod tests {
             Err(CtrlError::UnknownKind(0))
         );
         assert_eq!(
-            CtrlMsg::decode_body(&[1, 11]),
-            Err(CtrlError::UnknownKind(11))
+            CtrlMsg::decode_body(&[1, 12]),
+            Err(CtrlError::UnknownKind(12))
         );
         assert_eq!(
             CtrlMsg::decode_body(&[1, 7, 0]),
@@ -1343,6 +1382,7 @@ mod tests {
                     queues: a.map(|(packets, ce)| QueueEcn { packets, ce }),
                 }
             }),
+            (1..=u64::MAX).prop_map(|rate_bps| CtrlMsg::RateGrant { rate_bps }),
         ]
     }
 
@@ -1356,7 +1396,7 @@ mod tests {
 
         #[test]
         fn prop_decode_arbitrary_is_canonical(
-            kind in 0u8..12,
+            kind in 0u8..13,
             rest in prop::collection::vec(any::<u8>(), 0..128),
         ) {
             // Steer most inputs past the version/kind checks so field decoding is exercised.

@@ -215,6 +215,111 @@ impl RateController {
     }
 }
 
+/// How a sender chooses its rate. The receiver always grants (see [`crate::grant`]); what the
+/// sender does with grants and reports is the mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum RateMode {
+    /// Receiver-driven (the default): pace at the receiver's latest `RateGrant`, its share of
+    /// the receiver's capacity adapted to the CE marks arriving there. A flow starts at its
+    /// share (or, before the first grant, at the rate remembered from the previous flow to
+    /// the same receiver, else the floor), never at line rate; retransmission passes keep
+    /// the granted rate.
+    #[default]
+    Grant,
+    /// Sender-side reaction to the CE fraction the receiver reports, DCTCP-style
+    /// ([`EcnRateController`]): start at the remembered rate (else line rate), cut by
+    /// `alpha / 2` in a period with marks, add `additive_increase` of line rate otherwise.
+    /// Grants are ignored. The ablation "no grants".
+    Ecn,
+    /// DLCP's Figure 7 ([`RateController`]), as the paper specifies it: line-rate start, halve
+    /// when send > Δ · receive, additive increase; every retransmission pass restarts at line
+    /// rate. Grants are ignored. For comparison.
+    Fig7,
+}
+
+impl RateMode {
+    /// The mode's name on command lines and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            RateMode::Grant => "grant",
+            RateMode::Ecn => "ecn",
+            RateMode::Fig7 => "fig7",
+        }
+    }
+
+    /// The mode named `name` (as [`Self::name`] spells it).
+    pub fn from_name(name: &str) -> Option<RateMode> {
+        [RateMode::Grant, RateMode::Ecn, RateMode::Fig7]
+            .into_iter()
+            .find(|m| m.name() == name)
+    }
+}
+
+/// DCTCP's estimation gain g (RFC 8257 §4.2 recommends 1/16).
+pub const DCTCP_GAIN: f64 = 1.0 / 16.0;
+
+/// The sender-side CE reaction of [`RateMode::Ecn`], DCTCP's rule (RFC 8257) applied to a
+/// rate once per report period instead of a window once per RTT:
+/// `alpha = (1 - g) alpha + g F`, with `F` the fraction of the period's packets that arrived
+/// CE-marked; a period with marks multiplies the rate by `1 - alpha / 2`, a period without
+/// adds `additive_increase` of line rate. The rate stays within `[min_rate, line_rate]`.
+#[derive(Debug, Clone)]
+pub struct EcnRateController {
+    cfg: RateConfig,
+    rate_bps: u64,
+    alpha: f64,
+    gain: f64,
+    step_bps: u64,
+    floor_bps: u64,
+}
+
+impl EcnRateController {
+    /// Starts at `start_bps` (clamped to `[min_rate, line_rate]`) with `alpha = 1`, DCTCP's
+    /// initial value (the first marks halve the rate).
+    pub fn new(cfg: RateConfig, start_bps: u64) -> Self {
+        let floor_bps = cfg.min_rate_bps.min(cfg.line_rate_bps);
+        EcnRateController {
+            rate_bps: start_bps.clamp(floor_bps, cfg.line_rate_bps.max(floor_bps)),
+            alpha: 1.0,
+            gain: DCTCP_GAIN,
+            step_bps: (cfg.additive_increase * cfg.line_rate_bps as f64).round() as u64,
+            floor_bps,
+            cfg,
+        }
+    }
+
+    /// Current rate, bit/s.
+    pub fn rate_bps(&self) -> u64 {
+        self.rate_bps
+    }
+
+    /// The congestion estimate alpha, in `[0, 1]`.
+    pub fn alpha(&self) -> f64 {
+        self.alpha
+    }
+
+    /// One period's report: `packets` data packets arrived, `ce_packets` of them marked. A
+    /// period with no packets says nothing and changes nothing.
+    pub fn on_report(&mut self, packets: u64, ce_packets: u64) -> RateEvent {
+        if packets == 0 {
+            return RateEvent::Hold;
+        }
+        let f = (ce_packets.min(packets) as f64) / packets as f64;
+        self.alpha = (1.0 - self.gain) * self.alpha + self.gain * f;
+        if ce_packets > 0 {
+            let cut = (self.rate_bps as f64 * (1.0 - self.alpha / 2.0)) as u64;
+            self.rate_bps = cut.max(self.floor_bps);
+            RateEvent::Halved
+        } else {
+            self.rate_bps = self
+                .rate_bps
+                .saturating_add(self.step_bps)
+                .min(self.cfg.line_rate_bps.max(self.floor_bps));
+            RateEvent::Increased
+        }
+    }
+}
+
 /// Token credit per byte: credit is kept in bit·ns/s units so that a refill is the exact
 /// integer `rate_bps * elapsed_ns`, with no rounding drift however long the pacer runs.
 const CREDIT_PER_BYTE: i128 = 8 * NS_PER_SEC as i128;
@@ -423,6 +528,53 @@ mod tests {
     use proptest::prelude::*;
 
     const G: u64 = 1_000_000_000;
+
+    #[test]
+    fn mode_names_round_trip() {
+        for m in [RateMode::Grant, RateMode::Ecn, RateMode::Fig7] {
+            assert_eq!(RateMode::from_name(m.name()), Some(m));
+        }
+        assert_eq!(RateMode::from_name("dctcp"), None);
+        assert_eq!(RateMode::default(), RateMode::Grant);
+    }
+
+    #[test]
+    fn ecn_controller_follows_rfc8257_per_period() {
+        let cfg = RateConfig::new(100_000_000);
+        let mut c = EcnRateController::new(cfg, 50_000_000);
+        assert_eq!(c.rate_bps(), 50_000_000);
+        // No packets: nothing learnt.
+        assert_eq!(c.on_report(0, 0), RateEvent::Hold);
+        assert_eq!(c.rate_bps(), 50_000_000);
+        // All marked: alpha stays 1 (from its initial 1), the rate halves.
+        assert_eq!(c.on_report(10, 10), RateEvent::Halved);
+        assert_eq!(c.alpha(), 1.0);
+        assert_eq!(c.rate_bps(), 25_000_000);
+        // Unmarked: alpha decays by 15/16, the rate grows by 5 % of line rate.
+        assert_eq!(c.on_report(10, 0), RateEvent::Increased);
+        assert!((c.alpha() - 15.0 / 16.0).abs() < 1e-12);
+        assert_eq!(c.rate_bps(), 30_000_000);
+        // A light mark after a long quiet spell cuts little: alpha has decayed.
+        for _ in 0..100 {
+            c.on_report(10, 0);
+        }
+        assert_eq!(c.rate_bps(), 100_000_000, "capped at line rate");
+        c.on_report(100, 1);
+        let a = c.alpha();
+        assert!(a < 0.01, "{a}");
+        assert_eq!(c.rate_bps(), (100_000_000.0 * (1.0 - a / 2.0)) as u64);
+        // Never below the floor, and more CE than packets is read as all marked.
+        for _ in 0..200 {
+            c.on_report(5, 9);
+        }
+        assert_eq!(c.rate_bps(), cfg.min_rate_bps);
+        assert!(c.alpha() <= 1.0);
+        // A start above line rate is clamped.
+        assert_eq!(
+            EcnRateController::new(cfg, u64::MAX).rate_bps(),
+            100_000_000
+        );
+    }
 
     fn ctl(line: u64) -> RateController {
         RateController::try_new(RateConfig::new(line)).unwrap()

@@ -111,12 +111,15 @@ pub enum ProtoError {
         /// The active flow.
         expected: FlowId,
     },
-    /// Retransmission passes keep delivering nothing: the data path is broken while the
-    /// control channel works (e.g. an MTU the data path cannot carry, a firewall).
-    #[error("{passes} passes in a row delivered no new segment ({received} of {total} received): the data path is not delivering")]
+    /// No new segment for the configured time while passes kept ending: the data path is
+    /// broken while the control channel works (e.g. an MTU the data path cannot carry, a
+    /// firewall).
+    #[error("no new segment for {idle_ms} ms over {passes} passes in a row ({received} of {total} received): the data path is not delivering")]
     NoDataProgress {
-        /// Consecutive futile passes.
+        /// Consecutive passes that delivered nothing new.
         passes: u32,
+        /// Time since the last new segment, ms.
+        idle_ms: u64,
         /// Segments received.
         received: u32,
         /// Segments in the tensor.
@@ -147,6 +150,7 @@ pub fn msg_name(m: &CtrlMsg) -> &'static str {
         CtrlMsg::RateReport { .. } => "RateReport",
         CtrlMsg::Abort { .. } => "Abort",
         CtrlMsg::EcnReport { .. } => "EcnReport",
+        CtrlMsg::RateGrant { .. } => "RateGrant",
     }
 }
 

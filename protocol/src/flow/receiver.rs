@@ -128,6 +128,8 @@ pub struct ReceiverStats {
     /// Data packets received per switch queue (by DSCP) and how many of them were CE: what
     /// the switches did to this flow, fed back to the sender in `EcnReport`.
     pub ecn: [QueueEcn; ECN_QUEUES],
+    /// Retransmission requests held back after a pass that delivered nothing new.
+    pub backoffs: u32,
 }
 
 /// One tensor being received.
@@ -151,19 +153,31 @@ pub struct ReceiverFlow {
     /// delivered nothing new.
     placed_at_stop: u64,
     futile_passes: u32,
-    max_futile_passes: u32,
-    /// ...and only when nothing new arrived for this long either.
-    min_futile_ns: u64,
+    /// Give up when no new segment arrived for this long (0: never).
+    no_progress_ns: u64,
+    /// Longest wait before asking again after futile passes.
+    max_backoff_ns: u64,
+    /// A retransmission request held back after a futile pass, and when it is due.
+    delayed_request: Option<(u64, CtrlMsg)>,
     /// When a new segment was last placed (or the flow accepted).
     last_new_ns: u64,
+    /// The grant the driver last set, and the one last sent to the sender.
+    grant_bps: Option<u64>,
+    sent_grant_bps: Option<u64>,
 }
 
 /// An EcnReport follows every this many RateReports (when anything changed), and always
 /// precedes FlowFinish: at the paper's 200 us period, every 1.6 ms.
 pub const ECN_REPORT_EVERY: u64 = 8;
 
-/// Default for [`ReceiverFlow::set_max_futile_passes`].
-pub const DEFAULT_MAX_FUTILE_PASSES: u32 = 8;
+/// Default for [`ReceiverFlow::set_no_progress_timeout`]: 10 s without a new segment.
+pub const DEFAULT_NO_PROGRESS_NS: u64 = 10_000_000_000;
+
+/// Default for [`ReceiverFlow::set_max_backoff`]: at most 100 ms between futile passes.
+pub const DEFAULT_MAX_BACKOFF_NS: u64 = 100_000_000;
+
+/// A grant that moved by less than this fraction (1/16) is not sent again.
+const GRANT_RESEND_SHIFT: u32 = 4;
 
 impl ReceiverFlow {
     /// Validate a FlowStart against what is registered. On success returns the flow and the
@@ -261,9 +275,12 @@ impl ReceiverFlow {
             },
             placed_at_stop: 0,
             futile_passes: 0,
-            max_futile_passes: DEFAULT_MAX_FUTILE_PASSES,
-            min_futile_ns: 0,
+            no_progress_ns: DEFAULT_NO_PROGRESS_NS,
+            max_backoff_ns: DEFAULT_MAX_BACKOFF_NS,
+            delayed_request: None,
             last_new_ns: now_ns,
+            grant_bps: None,
+            sent_grant_bps: None,
         };
         let accept = CtrlMsg::FlowAccept {
             job_id: id.job,
@@ -276,17 +293,31 @@ impl ReceiverFlow {
         Ok((flow, accept))
     }
 
-    /// Give up (with [`ProtoError::NoDataProgress`]) after this many passes in a row that
-    /// deliver no new segment; 0 never gives up.
-    pub fn set_max_futile_passes(&mut self, n: u32) {
-        self.max_futile_passes = n;
+    /// Give up (with [`ProtoError::NoDataProgress`]) when a pass ends and no new segment
+    /// arrived for `ns` (default [`DEFAULT_NO_PROGRESS_NS`]); 0 never gives up. Passes that
+    /// deliver nothing are not a reason by themselves: under an incast a congested queue can
+    /// drop several passes in a row while the path works, so they back off instead
+    /// ([`Self::set_max_backoff`]).
+    pub fn set_no_progress_timeout(&mut self, ns: u64) {
+        self.no_progress_ns = ns;
     }
 
-    /// Give up only when, besides the futile passes, no new segment arrived for `ns` either
-    /// (default 0: the pass count alone). Under a long incast a congested queue can drop the
-    /// not-ECT retransmissions of several quick passes in a row while the data path works.
-    pub fn set_min_futile_time(&mut self, ns: u64) {
-        self.min_futile_ns = ns;
+    /// After `k` futile passes in a row the retransmission request waits
+    /// `min(2^(k-1) ms, max)`; default max [`DEFAULT_MAX_BACKOFF_NS`].
+    pub fn set_max_backoff(&mut self, ns: u64) {
+        self.max_backoff_ns = ns;
+    }
+
+    /// The rate this flow may send at (its share of the receiver's capacity), as the
+    /// driver's grant allocator computes it. [`Self::poll`] sends it to the sender when it
+    /// is new or moved by 1/16 or more.
+    pub fn set_grant(&mut self, rate_bps: u64) {
+        self.grant_bps = Some(rate_bps.max(1));
+    }
+
+    /// True while the flow still wants data (it counts in the receiver's fan-in).
+    pub fn wants_data(&self) -> bool {
+        self.phase == ReceiverPhase::Receiving
     }
 
     /// The flow.
@@ -393,6 +424,24 @@ impl ReceiverFlow {
     /// Messages due now: FlowFinish once the bound is met, and a RateReport every period
     /// while data flows.
     pub fn poll(&mut self, now_ns: u64) -> Option<CtrlMsg> {
+        if self.phase == ReceiverPhase::Receiving {
+            if let Some(g) = self.grant_bps {
+                let moved = self
+                    .sent_grant_bps
+                    .is_none_or(|s| s.abs_diff(g) >= (s >> GRANT_RESEND_SHIFT).max(1));
+                if moved {
+                    self.sent_grant_bps = Some(g);
+                    return Some(CtrlMsg::RateGrant { rate_bps: g });
+                }
+            }
+            if self
+                .delayed_request
+                .as_ref()
+                .is_some_and(|(due, _)| now_ns >= *due)
+            {
+                return self.delayed_request.take().map(|(_, m)| m);
+            }
+        }
         if self.finish_pending {
             // The final per-queue ECN counts go first, so the sender has them when it is done.
             if self.ecn_dirty {
@@ -448,21 +497,30 @@ impl ReceiverFlow {
                         self.futile_passes = 0;
                     }
                     self.placed_at_stop = self.stats.placed;
-                    if self.max_futile_passes > 0
-                        && self.futile_passes >= self.max_futile_passes
-                        && now_ns.saturating_sub(self.last_new_ns) >= self.min_futile_ns
+                    if self.no_progress_ns > 0
+                        && now_ns.saturating_sub(self.last_new_ns) >= self.no_progress_ns
                     {
                         return Err(ProtoError::NoDataProgress {
                             passes: self.futile_passes,
                             received: self.bitmap.count_ones(),
                             total: self.layout.count(),
+                            idle_ms: now_ns.saturating_sub(self.last_new_ns) / 1_000_000,
                         });
                     }
                     let ranges = self.bitmap.missing_ranges(MAX_RANGES);
                     self.stats.retransmit_requests += 1;
                     self.stats.segments_requested +=
                         ranges.iter().map(|r| u64::from(r.len)).sum::<u64>();
-                    Ok(Some(CtrlMsg::RetransmitRequest { pass, ranges }))
+                    let request = CtrlMsg::RetransmitRequest { pass, ranges };
+                    if self.futile_passes == 0 {
+                        return Ok(Some(request));
+                    }
+                    // Nothing new got through: let the queue drain before asking again.
+                    self.stats.backoffs += 1;
+                    let wait =
+                        (1_000_000u64 << (self.futile_passes - 1).min(20)).min(self.max_backoff_ns);
+                    self.delayed_request = Some((now_ns.saturating_add(wait), request));
+                    Ok(None)
                 }
             },
             CtrlMsg::FinishConfirm => match self.phase {

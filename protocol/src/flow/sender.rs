@@ -5,7 +5,9 @@
 //! the receiver has enough, so the sender stops mid-pass (this is where the tail is cut).
 
 use crate::message::{CtrlMsg, FlowStart, LossBound, QueueEcn, SegRange, Stage, ECN_QUEUES};
-use crate::rate::{Pacer, RateConfig, RateController, RateEvent, RateState};
+use crate::rate::{
+    EcnRateController, Pacer, RateConfig, RateController, RateEvent, RateMode, RateState,
+};
 use crate::tensor::{DType, SegmentLayout};
 use crate::wire::header;
 
@@ -14,18 +16,43 @@ use super::{msg_name, segment_flags, FlowId, ProtoError};
 /// Sender tuning.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SenderConfig {
-    /// Rate control parameters (line rate, Δ, period, additive increase).
+    /// How the rate is chosen (receiver grants by default).
+    pub mode: RateMode,
+    /// Rate control parameters (line rate, Δ, period, additive increase, floor).
     pub rate: RateConfig,
     /// Token-bucket depth in bytes: how far ahead of the paced rate a burst may go.
     pub burst_bytes: u64,
+    /// The rate to start at before the receiver's first grant (grant mode) or as the first
+    /// rate (ECN mode): what the previous flow to the same receiver ended at. `None`: the
+    /// floor (grant mode) or line rate (ECN mode). Figure 7 always starts at line rate.
+    pub initial_rate_bps: Option<u64>,
+    /// Send the segments of retransmission passes ECN-capable (marked, not dropped, above a
+    /// switch threshold): the segments the loss bound still needs are important. Only safe
+    /// with a mode that reacts to marks (grant or ECN).
+    pub retransmit_ect: bool,
 }
 
+/// Full-size frame on the wire (1500-byte MTU, Ethernet header, FCS, preamble, gap).
+const WIRE_FRAME: u64 = 1538;
+
 impl SenderConfig {
-    /// Paper defaults at `line_rate_bps`, with a burst of 64 full-size packets.
+    /// gradwire's defaults at `line_rate_bps`: receiver grants, a burst of 8 full-size
+    /// packets (12.3 KB, below the lowest switch threshold of the shipped policies, 15 KB),
+    /// retransmissions ECN-capable.
     pub fn new(line_rate_bps: u64) -> SenderConfig {
+        SenderConfig::with_mode(RateMode::Grant, line_rate_bps)
+    }
+
+    /// The defaults of `mode` at `line_rate_bps`. Figure 7 keeps the paper's behaviour: a
+    /// burst of 64 full-size packets and retransmissions tagged like first transmissions.
+    pub fn with_mode(mode: RateMode, line_rate_bps: u64) -> SenderConfig {
+        let fig7 = mode == RateMode::Fig7;
         SenderConfig {
+            mode,
             rate: RateConfig::new(line_rate_bps),
-            burst_bytes: 64 * 1538,
+            burst_bytes: if fig7 { 64 } else { 8 } * WIRE_FRAME,
+            initial_rate_bps: None,
+            retransmit_ect: !fig7,
         }
     }
 }
@@ -67,7 +94,7 @@ pub struct SenderStats {
     pub retransmitted: u64,
     /// Rate reports received.
     pub rate_reports: u64,
-    /// Times rate control halved the rate.
+    /// Times rate control cut the rate (Figure 7: halved; ECN mode: by alpha / 2).
     pub halvings: u64,
     /// Times rate control increased the rate.
     pub increases: u64,
@@ -82,6 +109,10 @@ pub struct SenderStats {
     pub ecn: [QueueEcn; ECN_QUEUES],
     /// EcnReports received.
     pub ecn_reports: u64,
+    /// RateGrants received.
+    pub grants: u64,
+    /// The latest grant, bit/s.
+    pub last_grant_bps: Option<u64>,
 }
 
 /// One tensor being sent.
@@ -99,7 +130,16 @@ pub struct SenderFlow {
     sent_this_pass: u32,
     seq: u32,
     data_port: Option<u16>,
+    mode: RateMode,
+    retransmit_ect: bool,
+    /// Figure 7's machine (used in that mode).
     rate: RateController,
+    /// The CE reaction (used in ECN mode).
+    ecn_rate: EcnRateController,
+    /// The receiver's latest grant (used in grant mode).
+    grant_bps: Option<u64>,
+    /// Grant mode's rate before the first grant.
+    pre_grant_bps: u64,
     pacer: Pacer,
     last_report_ns: u64,
     sent_since_report: u64,
@@ -122,6 +162,17 @@ impl SenderFlow {
     ) -> (SenderFlow, CtrlMsg) {
         let rate = RateController::new(cfg.rate);
         let line = rate.rate_bps();
+        let floor = cfg.rate.min_rate_bps.min(line);
+        let ecn_rate = EcnRateController::new(cfg.rate, cfg.initial_rate_bps.unwrap_or(line));
+        let pre_grant_bps = cfg
+            .initial_rate_bps
+            .unwrap_or(floor)
+            .clamp(floor, line.max(floor));
+        let start_bps = match cfg.mode {
+            RateMode::Fig7 => line,
+            RateMode::Ecn => ecn_rate.rate_bps(),
+            RateMode::Grant => pre_grant_bps,
+        };
         let start = CtrlMsg::FlowStart(FlowStart {
             job_id: id.job,
             tensor_id: id.tensor,
@@ -147,12 +198,17 @@ impl SenderFlow {
             sent_this_pass: 0,
             seq: 0,
             data_port: None,
+            mode: cfg.mode,
+            retransmit_ect: cfg.retransmit_ect,
             rate,
-            pacer: Pacer::new(line, cfg.burst_bytes),
+            ecn_rate,
+            grant_bps: None,
+            pre_grant_bps,
+            pacer: Pacer::new(start_bps, cfg.burst_bytes),
             last_report_ns: now_ns,
             sent_since_report: 0,
             stats: SenderStats {
-                min_rate_bps: line,
+                min_rate_bps: start_bps,
                 ..SenderStats::default()
             },
         };
@@ -179,14 +235,39 @@ impl SenderFlow {
         self.stats
     }
 
-    /// Current paced rate, bit/s.
+    /// Current paced rate, bit/s: the mode's choice.
     pub fn rate_bps(&self) -> u64 {
-        self.rate.rate_bps()
+        match self.mode {
+            RateMode::Fig7 => self.rate.rate_bps(),
+            RateMode::Ecn => self.ecn_rate.rate_bps(),
+            RateMode::Grant => self
+                .grant_bps
+                .unwrap_or(self.pre_grant_bps)
+                .min(self.rate.config().line_rate_bps),
+        }
     }
 
-    /// Rate-control state.
+    /// The rate mode.
+    pub fn mode(&self) -> RateMode {
+        self.mode
+    }
+
+    /// Figure 7's state (meaningful in that mode).
     pub fn rate_state(&self) -> RateState {
         self.rate.state()
+    }
+
+    /// Whether segments of the current pass go ECN-capable whatever the priority function
+    /// says: retransmissions, when configured.
+    pub fn retransmit_important(&self) -> bool {
+        self.retransmit_ect && self.pass > 0
+    }
+
+    /// Hands the mode's current rate to the pacer and tracks the lowest rate.
+    fn apply_rate(&mut self) {
+        let r = self.rate_bps();
+        self.pacer.set_rate(r);
+        self.stats.min_rate_bps = self.stats.min_rate_bps.min(r);
     }
 
     /// The segment layout.
@@ -269,8 +350,8 @@ impl SenderFlow {
             CtrlMsg::RateReport {
                 period_ns,
                 bytes,
+                packets,
                 ce_packets,
-                ..
             } => {
                 self.stats.rate_reports += 1;
                 self.stats.ce_reported += ce_packets;
@@ -286,16 +367,34 @@ impl SenderFlow {
                     bytes as f64 * 8e9 / period_ns as f64
                 };
                 if self.phase == SenderPhase::Sending {
-                    match self.rate.on_report(send_bps, recv_bps) {
+                    let event = match self.mode {
+                        RateMode::Fig7 => self.rate.on_report(send_bps, recv_bps),
+                        RateMode::Ecn => self.ecn_rate.on_report(packets, ce_packets),
+                        RateMode::Grant => RateEvent::Hold,
+                    };
+                    match event {
                         RateEvent::Halved => self.stats.halvings += 1,
                         RateEvent::Increased => self.stats.increases += 1,
                         RateEvent::Hold => {}
                     }
-                    self.pacer.set_rate(self.rate.rate_bps());
-                    self.stats.min_rate_bps = self.stats.min_rate_bps.min(self.rate.rate_bps());
+                    self.apply_rate();
                 }
                 Ok(None)
             }
+            CtrlMsg::RateGrant { rate_bps } => match self.phase {
+                SenderPhase::AwaitAccept => Err(unexpected("RateGrant", self.phase)),
+                // Grants keep coming until the receiver learns we are done: harmless.
+                SenderPhase::Done => Ok(None),
+                SenderPhase::Sending | SenderPhase::AwaitVerdict => {
+                    self.stats.grants += 1;
+                    self.stats.last_grant_bps = Some(rate_bps);
+                    self.grant_bps = Some(rate_bps);
+                    if self.mode == RateMode::Grant {
+                        self.apply_rate();
+                    }
+                    Ok(None)
+                }
+            },
             CtrlMsg::RetransmitRequest { pass, ranges } => {
                 match self.phase {
                     SenderPhase::AwaitVerdict if pass == self.pass => {}
@@ -312,9 +411,12 @@ impl SenderFlow {
                     });
                 }
                 self.pass += 1;
-                // DLCP: a retransmission restarts at line rate.
-                self.rate.on_retransmit();
-                self.pacer.set_rate(self.rate.rate_bps());
+                if self.mode == RateMode::Fig7 {
+                    // DLCP: a retransmission restarts at line rate. The other modes keep
+                    // their rate: the receiver's share does not grow because segments were lost.
+                    self.rate.on_retransmit();
+                    self.apply_rate();
+                }
                 self.start_pass(ranges);
                 Ok(None)
             }

@@ -4,7 +4,7 @@
 use crate::message::{
     CtrlMsg, FlowStart, LossBound, QueueEcn, RejectCode, SegRange, Stage, ECN_QUEUES,
 };
-use crate::rate::RateState;
+use crate::rate::{RateConfig, RateMode, RateState};
 use crate::tensor::{DType, PlaceError, SegmentLayout, Tensor};
 use crate::wire::header;
 
@@ -48,11 +48,16 @@ struct Pair {
 }
 
 impl Pair {
-    /// Rendezvous for a tensor of `elems` f32 with sender bound `p`.
+    /// Rendezvous for a tensor of `elems` f32 with sender bound `p`, the sender in DLCP's
+    /// Figure 7 mode (the rate tests below are about that machine; grant mode has its own).
     fn new(elems: usize, p: f64) -> Pair {
+        Pair::with_mode(elems, p, RateMode::Fig7)
+    }
+
+    fn with_mode(elems: usize, p: f64, mode: RateMode) -> Pair {
         let mut src = Tensor::zeros(DType::F32, elems);
         src.fill_pattern(1);
-        let cfg = SenderConfig::new(10_000_000_000);
+        let cfg = SenderConfig::with_mode(mode, 10_000_000_000);
         let (mut s, start) = SenderFlow::new(
             ID,
             layout(elems),
@@ -745,39 +750,42 @@ fn empty_tensor_finishes_at_once() {
 }
 
 #[test]
-fn a_data_path_that_delivers_nothing_ends_in_an_error() {
+fn a_data_path_that_delivers_nothing_backs_off_then_ends_in_an_error() {
     let mut q = Pair::new(3600, 0.0);
-    q.r.set_max_futile_passes(2);
-    // First FlowStop: nothing arrived yet, one futile pass, ask again.
-    assert!(q
-        .r
-        .on_ctrl(
-            CtrlMsg::FlowStop {
-                pass: 0,
-                segments_sent: 10
-            },
-            0
-        )
-        .unwrap()
-        .is_some());
-    // Second one with still nothing new: give up, naming the counts.
+    q.r.set_no_progress_timeout(5 * MS);
+    let stop = |pass| CtrlMsg::FlowStop {
+        pass,
+        segments_sent: 10,
+    };
+    let all = vec![SegRange { start: 0, len: 10 }];
+    // First FlowStop: nothing arrived yet, one futile pass: the request waits 1 ms.
+    assert_eq!(q.r.on_ctrl(stop(0), 0), Ok(None));
+    assert_eq!(q.r.poll(MS - 1), None);
     assert_eq!(
-        q.r.on_ctrl(
-            CtrlMsg::FlowStop {
-                pass: 1,
-                segments_sent: 10
-            },
-            0
-        ),
-        Err(ProtoError::NoDataProgress {
-            passes: 2,
-            received: 0,
-            total: 10
+        q.r.poll(MS),
+        Some(CtrlMsg::RetransmitRequest {
+            pass: 0,
+            ranges: all.clone()
         })
     );
-    // Progress in between resets the count.
+    assert_eq!(q.r.poll(MS), None, "sent once");
+    // Second futile pass, still within the time limit: 2 ms.
+    assert_eq!(q.r.on_ctrl(stop(1), 2 * MS), Ok(None));
+    assert_eq!(q.r.poll(4 * MS - 1), None);
+    assert!(q.r.poll(4 * MS).is_some());
+    // The third ends after 5 ms without a new segment: give up, naming the counts.
+    assert_eq!(
+        q.r.on_ctrl(stop(2), 6 * MS),
+        Err(ProtoError::NoDataProgress {
+            passes: 3,
+            received: 0,
+            total: 10,
+            idle_ms: 6,
+        })
+    );
+    assert_eq!(q.r.stats().backoffs, 2);
+    // Progress in between resets the count: the request goes at once.
     let mut p = Pair::new(3600, 0.0);
-    p.r.set_max_futile_passes(2);
     let msgs = p.pass(|i| i != 3);
     let Some(req) = msgs
         .into_iter()
@@ -788,8 +796,157 @@ fn a_data_path_that_delivers_nothing_ends_in_an_error() {
     p.s.on_ctrl(req, p.now).unwrap();
     let msgs = p.pass(|_| true);
     assert!(
-        msgs.iter()
+        !msgs
+            .iter()
             .any(|m| matches!(m, CtrlMsg::RetransmitRequest { .. })),
-        "one futile pass is tolerated"
+        "a futile pass waits"
     );
+    p.now += 100 * MS;
+    assert!(matches!(
+        p.r.poll(p.now),
+        Some(CtrlMsg::RetransmitRequest { pass: 1, .. })
+    ));
+    // Backoff is capped.
+    let mut c = Pair::new(3600, 0.0);
+    c.r.set_max_backoff(3 * MS);
+    c.r.set_no_progress_timeout(0);
+    for pass in 0..30 {
+        let t = u64::from(pass) * 10 * MS;
+        assert_eq!(c.r.on_ctrl(stop(pass), t), Ok(None));
+        assert!(c.r.poll(t + 3 * MS).is_some(), "pass {pass}");
+    }
+}
+
+#[test]
+fn grant_mode_paces_at_the_receivers_grant() {
+    let mut p = Pair::with_mode(360_000, 0.0, RateMode::Grant);
+    let floor = RateConfig::new(10_000_000_000).min_rate_bps;
+    // Before any grant: the floor, never line rate.
+    assert_eq!(p.s.rate_bps(), floor);
+    // The receiver announces the share its allocator computed, once.
+    p.r.set_grant(2_000_000_000);
+    let g = p.r.poll(0).unwrap();
+    assert_eq!(
+        g,
+        CtrlMsg::RateGrant {
+            rate_bps: 2_000_000_000
+        }
+    );
+    assert_eq!(p.r.poll(0), None);
+    p.s.on_ctrl(g, 0).unwrap();
+    assert_eq!(p.s.rate_bps(), 2_000_000_000);
+    // A small move is not worth a message; a move of 1/16 or more is.
+    p.r.set_grant(2_000_000_000 + 2_000_000_000 / 32);
+    assert_eq!(p.r.poll(0), None);
+    p.r.set_grant(1_000_000_000);
+    let g = p.r.poll(0).unwrap();
+    p.s.on_ctrl(g, 0).unwrap();
+    assert_eq!(p.s.rate_bps(), 1_000_000_000);
+    // Rate reports do not move a granted rate, even with marks.
+    p.s.on_sent(1, 1_000_000, MS);
+    p.s.on_ctrl(
+        CtrlMsg::RateReport {
+            period_ns: MS,
+            bytes: 250,
+            packets: 10,
+            ce_packets: 10,
+        },
+        MS,
+    )
+    .unwrap();
+    assert_eq!(p.s.rate_bps(), 1_000_000_000);
+    // Grants above line rate are capped at it.
+    p.s.on_ctrl(CtrlMsg::RateGrant { rate_bps: u64::MAX }, MS)
+        .unwrap();
+    assert_eq!(p.s.rate_bps(), 10_000_000_000);
+    p.s.on_ctrl(
+        CtrlMsg::RateGrant {
+            rate_bps: 1_000_000_000,
+        },
+        MS,
+    )
+    .unwrap();
+    // A retransmission pass keeps the grant (Figure 7 would restart at line rate) and its
+    // segments are important.
+    let msgs = p.pass(|i| i % 2 == 0);
+    let req = msgs
+        .into_iter()
+        .find(|m| matches!(m, CtrlMsg::RetransmitRequest { .. }))
+        .unwrap();
+    assert!(!p.s.retransmit_important());
+    p.s.on_ctrl(req, p.now).unwrap();
+    assert_eq!(p.s.rate_bps(), 1_000_000_000);
+    assert!(p.s.retransmit_important());
+    let st = p.s.stats();
+    assert_eq!((st.grants, st.last_grant_bps), (4, Some(1_000_000_000)));
+    assert_eq!(st.min_rate_bps, floor);
+}
+
+#[test]
+fn grant_mode_starts_at_the_remembered_rate() {
+    let mut cfg = SenderConfig::new(10_000_000_000);
+    cfg.initial_rate_bps = Some(3_000_000_000);
+    let (s, _) = SenderFlow::new(
+        ID,
+        layout(100),
+        DType::F32,
+        0,
+        LossBound::RELIABLE,
+        Stage::Push,
+        1,
+        &cfg,
+        0,
+    );
+    assert_eq!(s.rate_bps(), 3_000_000_000);
+    // ECN mode starts there too, Figure 7 at line rate whatever is remembered.
+    cfg.mode = RateMode::Ecn;
+    let (s, _) = SenderFlow::new(
+        ID,
+        layout(100),
+        DType::F32,
+        0,
+        LossBound::RELIABLE,
+        Stage::Push,
+        1,
+        &cfg,
+        0,
+    );
+    assert_eq!(s.rate_bps(), 3_000_000_000);
+    cfg.mode = RateMode::Fig7;
+    let (s, _) = SenderFlow::new(
+        ID,
+        layout(100),
+        DType::F32,
+        0,
+        LossBound::RELIABLE,
+        Stage::Push,
+        1,
+        &cfg,
+        0,
+    );
+    assert_eq!(s.rate_bps(), 10_000_000_000);
+    assert!(!s.retransmit_important());
+}
+
+#[test]
+fn ecn_mode_cuts_on_reported_marks() {
+    let mut p = Pair::with_mode(360_000, 0.0, RateMode::Ecn);
+    let line = p.s.rate_bps();
+    assert_eq!(line, 10_000_000_000, "no memory: line rate");
+    p.s.on_sent(1, 1_000_000, MS);
+    p.s.on_ctrl(
+        CtrlMsg::RateReport {
+            period_ns: MS,
+            bytes: 1_000_000,
+            packets: 10,
+            ce_packets: 10,
+        },
+        MS,
+    )
+    .unwrap();
+    assert_eq!(p.s.rate_bps(), line / 2);
+    // Grants are ignored in this mode.
+    p.s.on_ctrl(CtrlMsg::RateGrant { rate_bps: 1 }, MS).unwrap();
+    assert_eq!(p.s.rate_bps(), line / 2);
+    assert_eq!(p.s.stats().halvings, 1);
 }

@@ -1,0 +1,331 @@
+//! Receiver-driven rate grants: the receiver's side of gradwire's incast congestion control.
+//!
+//! Every collective gradwire carries is many-to-one, and the receiver is the one place that
+//! knows its fan-in. A [`GrantAllocator`] is shared by all flows into one receiver host (one
+//! per downlink). It keeps an aggregate *target* rate for everything arriving and grants
+//! each active flow an equal share of it; the receiver sends the share to its sender as a
+//! `RateGrant` when the flow is accepted and whenever the share changes, and the sender paces
+//! at it. So a new flow starts at `target / N`, never at line rate, and N senders together
+//! never offer much more than the link carries.
+//!
+//! The target starts at `target_utilization` of the capacity and adapts DCTCP-style
+//! (RFC 8257) to the CE marks the receiver sees on all its incoming data, once per period:
+//! `alpha = (1 - g) alpha + g F` with `F` the marked fraction of the period's packets; a
+//! period with marks multiplies the target by `1 - alpha / 2`, a period without adds
+//! `additive_increase` of capacity up to the utilization cap. Marks mean a queue on the path
+//! (the receiver's downlink or elsewhere) crossed its ECN threshold, so the aggregate backs
+//! off before that queue's not-ECT packets start to be dropped.
+//!
+//! Pure state: the caller passes time in and moves the numbers (see `gradwire::transport`'s
+//! grant pool, which wraps one allocator in a mutex for the receiver threads of a host).
+
+use std::collections::BTreeMap;
+
+use crate::rate::DCTCP_GAIN;
+
+/// Grant parameters for one receiver downlink.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GrantConfig {
+    /// The downlink's rate, bit/s.
+    pub capacity_bps: u64,
+    /// Fraction of the capacity the target never exceeds (headroom for control traffic,
+    /// header overhead and grants still in flight when the fan-in grows). Default 0.9.
+    pub target_utilization: f64,
+    /// Added to the target per period without marks, as a fraction of capacity. Default 0.05
+    /// (the paper's additive increase).
+    pub additive_increase: f64,
+    /// DCTCP's gain g. Default 1/16.
+    pub gain: f64,
+    /// The aggregate target never goes below this (bit/s); a flow's share never below
+    /// `min_flow_bps`.
+    pub min_target_bps: u64,
+    /// Smallest grant of one flow, bit/s.
+    pub min_flow_bps: u64,
+    /// Adaptation period, ns (the receivers' report period).
+    pub period_ns: u64,
+    /// React to CE marks (off: the target stays at `target_utilization` of capacity; the
+    /// ablation "grants without ECN").
+    pub ce_reaction: bool,
+}
+
+impl GrantConfig {
+    /// Defaults for a downlink of `capacity_bps` adapted every `period_ns`.
+    pub fn new(capacity_bps: u64, period_ns: u64) -> GrantConfig {
+        let capacity_bps = capacity_bps.max(1);
+        GrantConfig {
+            capacity_bps,
+            target_utilization: 0.9,
+            additive_increase: 0.05,
+            gain: DCTCP_GAIN,
+            min_target_bps: (capacity_bps / 100).max(1),
+            min_flow_bps: (capacity_bps / 10_000).max(1),
+            period_ns: period_ns.max(1),
+            ce_reaction: true,
+        }
+    }
+
+    fn cap_bps(&self) -> u64 {
+        let u = if self.target_utilization.is_finite() {
+            self.target_utilization.clamp(0.0, 1.0)
+        } else {
+            1.0
+        };
+        ((self.capacity_bps as f64 * u) as u64)
+            .max(self.min_target_bps)
+            .max(1)
+    }
+}
+
+/// A flow's handle in a [`GrantAllocator`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct GrantKey(u64);
+
+/// Counters of an allocator, for reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct GrantStats {
+    /// Flows active now.
+    pub active: usize,
+    /// Most flows active at once.
+    pub max_active: usize,
+    /// Current aggregate target, bit/s.
+    pub target_bps: u64,
+    /// Lowest target reached, bit/s.
+    pub min_target_bps: u64,
+    /// Current congestion estimate alpha.
+    pub alpha: f64,
+    /// Periods closed.
+    pub periods: u64,
+    /// Periods with CE marks (the target was cut).
+    pub marked_periods: u64,
+}
+
+/// The aggregate target of one receiver downlink and the active flows sharing it.
+#[derive(Debug, Clone)]
+pub struct GrantAllocator {
+    cfg: GrantConfig,
+    target_bps: u64,
+    alpha: f64,
+    next_key: u64,
+    /// Active flows (value unused: a set that keeps `GrantKey`s ordered for determinism).
+    flows: BTreeMap<GrantKey, ()>,
+    window_start_ns: Option<u64>,
+    window_packets: u64,
+    window_ce: u64,
+    stats: GrantStats,
+}
+
+impl GrantAllocator {
+    /// An allocator with no flows, its target at the utilization cap.
+    pub fn new(cfg: GrantConfig) -> GrantAllocator {
+        let target_bps = cfg.cap_bps();
+        GrantAllocator {
+            cfg,
+            target_bps,
+            alpha: 1.0,
+            next_key: 0,
+            flows: BTreeMap::new(),
+            window_start_ns: None,
+            window_packets: 0,
+            window_ce: 0,
+            stats: GrantStats {
+                target_bps,
+                min_target_bps: target_bps,
+                alpha: 1.0,
+                ..GrantStats::default()
+            },
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GrantConfig {
+        &self.cfg
+    }
+
+    /// A flow was accepted: it now shares the target.
+    pub fn join(&mut self) -> GrantKey {
+        let key = GrantKey(self.next_key);
+        self.next_key += 1;
+        self.flows.insert(key, ());
+        self.stats.active = self.flows.len();
+        self.stats.max_active = self.stats.max_active.max(self.flows.len());
+        key
+    }
+
+    /// A flow ended (bound met, finished or failed): its share goes to the others. Unknown
+    /// keys are ignored.
+    pub fn leave(&mut self, key: GrantKey) {
+        self.flows.remove(&key);
+        self.stats.active = self.flows.len();
+    }
+
+    /// Flows sharing the target now.
+    pub fn active(&self) -> usize {
+        self.flows.len()
+    }
+
+    /// The current aggregate target, bit/s.
+    pub fn target_bps(&self) -> u64 {
+        self.target_bps
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> GrantStats {
+        self.stats
+    }
+
+    /// The share of `key`'s flow: the target split equally over the active flows (the share
+    /// of one more flow for a key that is not active, e.g. one that just left).
+    pub fn grant_bps(&self, key: GrantKey) -> u64 {
+        let n = self.flows.len() + usize::from(!self.flows.contains_key(&key));
+        (self.target_bps / n.max(1) as u64).max(self.cfg.min_flow_bps)
+    }
+
+    /// Data that arrived for any flow of this downlink: `packets`, `ce_packets` of them
+    /// marked CE. Closes the adaptation period if it has elapsed at `now_ns`.
+    pub fn record(&mut self, packets: u64, ce_packets: u64, now_ns: u64) {
+        self.window_packets = self.window_packets.saturating_add(packets);
+        self.window_ce = self.window_ce.saturating_add(ce_packets.min(packets));
+        self.tick(now_ns);
+    }
+
+    /// Closes the adaptation period if it has elapsed: updates alpha and the target.
+    pub fn tick(&mut self, now_ns: u64) {
+        let start = *self.window_start_ns.get_or_insert(now_ns);
+        if now_ns.saturating_sub(start) < self.cfg.period_ns {
+            return;
+        }
+        self.window_start_ns = Some(now_ns);
+        let (packets, ce) = (self.window_packets, self.window_ce);
+        self.window_packets = 0;
+        self.window_ce = 0;
+        if packets == 0 {
+            // Nothing arrived: nothing learnt (an idle link is not evidence of headroom).
+            return;
+        }
+        self.stats.periods += 1;
+        let cap = self.cfg.cap_bps();
+        if !self.cfg.ce_reaction {
+            self.target_bps = cap;
+            return;
+        }
+        let f = ce as f64 / packets as f64;
+        let g = if self.cfg.gain.is_finite() {
+            self.cfg.gain.clamp(0.0, 1.0)
+        } else {
+            DCTCP_GAIN
+        };
+        self.alpha = (1.0 - g) * self.alpha + g * f;
+        if ce > 0 {
+            self.stats.marked_periods += 1;
+            let cut = (self.target_bps as f64 * (1.0 - self.alpha / 2.0)) as u64;
+            self.target_bps = cut.max(self.cfg.min_target_bps);
+        } else {
+            let step =
+                (self.cfg.additive_increase.clamp(0.0, 1.0) * self.cfg.capacity_bps as f64) as u64;
+            self.target_bps = self.target_bps.saturating_add(step.max(1)).min(cap);
+        }
+        self.stats.alpha = self.alpha;
+        self.stats.target_bps = self.target_bps;
+        self.stats.min_target_bps = self.stats.min_target_bps.min(self.target_bps);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const M: u64 = 1_000_000;
+
+    fn alloc() -> GrantAllocator {
+        GrantAllocator::new(GrantConfig::new(100 * M, 1_000))
+    }
+
+    #[test]
+    fn shares_split_the_target_and_follow_the_fan_in() {
+        let mut a = alloc();
+        assert_eq!(a.target_bps(), 90 * M);
+        let k0 = a.join();
+        assert_eq!(a.grant_bps(k0), 90 * M);
+        let ks: Vec<GrantKey> = (0..7).map(|_| a.join()).collect();
+        assert_eq!(a.active(), 8);
+        for k in ks.iter().chain([&k0]) {
+            assert_eq!(a.grant_bps(*k), 90 * M / 8);
+        }
+        a.leave(k0);
+        assert_eq!(a.grant_bps(ks[0]), 90 * M / 7);
+        // A key that left is told what a newcomer would get; leaving twice is harmless.
+        assert_eq!(a.grant_bps(k0), 90 * M / 8);
+        a.leave(k0);
+        assert_eq!(a.active(), 7);
+        assert_eq!(a.stats().max_active, 8);
+    }
+
+    #[test]
+    fn marks_cut_the_target_and_quiet_periods_restore_it() {
+        let mut a = alloc();
+        let _k = a.join();
+        a.record(10, 10, 0);
+        // The first period closes at 1 us: all marked, alpha stays 1, the target halves.
+        a.record(0, 0, 1_000);
+        assert_eq!(a.target_bps(), 45 * M);
+        assert_eq!(a.stats().marked_periods, 1);
+        // Quiet periods: +5 Mbit/s each, up to the 90 % cap.
+        for i in 2..30 {
+            a.record(10, 0, i * 1_000);
+        }
+        assert_eq!(a.target_bps(), 90 * M);
+        // An empty period changes nothing.
+        let before = a.stats();
+        a.tick(40_000);
+        assert_eq!(a.target_bps(), 90 * M);
+        assert_eq!(a.stats().periods, before.periods);
+        // Without CE reaction the target stays at the cap whatever is marked.
+        let mut cfg = GrantConfig::new(100 * M, 1_000);
+        cfg.ce_reaction = false;
+        let mut b = GrantAllocator::new(cfg);
+        b.record(10, 10, 0);
+        b.record(10, 10, 1_000);
+        assert_eq!(b.target_bps(), 90 * M);
+    }
+
+    #[test]
+    fn floors_hold() {
+        let mut a = alloc();
+        let keys: Vec<GrantKey> = (0..100_000).map(|_| a.join()).collect();
+        for t in 0..200 {
+            a.record(1, 1, t * 1_000);
+        }
+        assert_eq!(a.target_bps(), M);
+        assert_eq!(a.grant_bps(keys[0]), 10_000);
+    }
+
+    proptest! {
+        /// Whatever arrives, the target stays within [floor, cap], alpha within [0, 1], and
+        /// the shares of the active flows never add up to more than the target (beyond the
+        /// per-flow floor).
+        #[test]
+        fn prop_bounded(events in prop::collection::vec((0u64..100, 0u64..120, 0u64..5_000, 0u8..3), 1..300)) {
+            let mut a = alloc();
+            let mut keys = Vec::new();
+            let mut now = 0u64;
+            for (packets, ce, dt, op) in events {
+                now += dt;
+                match op {
+                    0 => keys.push(a.join()),
+                    1 => if let Some(k) = keys.pop() { a.leave(k) },
+                    _ => {}
+                }
+                a.record(packets, ce, now);
+                let c = a.config();
+                prop_assert!(a.target_bps() >= c.min_target_bps);
+                prop_assert!(a.target_bps() <= c.cap_bps());
+                prop_assert!((0.0..=1.0).contains(&a.stats().alpha));
+                if !keys.is_empty() && a.target_bps() / keys.len() as u64 >= c.min_flow_bps {
+                    let sum: u64 = keys.iter().map(|k| a.grant_bps(*k)).sum();
+                    prop_assert!(sum <= a.target_bps());
+                }
+            }
+        }
+    }
+}
