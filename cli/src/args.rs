@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use gradwire::addr::resolve;
+use gradwire::rate::RateMode;
 use gradwire::tensor::DType;
 use gradwire_units::{parse_rate, parse_size};
 
@@ -255,11 +256,16 @@ pub struct Common {
     /// IP MTU of the path.
     #[arg(long, default_value_t = 1500)]
     pub mtu: usize,
-    /// Line rate the sender starts at and never exceeds, in bits per second with a unit
-    /// (e.g. 25G = 25Gbit, 200Mbit, 1.5Gbit).
+    /// Line rate the sender never exceeds, in bits per second with a unit (e.g. 25G =
+    /// 25Gbit, 200Mbit, 1.5Gbit); on a receiver, the downlink capacity its grants share out.
     #[arg(long, default_value = "25G", value_parser = |s: &str| parse_rate(s).map(|r| r.bps()))]
     pub line_rate: u64,
-    /// Rate-control factor Δ: halve when send rate > Δ x receive rate.
+    /// How the sender chooses its rate: grant (pace at the receiver's share of its
+    /// downlink, the default), ecn (react to the CE fraction the receiver reports,
+    /// DCTCP-style) or fig7 (DLCP's Figure 7: line-rate start, halve when send > Δ x receive).
+    #[arg(long, default_value = "grant", value_parser = |s: &str| RateMode::from_name(s).ok_or_else(|| format!("unknown rate mode {s:?}: expected grant, ecn or fig7")))]
+    pub rate_mode: RateMode,
+    /// Rate-control factor Δ of the fig7 mode: halve when send rate > Δ x receive rate.
     #[arg(long, default_value_t = 2.0)]
     pub delta: f64,
     /// Rate-report period in microseconds.

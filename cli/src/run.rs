@@ -52,7 +52,7 @@ fn transfer_config(c: &Common) -> Res<TransferConfig> {
         mtu: c.mtu,
         sender: SenderConfig {
             rate,
-            ..SenderConfig::new(c.line_rate)
+            ..SenderConfig::with_mode(c.rate_mode, c.line_rate)
         },
         idle_timeout: Duration::from_secs_f64(c.timeout),
         connect_timeout: Duration::from_secs_f64(c.timeout.max(10.0)),
