@@ -166,7 +166,10 @@ fn plot_bars(r: &ExperimentReport, path: &Path) -> Res {
     let root = root
         .titled(&caption, ("sans-serif", 20))
         .map_err(|x| e(&x))?;
-    let n = runs.len() as u32;
+    // Row of variant `i`: the first variant on top. A discrete range includes its end, so
+    // 0..=last gives exactly one row per variant.
+    let last = runs.len() as u32 - 1;
+    let row = |i: usize| last - i as u32;
     let panels = root.split_evenly((1, 3));
     for (k, panel) in panels.iter().enumerate() {
         let pick = |v: &VariantResult| v.fct_ms.quantiles()[k].1;
@@ -177,15 +180,15 @@ fn plot_bars(r: &ExperimentReport, path: &Path) -> Res {
             .margin(10)
             .x_label_area_size(40)
             .y_label_area_size(if k == 0 { 260 } else { 20 })
-            .build_cartesian_2d(0f64..top, (0u32..n).into_segmented())
+            .build_cartesian_2d(0f64..top, (0u32..last).into_segmented())
             .map_err(|x| e(&x))?;
         chart
             .configure_mesh()
             .disable_y_mesh()
             .y_labels(runs.len())
             .y_label_formatter(&|y| match y {
-                SegmentValue::CenterOf(i) if k == 0 => {
-                    names.get(*i as usize).cloned().unwrap_or_default()
+                SegmentValue::CenterOf(y) if k == 0 && *y <= last => {
+                    names.get((last - *y) as usize).cloned().unwrap_or_default()
                 }
                 _ => String::new(),
             })
@@ -196,7 +199,7 @@ fn plot_bars(r: &ExperimentReport, path: &Path) -> Res {
             .map_err(|x| e(&x))?;
         for (i, v) in runs.iter().enumerate() {
             let est = pick(v);
-            let y = i as u32;
+            let y = row(i);
             chart
                 .draw_series(
                     Histogram::horizontal(&chart)
