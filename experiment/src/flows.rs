@@ -8,6 +8,7 @@
 //! waits for its threads at most until a deadline, after which a thread is left to end on its
 //! own timeouts and its pair is recorded as failed.
 
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc;
@@ -16,8 +17,11 @@ use std::time::{Duration, Instant};
 
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::datapath::Datapath;
-use gradwire::flow::{fixed_priority, Tag};
+use gradwire::flow::{fixed_priority, SenderConfig, Tag};
+use gradwire::grant::GrantConfig;
+use gradwire::grant_pool::GrantPool;
 use gradwire::message::LossBound;
+use gradwire::rate::RateMode;
 use gradwire::tagging::{DlcpTagger, MagnitudeConfig};
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::{
@@ -47,8 +51,10 @@ pub enum VariantKind {
         tagging: bool,
         /// Source-port spraying; off: one source port.
         spray: bool,
-        /// Rate control; off: Δ = 10⁹, the sender never halves.
+        /// Rate control; off: Figure 7 with Δ = 10⁹, the sender never leaves line rate.
         rate_control: bool,
+        /// The congestion-control choices (mode and ablations).
+        cc: GwCongestion,
     },
     /// Kernel TCP.
     Tcp {
@@ -62,6 +68,40 @@ pub enum VariantKind {
     },
 }
 
+/// gradwire's congestion control in a variant: the rate mode and each mechanism that can be
+/// switched off as an ablation (`-fig7`, `-ecn`, `-noce`, `-nomem`, `-bigburst`, `-noimp`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct GwCongestion {
+    /// grant (default), ecn or fig7.
+    #[serde(serialize_with = "mode_name")]
+    pub mode: RateMode,
+    /// The receivers' grant target reacts to CE marks (off: fixed at 90 % of capacity).
+    pub grant_ce: bool,
+    /// Each flow starts at the rate the previous one to the same receiver ended at.
+    pub rate_memory: bool,
+    /// The mode's burst allowance (grant/ecn: 8 packets, below every threshold); off: the
+    /// paper's 64 packets.
+    pub small_burst: bool,
+    /// Retransmitted segments go ECN-capable.
+    pub retransmit_ect: bool,
+}
+
+impl Default for GwCongestion {
+    fn default() -> Self {
+        GwCongestion {
+            mode: RateMode::Grant,
+            grant_ce: true,
+            rate_memory: true,
+            small_burst: true,
+            retransmit_ect: true,
+        }
+    }
+}
+
+fn mode_name<S: serde::Serializer>(m: &RateMode, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(m.name())
+}
+
 /// A named variant.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Variant {
@@ -73,7 +113,8 @@ pub struct Variant {
 
 /// The variant grammar, for messages and `--help`.
 pub const VARIANT_GRAMMAR: &str =
-    "gw-p<percent>[-notag][-nospray][-norc] or tcp-<congestion>[-ecn][-rto<ms>]";
+    "gw-p<percent>[-notag][-nospray][-norc][-fig7|-ecn][-noce][-nomem][-bigburst][-noimp] or \
+     tcp-<congestion>[-ecn][-rto<ms>]";
 
 impl Variant {
     /// A variant by name (see [`VARIANT_GRAMMAR`]): `gw-p<percent>` followed by ablation
@@ -99,11 +140,23 @@ impl Variant {
                 format!("variant {name:?}: the loss bound must be a percentage 0..=50")
             })?;
         let (mut tagging, mut spray, mut rate_control) = (true, true, true);
+        let mut cc = GwCongestion::default();
         for p in parts {
             match p {
                 "notag" => tagging = false,
                 "nospray" => spray = false,
                 "norc" => rate_control = false,
+                "fig7" => {
+                    // The paper's machine as the paper specifies it.
+                    cc.mode = RateMode::Fig7;
+                    cc.small_burst = false;
+                    cc.retransmit_ect = false;
+                }
+                "ecn" => cc.mode = RateMode::Ecn,
+                "noce" => cc.grant_ce = false,
+                "nomem" => cc.rate_memory = false,
+                "bigburst" => cc.small_burst = false,
+                "noimp" => cc.retransmit_ect = false,
                 other => return Err(format!("variant {name:?}: unknown ablation {other:?}")),
             }
         }
@@ -114,12 +167,15 @@ impl Variant {
                 tagging,
                 spray,
                 rate_control,
+                cc,
             },
         })
     }
 
-    /// The gradwire comparison and ablations of the first incast experiment, with CUBIC and
-    /// DCTCP; [`crate::Regime::variants`] adds the other TCP baselines.
+    /// The gradwire comparison, the ablations of the first incast experiment (tagging,
+    /// spraying, rate control) and of the congestion control (the paper's Figure 7, the
+    /// sender-side ECN reaction instead of grants, grants without CE reaction, no rate
+    /// memory, the paper's burst, plain retransmissions), with CUBIC and DCTCP; [`crate::Regime::variants`] adds the other TCP baselines.
     pub fn defaults() -> Vec<Variant> {
         Variant::list(&[
             "gw-p1",
@@ -130,6 +186,12 @@ impl Variant {
             "gw-p1-notag",
             "gw-p1-nospray",
             "gw-p1-norc",
+            "gw-p1-fig7",
+            "gw-p1-ecn",
+            "gw-p1-noce",
+            "gw-p1-nomem",
+            "gw-p1-bigburst",
+            "gw-p1-noimp",
         ])
     }
 
@@ -537,6 +599,7 @@ fn run_phase(
     let mut sent: Vec<Option<Outcome<Sent>>> = vec![None; n];
     let (ready_tx, ready_rx) = mpsc::channel::<(usize, bool)>();
     let (got_tx, got_rx) = mpsc::channel::<(usize, Outcome<Received>)>();
+    let pools = grant_pools(topo, pairs, v, cfg.period_ns);
     let mut receivers = Vec::new();
     for (i, p) in pairs.iter().enumerate() {
         let Some(ns) = net.host_ns(p.dst) else {
@@ -550,6 +613,7 @@ fn run_phase(
             .map(|f: ReceiverFault| f.after_tensors);
         let (p2, v2, cc) = (p.clone(), v.clone(), tcp_cc.map(String::from));
         let (ready, done, period) = (ready_tx.clone(), got_tx.clone(), cfg.period_ns);
+        let (capacity, pool) = (link_rate(topo, p.dst), pools.get(&p.dst).cloned());
         let spawned = spawn_in_netns(ns, move || {
             let mut out = Vec::with_capacity(p2.tensors.len());
             let res = receive(
@@ -558,6 +622,8 @@ fn run_phase(
                 ip,
                 it,
                 period,
+                capacity,
+                pool,
                 cc.as_deref(),
                 fault,
                 &ready,
@@ -731,20 +797,58 @@ fn ctrl_port(peer: usize) -> u16 {
     8000 + peer as u16
 }
 
-fn transfer_config(rate_bps: u64, rate_control: bool, period_ns: u64) -> TransferConfig {
-    let mut c = TransferConfig {
-        idle_timeout: Duration::from_secs(20),
-        connect_timeout: Duration::from_secs(20),
-        ..TransferConfig::default()
+/// The transfer configuration of a gradwire variant on a host whose link runs at `rate_bps`.
+fn transfer_config(
+    rate_bps: u64,
+    rate_control: bool,
+    cc: &GwCongestion,
+    period_ns: u64,
+) -> TransferConfig {
+    let mode = if rate_control {
+        cc.mode
+    } else {
+        RateMode::Fig7
     };
-    c.sender.rate.line_rate_bps = rate_bps;
-    c.sender.rate.period_ns = period_ns;
+    let mut sender = SenderConfig::with_mode(mode, rate_bps);
+    sender.rate.period_ns = period_ns;
+    sender.retransmit_ect = cc.retransmit_ect;
+    if !cc.small_burst {
+        sender.burst_bytes = SenderConfig::with_mode(RateMode::Fig7, rate_bps).burst_bytes;
+    }
     if !rate_control {
         // Δ = 10^9: the send rate is never "more than Δ times" a receive rate above 1 bit/s,
         // so the sender never halves (rate control validates Δ as finite).
-        c.sender.rate.delta = 1e9;
+        sender.rate.delta = 1e9;
     }
-    c
+    TransferConfig {
+        sender,
+        idle_timeout: Duration::from_secs(20),
+        connect_timeout: Duration::from_secs(20),
+        rate_memory: cc.rate_memory,
+        ..TransferConfig::default()
+    }
+}
+
+/// One grant pool per receiving host, shared by its receiver threads: the downlink's
+/// capacity split over the flows into it.
+fn grant_pools(
+    topo: &Topology,
+    pairs: &[Pair],
+    v: &Variant,
+    period_ns: u64,
+) -> BTreeMap<usize, GrantPool> {
+    let VariantKind::Gradwire { cc, .. } = &v.kind else {
+        return BTreeMap::new();
+    };
+    let mut pools = BTreeMap::new();
+    for p in pairs {
+        pools.entry(p.dst).or_insert_with(|| {
+            let mut g = GrantConfig::new(link_rate(topo, p.dst), period_ns);
+            g.ce_reaction = cc.grant_ce;
+            GrantPool::new(g)
+        });
+    }
+    pools
 }
 
 /// Receives every tensor of `p` into `out` ((delivered fraction, wrong bytes) per tensor);
@@ -757,6 +861,8 @@ fn receive(
     ip: IpAddr,
     it: u32,
     period_ns: u64,
+    capacity_bps: u64,
+    pool: Option<GrantPool>,
     tcp_cc: Option<&str>,
     fault: Option<usize>,
     ready: &mpsc::Sender<(usize, bool)>,
@@ -785,16 +891,13 @@ fn receive(
     let listener = TcpListener::bind(SocketAddr::new(ip, ctrl_port(p.src)))
         .map_err(|err| setup_failed(e("listen", &err)))?;
     match &v.kind {
-        VariantKind::Gradwire { .. } => {
+        VariantKind::Gradwire { cc, .. } => {
             let dp = UdpDatapath::bind(SocketAddr::new(ip, data_port(p.src)), UdpConfig::default())
                 .map_err(|err| setup_failed(e("bind data socket", &err)))?;
             let _ = ready.send((index, true));
-            let mut r = Receiver::accept(
-                &listener,
-                dp,
-                transfer_config(1_000_000_000, true, period_ns),
-            )
-            .map_err(|err| e("accept", &err))?;
+            let mut cfg = transfer_config(capacity_bps, true, cc, period_ns);
+            cfg.grant_pool = pool;
+            let mut r = Receiver::accept(&listener, dp, cfg).map_err(|err| e("accept", &err))?;
             for (i, t) in p.tensors.iter().enumerate() {
                 if let Some(stop) = injected(i) {
                     return Err(stop);
@@ -885,6 +988,7 @@ fn send(
             tagging,
             spray,
             rate_control,
+            cc,
         } => {
             let k = if *spray { spray_ports.max(1) } else { 1 };
             let udp = UdpConfig {
@@ -897,7 +1001,7 @@ fn send(
             let mut s = Sender::connect(
                 ctrl,
                 dp,
-                transfer_config(rate_bps, *rate_control, period_ns),
+                transfer_config(rate_bps, *rate_control, cc, period_ns),
             )
             .map_err(|err| e("connect", &err))?;
             let bound = LossBound::from_fraction(*loss_bound).map_err(|err| e("bound", &err))?;
@@ -997,7 +1101,8 @@ mod tests {
                 loss_bound: 0.01,
                 tagging: true,
                 spray: false,
-                rate_control: true
+                rate_control: true,
+                cc: GwCongestion::default(),
             }
         );
         assert!(matches!(
@@ -1007,7 +1112,38 @@ mod tests {
         assert!(Variant::parse("gw-p99").is_err());
         assert!(Variant::parse("gw-p1-fast").is_err());
         assert!(Variant::parse("udp").is_err());
-        assert_eq!(Variant::defaults().len(), 8);
+        assert_eq!(Variant::defaults().len(), 14);
+    }
+
+    #[test]
+    fn congestion_control_variant_names() {
+        let cc = |n: &str| match Variant::parse(n).map(|v| v.kind) {
+            Ok(VariantKind::Gradwire { cc, .. }) => cc,
+            other => panic!("{n}: {other:?}"),
+        };
+        assert_eq!(cc("gw-p1"), GwCongestion::default());
+        let fig7 = cc("gw-p1-fig7");
+        assert_eq!(
+            (fig7.mode, fig7.small_burst, fig7.retransmit_ect),
+            (RateMode::Fig7, false, false)
+        );
+        assert_eq!(cc("gw-p1-ecn").mode, RateMode::Ecn);
+        assert!(!cc("gw-p1-noce").grant_ce);
+        assert!(!cc("gw-p1-nomem").rate_memory);
+        assert!(!cc("gw-p1-bigburst").small_burst);
+        assert!(!cc("gw-p1-noimp").retransmit_ect);
+        // The transfer configuration follows.
+        let t = transfer_config(100_000_000, true, &cc("gw-p1-fig7"), 2_000_000);
+        assert_eq!(t.sender.mode, RateMode::Fig7);
+        assert_eq!(t.sender.burst_bytes, 64 * 1538);
+        let t = transfer_config(100_000_000, true, &cc("gw-p1"), 2_000_000);
+        assert_eq!(
+            (t.sender.mode, t.sender.burst_bytes),
+            (RateMode::Grant, 8 * 1538)
+        );
+        assert!(t.rate_memory && t.sender.retransmit_ect);
+        let t = transfer_config(100_000_000, false, &cc("gw-p1"), 2_000_000);
+        assert_eq!((t.sender.mode, t.sender.rate.delta), (RateMode::Fig7, 1e9));
     }
 
     #[test]
