@@ -47,10 +47,11 @@ impl GrantPool {
         u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// A flow was accepted; it leaves the pool when the returned membership is dropped.
-    pub fn join(&self) -> GrantMembership {
+    /// A flow of `size_bytes` was accepted; it leaves the pool when the returned membership
+    /// is dropped.
+    pub fn join(&self, size_bytes: u64) -> GrantMembership {
         GrantMembership {
-            key: Some(self.lock().join()),
+            key: Some(self.lock().join(size_bytes)),
             pool: self.clone(),
         }
     }
@@ -75,11 +76,14 @@ pub struct GrantMembership {
 }
 
 impl GrantMembership {
-    /// This flow's current share, bit/s.
-    pub fn grant_bps(&self) -> u64 {
-        let a = self.pool.lock();
+    /// This flow's current share, bit/s, now that it misses `remaining_bytes`.
+    pub fn grant_bps(&self, remaining_bytes: u64) -> u64 {
+        let mut a = self.pool.lock();
         match self.key {
-            Some(k) => a.grant_bps(k),
+            Some(k) => {
+                a.set_remaining(k, remaining_bytes);
+                a.grant_bps(k)
+            }
             None => a.config().min_flow_bps,
         }
     }
@@ -105,18 +109,18 @@ mod tests {
     #[test]
     fn members_share_and_leave_on_drop() {
         let pool = GrantPool::new(GrantConfig::new(100_000_000, 1_000_000));
-        let a = pool.join();
-        assert_eq!(a.grant_bps(), 90_000_000);
-        let mut b = pool.join();
-        assert_eq!(a.grant_bps(), 45_000_000);
+        let a = pool.join(0);
+        assert_eq!(a.grant_bps(0), 90_000_000);
+        let mut b = pool.join(0);
+        assert_eq!(a.grant_bps(0), 45_000_000);
         {
-            let _c = pool.join();
-            assert_eq!(a.grant_bps(), 30_000_000);
+            let _c = pool.join(0);
+            assert_eq!(a.grant_bps(0), 30_000_000);
         }
-        assert_eq!(a.grant_bps(), 45_000_000, "a dropped member left");
+        assert_eq!(a.grant_bps(0), 45_000_000, "a dropped member left");
         b.leave();
         b.leave();
-        assert_eq!(a.grant_bps(), 90_000_000);
+        assert_eq!(a.grant_bps(0), 90_000_000);
         assert_eq!(pool.stats().max_active, 3);
         let other = GrantPool::new(GrantConfig::new(1, 1));
         assert_eq!(pool, pool.clone());

@@ -674,14 +674,17 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     flow.set_max_backoff(u64::try_from(cfg.max_backoff.as_nanos()).unwrap_or(u64::MAX));
     // This flow's share of the downlink, announced right after FlowAccept (by `poll`).
     let pool = cfg.grant_pool();
-    let mut membership = pool.join();
-    flow.set_grant(membership.grant_bps());
+    let remaining = |f: &ReceiverFlow| f.layout().size_bytes().saturating_sub(f.stats().bytes);
+    let mut membership = pool.join(flow.layout().size_bytes());
+    flow.set_grant(membership.grant_bps(remaining(&flow)));
     let flow_id = flow.id();
     let proto = |source| TransferError::Protocol {
         flow: flow_id,
         source,
     };
     ctrl.send(&accept)?;
+    // The grant goes right behind the acceptance: the sender paces at it from the start.
+    send_due(&mut flow, ctrl, &pool, now())?;
 
     let period = Duration::from_nanos(cfg.rate().period_ns);
     let mut last_progress = Instant::now();
@@ -717,7 +720,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
             last_progress = Instant::now();
         }
         if flow.wants_data() {
-            flow.set_grant(membership.grant_bps());
+            flow.set_grant(membership.grant_bps(remaining(&flow)));
         } else {
             membership.leave();
         }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::datapath::Datapath;
 use gradwire::flow::{fixed_priority, SenderConfig, Tag};
-use gradwire::grant::GrantConfig;
+use gradwire::grant::{GrantConfig, GrantPolicy};
 use gradwire::grant_pool::GrantPool;
 use gradwire::message::LossBound;
 use gradwire::rate::RateMode;
@@ -84,6 +84,8 @@ pub struct GwCongestion {
     pub small_burst: bool,
     /// Retransmitted segments go ECN-capable.
     pub retransmit_ect: bool,
+    /// Receivers grant shortest-remaining-first (2 flows at once) instead of fair shares.
+    pub shortest_first: bool,
 }
 
 impl Default for GwCongestion {
@@ -94,6 +96,7 @@ impl Default for GwCongestion {
             rate_memory: true,
             small_burst: true,
             retransmit_ect: true,
+            shortest_first: false,
         }
     }
 }
@@ -113,7 +116,7 @@ pub struct Variant {
 
 /// The variant grammar, for messages and `--help`.
 pub const VARIANT_GRAMMAR: &str =
-    "gw-p<percent>[-notag][-nospray][-norc][-fig7|-ecn][-noce][-nomem][-bigburst][-noimp] or \
+    "gw-p<percent>[-notag][-nospray][-norc][-fig7|-ecn][-noce][-nomem][-bigburst][-noimp][-srpt|-fair] or \
      tcp-<congestion>[-ecn][-rto<ms>]";
 
 impl Variant {
@@ -157,6 +160,8 @@ impl Variant {
                 "nomem" => cc.rate_memory = false,
                 "bigburst" => cc.small_burst = false,
                 "noimp" => cc.retransmit_ect = false,
+                "srpt" => cc.shortest_first = true,
+                "fair" => cc.shortest_first = false,
                 other => return Err(format!("variant {name:?}: unknown ablation {other:?}")),
             }
         }
@@ -845,6 +850,9 @@ fn grant_pools(
         pools.entry(p.dst).or_insert_with(|| {
             let mut g = GrantConfig::new(link_rate(topo, p.dst), period_ns);
             g.ce_reaction = cc.grant_ce;
+            if cc.shortest_first {
+                g.policy = GrantPolicy::ShortestFirst { overcommit: 2 };
+            }
             GrantPool::new(g)
         });
     }

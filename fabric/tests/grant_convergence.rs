@@ -115,7 +115,7 @@ fn run(s: &Setup, warmup_ns: u64, window_ns: u64) -> Outcome {
         let (mut rf, accept) = ReceiverFlow::accept(&fs, &spec, 7000, period_ns, 0).unwrap();
         // Rendezvous is instantaneous here; the grant itself travels like any message.
         sf.on_ctrl(accept, 0).unwrap();
-        let key = alloc.join();
+        let key = alloc.join(s.tensor_bytes);
         rf.set_grant(alloc.grant_bps(key));
         senders.push(sf);
         receivers.push((rf, key, vec![0u8; elems * 4]));

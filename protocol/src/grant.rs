@@ -46,6 +46,24 @@ pub struct GrantConfig {
     /// React to CE marks (off: the target stays at `target_utilization` of capacity; the
     /// ablation "grants without ECN").
     pub ce_reaction: bool,
+    /// How the target is split between the active flows.
+    pub policy: GrantPolicy,
+}
+
+/// How a [`GrantAllocator`] splits its target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrantPolicy {
+    /// Every active flow gets `target / N`.
+    Fair,
+    /// Shortest remaining first (as Homa's receivers grant): the `overcommit` flows with the
+    /// fewest bytes still missing share the target; every other flow keeps a trickle of
+    /// `target / (16 N)` so it stays alive and measured. Minimises mean completion time; the
+    /// flow served last finishes no later than under `Fair` (the link works as hard).
+    ShortestFirst {
+        /// Flows granted at once (at least 1); more than one hides the moment between a flow
+        /// finishing and the next one's sender hearing its new grant.
+        overcommit: usize,
+    },
 }
 
 impl GrantConfig {
@@ -61,6 +79,7 @@ impl GrantConfig {
             min_flow_bps: (capacity_bps / 10_000).max(1),
             period_ns: period_ns.max(1),
             ce_reaction: true,
+            policy: GrantPolicy::Fair,
         }
     }
 
@@ -106,8 +125,8 @@ pub struct GrantAllocator {
     target_bps: u64,
     alpha: f64,
     next_key: u64,
-    /// Active flows (value unused: a set that keeps `GrantKey`s ordered for determinism).
-    flows: BTreeMap<GrantKey, ()>,
+    /// Active flows and the bytes each still misses (ordered keys: deterministic ties).
+    flows: BTreeMap<GrantKey, u64>,
     window_start_ns: Option<u64>,
     window_packets: u64,
     window_ce: u64,
@@ -141,11 +160,12 @@ impl GrantAllocator {
         &self.cfg
     }
 
-    /// A flow was accepted: it now shares the target.
-    pub fn join(&mut self) -> GrantKey {
+    /// A flow was accepted: it now shares the target. `remaining_bytes`: what it still has
+    /// to receive (its size), for [`GrantPolicy::ShortestFirst`].
+    pub fn join(&mut self, remaining_bytes: u64) -> GrantKey {
         let key = GrantKey(self.next_key);
         self.next_key += 1;
-        self.flows.insert(key, ());
+        self.flows.insert(key, remaining_bytes);
         self.stats.active = self.flows.len();
         self.stats.max_active = self.stats.max_active.max(self.flows.len());
         key
@@ -156,6 +176,13 @@ impl GrantAllocator {
     pub fn leave(&mut self, key: GrantKey) {
         self.flows.remove(&key);
         self.stats.active = self.flows.len();
+    }
+
+    /// What `key`'s flow still misses, as its receiver last said. Unknown keys are ignored.
+    pub fn set_remaining(&mut self, key: GrantKey, remaining_bytes: u64) {
+        if let Some(r) = self.flows.get_mut(&key) {
+            *r = remaining_bytes;
+        }
     }
 
     /// Flows sharing the target now.
@@ -177,7 +204,25 @@ impl GrantAllocator {
     /// of one more flow for a key that is not active, e.g. one that just left).
     pub fn grant_bps(&self, key: GrantKey) -> u64 {
         let n = self.flows.len() + usize::from(!self.flows.contains_key(&key));
-        (self.target_bps / n.max(1) as u64).max(self.cfg.min_flow_bps)
+        let fair = self.target_bps / n.max(1) as u64;
+        let share = match (self.cfg.policy, self.flows.get(&key)) {
+            (GrantPolicy::ShortestFirst { overcommit }, Some(&mine)) => {
+                let k = overcommit.max(1);
+                // This flow's rank: flows missing fewer bytes, or as many and older.
+                let ahead = self
+                    .flows
+                    .iter()
+                    .filter(|(&other, &r)| r < mine || (r == mine && other < key))
+                    .count();
+                if ahead < k {
+                    self.target_bps / k.min(self.flows.len()).max(1) as u64
+                } else {
+                    fair / 16
+                }
+            }
+            _ => fair,
+        };
+        share.max(self.cfg.min_flow_bps)
     }
 
     /// Data that arrived for any flow of this downlink: `packets`, `ce_packets` of them
@@ -245,9 +290,9 @@ mod tests {
     fn shares_split_the_target_and_follow_the_fan_in() {
         let mut a = alloc();
         assert_eq!(a.target_bps(), 90 * M);
-        let k0 = a.join();
+        let k0 = a.join(0);
         assert_eq!(a.grant_bps(k0), 90 * M);
-        let ks: Vec<GrantKey> = (0..7).map(|_| a.join()).collect();
+        let ks: Vec<GrantKey> = (0..7).map(|_| a.join(0)).collect();
         assert_eq!(a.active(), 8);
         for k in ks.iter().chain([&k0]) {
             assert_eq!(a.grant_bps(*k), 90 * M / 8);
@@ -262,9 +307,39 @@ mod tests {
     }
 
     #[test]
+    fn shortest_first_grants_the_target_to_the_flows_nearest_completion() {
+        let mut cfg = GrantConfig::new(100 * M, 1_000);
+        cfg.policy = GrantPolicy::ShortestFirst { overcommit: 2 };
+        let mut a = GrantAllocator::new(cfg);
+        let big = a.join(1_000_000);
+        let small = a.join(10_000);
+        // Two flows, overcommit 2: both at half the target.
+        assert_eq!(a.grant_bps(big), 45 * M);
+        assert_eq!(a.grant_bps(small), 45 * M);
+        let mid = a.join(100_000);
+        let tie = a.join(100_000);
+        // Four flows: the two shortest (small, then the older of the tied ones) share the
+        // target; the others trickle at a sixteenth of a fair share.
+        assert_eq!(a.grant_bps(small), 45 * M);
+        assert_eq!(a.grant_bps(mid), 45 * M);
+        assert_eq!(a.grant_bps(tie), 90 * M / 4 / 16);
+        assert_eq!(a.grant_bps(big), 90 * M / 4 / 16);
+        // Progress reorders: the big flow is now nearly done.
+        a.set_remaining(big, 1_000);
+        assert_eq!(a.grant_bps(big), 45 * M);
+        assert_eq!(a.grant_bps(mid), 90 * M / 4 / 16);
+        a.leave(small);
+        assert_eq!(a.grant_bps(mid), 45 * M);
+        // Alone: the whole target.
+        a.leave(big);
+        a.leave(tie);
+        assert_eq!(a.grant_bps(mid), 90 * M);
+    }
+
+    #[test]
     fn marks_cut_the_target_and_quiet_periods_restore_it() {
         let mut a = alloc();
-        let _k = a.join();
+        let _k = a.join(0);
         a.record(10, 10, 0);
         // The first period closes at 1 us: all marked, alpha stays 1, the target halves.
         a.record(0, 0, 1_000);
@@ -292,7 +367,7 @@ mod tests {
     #[test]
     fn floors_hold() {
         let mut a = alloc();
-        let keys: Vec<GrantKey> = (0..100_000).map(|_| a.join()).collect();
+        let keys: Vec<GrantKey> = (0..100_000).map(|_| a.join(0)).collect();
         for t in 0..200 {
             a.record(1, 1, t * 1_000);
         }
@@ -312,7 +387,7 @@ mod tests {
             for (packets, ce, dt, op) in events {
                 now += dt;
                 match op {
-                    0 => keys.push(a.join()),
+                    0 => keys.push(a.join(packets * 1000)),
                     1 => if let Some(k) = keys.pop() { a.leave(k) },
                     _ => {}
                 }

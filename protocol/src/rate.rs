@@ -370,6 +370,12 @@ impl Pacer {
         self.rate_bps
     }
 
+    /// Changes the bucket size from now on; credit above the new size is forfeited.
+    pub fn set_burst(&mut self, burst_bytes: u64) {
+        self.burst_bytes = burst_bytes;
+        self.tokens = self.tokens.min(self.burst_credit());
+    }
+
     /// Bucket size in bytes.
     pub fn burst_bytes(&self) -> u64 {
         self.burst_bytes

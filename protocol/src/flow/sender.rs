@@ -20,7 +20,10 @@ pub struct SenderConfig {
     pub mode: RateMode,
     /// Rate control parameters (line rate, Δ, period, additive increase, floor).
     pub rate: RateConfig,
-    /// Token-bucket depth in bytes: how far ahead of the paced rate a burst may go.
+    /// Token-bucket depth in bytes: how far ahead of the paced rate a burst may go. In grant
+    /// and ECN modes this is the ceiling: the burst follows the rate (half a report period's
+    /// worth, at least two frames), so N senders sharing a receiver add up to about one
+    /// period of data, not N full bursts.
     pub burst_bytes: u64,
     /// The rate to start at before the receiver's first grant (grant mode) or as the first
     /// rate (ECN mode): what the previous flow to the same receiver ended at. `None`: the
@@ -115,6 +118,19 @@ pub struct SenderStats {
     pub last_grant_bps: Option<u64>,
 }
 
+/// The pacer's burst at `rate_bps`: Figure 7 keeps its configured burst; the other modes
+/// allow half a report period's worth at the rate, at least two full-size frames and at most
+/// `max_bytes`.
+fn burst_for(mode: RateMode, rate_bps: u64, period_ns: u64, max_bytes: u64) -> u64 {
+    if mode == RateMode::Fig7 {
+        return max_bytes;
+    }
+    let half_period = u128::from(rate_bps) * u128::from(period_ns / 2) / 8_000_000_000;
+    u64::try_from(half_period)
+        .unwrap_or(u64::MAX)
+        .clamp(2 * WIRE_FRAME, max_bytes.max(2 * WIRE_FRAME))
+}
+
 /// One tensor being sent.
 #[derive(Debug)]
 pub struct SenderFlow {
@@ -132,6 +148,9 @@ pub struct SenderFlow {
     data_port: Option<u16>,
     mode: RateMode,
     retransmit_ect: bool,
+    /// Ceiling of the pacer's burst; the report period (for rate-following bursts).
+    max_burst_bytes: u64,
+    period_ns: u64,
     /// Figure 7's machine (used in that mode).
     rate: RateController,
     /// The CE reaction (used in ECN mode).
@@ -200,11 +219,16 @@ impl SenderFlow {
             data_port: None,
             mode: cfg.mode,
             retransmit_ect: cfg.retransmit_ect,
+            max_burst_bytes: cfg.burst_bytes,
+            period_ns: cfg.rate.period_ns,
             rate,
             ecn_rate,
             grant_bps: None,
             pre_grant_bps,
-            pacer: Pacer::new(start_bps, cfg.burst_bytes),
+            pacer: Pacer::new(
+                start_bps,
+                burst_for(cfg.mode, start_bps, cfg.rate.period_ns, cfg.burst_bytes),
+            ),
             last_report_ns: now_ns,
             sent_since_report: 0,
             stats: SenderStats {
@@ -267,6 +291,12 @@ impl SenderFlow {
     fn apply_rate(&mut self) {
         let r = self.rate_bps();
         self.pacer.set_rate(r);
+        self.pacer.set_burst(burst_for(
+            self.mode,
+            r,
+            self.period_ns,
+            self.max_burst_bytes,
+        ));
         self.stats.min_rate_bps = self.stats.min_rate_bps.min(r);
     }
 
