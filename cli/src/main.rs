@@ -1,5 +1,6 @@
 //! `gradwire`: send, receive and demo bounded-loss tensor transfers; build topology testbeds
-//! and run their emulated switch fabric.
+//! and run their emulated switch fabric; benchmark AF_XDP against kernel UDP and run the
+//! incast experiment. It parses arguments and prints: everything it runs is a library call.
 
 mod args;
 mod experiment;
