@@ -79,7 +79,8 @@ pub struct GwCongestion {
     pub grant_ce: bool,
     /// Each flow starts at the rate the previous one to the same receiver ended at.
     pub rate_memory: bool,
-    /// The mode's burst allowance (grant/ecn: 8 packets, below every threshold); off: the
+    /// The mode's burst allowance (grant/ecn: half a report period at the rate, 2-32 frames);
+    /// off: the
     /// paper's 64 packets.
     pub small_burst: bool,
     /// Retransmitted segments go ECN-capable.
@@ -1147,7 +1148,7 @@ mod tests {
         let t = transfer_config(100_000_000, true, &cc("gw-p1"), 2_000_000);
         assert_eq!(
             (t.sender.mode, t.sender.burst_bytes),
-            (RateMode::Grant, 8 * 1538)
+            (RateMode::Grant, 32 * 1538)
         );
         assert!(t.rate_memory && t.sender.retransmit_ect);
         let t = transfer_config(100_000_000, false, &cc("gw-p1"), 2_000_000);

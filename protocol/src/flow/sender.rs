@@ -39,9 +39,11 @@ pub struct SenderConfig {
 const WIRE_FRAME: u64 = 1538;
 
 impl SenderConfig {
-    /// gradwire's defaults at `line_rate_bps`: receiver grants, a burst of 8 full-size
-    /// packets (12.3 KB, below the lowest switch threshold of the shipped policies, 15 KB),
-    /// retransmissions ECN-capable.
+    /// gradwire's defaults at `line_rate_bps`: receiver grants, a burst that follows the rate
+    /// (half a report period's worth: 2 frames for an 11 Mbit/s share with a 2 ms period, so
+    /// 8 senders together stay below a 15 KB switch threshold) up to 32 frames (one send
+    /// batch, so a lone fast flow is not held to small batches), retransmissions
+    /// ECN-capable.
     pub fn new(line_rate_bps: u64) -> SenderConfig {
         SenderConfig::with_mode(RateMode::Grant, line_rate_bps)
     }
@@ -53,7 +55,7 @@ impl SenderConfig {
         SenderConfig {
             mode,
             rate: RateConfig::new(line_rate_bps),
-            burst_bytes: if fig7 { 64 } else { 8 } * WIRE_FRAME,
+            burst_bytes: if fig7 { 64 } else { 32 } * WIRE_FRAME,
             initial_rate_bps: None,
             retransmit_ect: !fig7,
         }
