@@ -386,7 +386,8 @@ fn malformed_and_foreign_packets_are_dropped_counted_and_touch_nothing() {
                         ctrl.send(&CtrlMsg::FinishConfirm).unwrap();
                         break;
                     }
-                    Some(CtrlMsg::RateReport { .. }) => {}
+                    // Reports and the flow's share of the receiver's downlink.
+                    Some(CtrlMsg::RateReport { .. } | CtrlMsg::RateGrant { .. }) => {}
                     // The 10 good packets, whatever queue their DSCP selects; the malformed
                     // and foreign ones never reach the flow.
                     Some(CtrlMsg::EcnReport { queues }) => {
