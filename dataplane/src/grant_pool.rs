@@ -6,8 +6,9 @@
 //! every receiver of the host through [`crate::transport::TransferConfig::grant_pool`]; a
 //! receiver without one gets a private pool, i.e. the whole capacity for its single flow.
 //!
-//! A receiver touches the pool when a flow is accepted or ends and once per report period,
-//! never per packet.
+//! A receiver takes the lock when a flow is accepted or ends, once per receive batch (to
+//! read its share) and once per report period (to add its packet and CE counts), never per
+//! packet.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
