@@ -884,48 +884,28 @@ fn grant_mode_paces_at_the_receivers_grant() {
 
 #[test]
 fn grant_mode_starts_at_the_remembered_rate() {
-    let mut cfg = SenderConfig::new(10_000_000_000);
-    cfg.initial_rate_bps = Some(3_000_000_000);
-    let (s, _) = SenderFlow::new(
-        ID,
-        layout(100),
-        DType::F32,
-        0,
-        LossBound::RELIABLE,
-        Stage::Push,
-        1,
-        &cfg,
-        0,
-    );
-    assert_eq!(s.rate_bps(), 3_000_000_000);
+    let start = |mode| {
+        let mut cfg = SenderConfig::with_mode(mode, 10_000_000_000);
+        cfg.initial_rate_bps = Some(3_000_000_000);
+        let (s, _) = SenderFlow::new(
+            ID,
+            layout(100),
+            DType::F32,
+            0,
+            LossBound::RELIABLE,
+            Stage::Push,
+            1,
+            &cfg,
+            0,
+        );
+        s
+    };
+    assert_eq!(start(RateMode::Grant).rate_bps(), 3_000_000_000);
     // ECN mode starts there too, Figure 7 at line rate whatever is remembered.
-    cfg.mode = RateMode::Ecn;
-    let (s, _) = SenderFlow::new(
-        ID,
-        layout(100),
-        DType::F32,
-        0,
-        LossBound::RELIABLE,
-        Stage::Push,
-        1,
-        &cfg,
-        0,
-    );
-    assert_eq!(s.rate_bps(), 3_000_000_000);
-    cfg.mode = RateMode::Fig7;
-    let (s, _) = SenderFlow::new(
-        ID,
-        layout(100),
-        DType::F32,
-        0,
-        LossBound::RELIABLE,
-        Stage::Push,
-        1,
-        &cfg,
-        0,
-    );
-    assert_eq!(s.rate_bps(), 10_000_000_000);
-    assert!(!s.retransmit_important());
+    assert_eq!(start(RateMode::Ecn).rate_bps(), 3_000_000_000);
+    let fig7 = start(RateMode::Fig7);
+    assert_eq!(fig7.rate_bps(), 10_000_000_000);
+    assert!(!fig7.retransmit_important());
 }
 
 #[test]
