@@ -276,6 +276,22 @@ impl Stop {
     }
 }
 
+/// Records one tensor a sender finished, or makes its failure the pair's stop, with the time
+/// and packets spent on it.
+fn tensor_done(out: &mut Vec<Sent>, sent: Sent, res: Result<(), Stop>) -> Result<(), Stop> {
+    match res {
+        Ok(()) => {
+            out.push(sent);
+            Ok(())
+        }
+        Err(stop) => Err(Stop {
+            elapsed_us: sent.fct_us,
+            data_packets: sent.data_packets,
+            ..stop
+        }),
+    }
+}
+
 /// What one side (sender or receiver) of a pair did: the tensors it completed, in order, and
 /// why it stopped if it did not complete them all.
 #[derive(Debug, Clone, PartialEq)]
@@ -1041,21 +1057,14 @@ fn send(
                     };
                     s.send(&tensor, &opts, &fixed_priority(tag))
                 };
-                let fct_us = t0.elapsed().as_secs_f64() * 1e6;
-                let data_packets = s.datapath().stats().tx_packets - packets_before;
-                match res {
-                    Ok(_) => out.push(Sent {
-                        fct_us,
-                        data_packets,
-                    }),
-                    Err(err) => {
-                        return Err(Stop {
-                            elapsed_us: fct_us,
-                            data_packets,
-                            ..e(&format!("tensor {}", t.id), &err)
-                        })
-                    }
-                }
+                let sent = Sent {
+                    fct_us: t0.elapsed().as_secs_f64() * 1e6,
+                    data_packets: s.datapath().stats().tx_packets - packets_before,
+                };
+                let res = res
+                    .map(|_| ())
+                    .map_err(|err| e(&format!("tensor {}", t.id), &err));
+                tensor_done(out, sent, res)?;
             }
         }
         VariantKind::Tcp { .. } => {
@@ -1077,21 +1086,12 @@ fn send(
                     .write_all(tensor.as_bytes())
                     .map_err(|err| format!("write tensor {}: {err}", t.id))
                     .and_then(|()| s.read_exact(&mut ack).map_err(|err| format!("ack: {err}")));
-                let fct_us = t0.elapsed().as_secs_f64() * 1e6;
-                let data_packets = data_segs_out(&s).map_or(0, |n| n.saturating_sub(segs_before));
-                match res {
-                    Ok(()) => out.push(Sent {
-                        fct_us,
-                        data_packets,
-                    }),
-                    Err(err) => {
-                        return Err(Stop {
-                            elapsed_us: fct_us,
-                            data_packets,
-                            ..e(&format!("tensor {}", t.id), &err)
-                        })
-                    }
-                }
+                let sent = Sent {
+                    fct_us: t0.elapsed().as_secs_f64() * 1e6,
+                    data_packets: data_segs_out(&s).map_or(0, |n| n.saturating_sub(segs_before)),
+                };
+                let res = res.map_err(|err| e(&format!("tensor {}", t.id), &err));
+                tensor_done(out, sent, res)?;
             }
         }
     }

@@ -47,6 +47,21 @@ struct Setup {
     mode: RateMode,
 }
 
+impl Setup {
+    /// 8 senders into one 1 Gbit/s link with a 15 KB threshold, 50 us control delay, 16 MiB
+    /// each (enough to outlast the run).
+    fn eight_into_one(mode: RateMode) -> Setup {
+        Setup {
+            senders: 8,
+            rate_bps: 1_000_000_000,
+            threshold: 15_000,
+            ctrl_delay_ns: 50 * US,
+            tensor_bytes: 16 << 20,
+            mode,
+        }
+    }
+}
+
 /// What the run measured over the window after convergence.
 #[derive(Debug)]
 struct Outcome {
@@ -223,14 +238,7 @@ fn run(s: &Setup, warmup_ns: u64, window_ns: u64) -> Outcome {
 
 #[test]
 fn eight_senders_converge_to_fair_shares_below_the_threshold() {
-    let setup = Setup {
-        senders: 8,
-        rate_bps: 1_000_000_000,
-        threshold: 15_000,
-        ctrl_delay_ns: 50 * US,
-        tensor_bytes: 16 << 20,
-        mode: RateMode::Grant,
-    };
+    let setup = Setup::eight_into_one(RateMode::Grant);
     let o = run(&setup, 20 * MS, 60 * MS);
     let total: u64 = o.per_flow.iter().sum();
     let fair = total as f64 / o.per_flow.len() as f64;
@@ -267,14 +275,7 @@ fn figure_7_in_the_same_setting_overruns_the_threshold() {
     // The paper's machine for comparison, same flows, same bottleneck: every flow starts at
     // line rate with a 64-packet burst, and halving only when less than half gets through
     // lets the queue sit at the threshold. This is why grant mode is the default.
-    let setup = Setup {
-        senders: 8,
-        rate_bps: 1_000_000_000,
-        threshold: 15_000,
-        ctrl_delay_ns: 50 * US,
-        tensor_bytes: 16 << 20,
-        mode: RateMode::Fig7,
-    };
+    let setup = Setup::eight_into_one(RateMode::Fig7);
     let o = run(&setup, 20 * MS, 60 * MS);
     eprintln!(
         "figure 7: per-flow {:?} B, max queue {} B, drops {}",
