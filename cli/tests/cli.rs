@@ -3,44 +3,12 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::process::{Child, Command, Output, Stdio};
+mod common;
+
+use common::{gradwire, ChildGuard};
+
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-fn gradwire(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gradwire"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-/// A child process that is killed and reaped when the guard goes out of scope, so a test
-/// that fails half-way leaves nothing running.
-struct ChildGuard(Option<Child>);
-
-impl ChildGuard {
-    fn spawn(cmd: &mut Command) -> ChildGuard {
-        ChildGuard(Some(cmd.spawn().unwrap()))
-    }
-
-    fn child(&mut self) -> &mut Child {
-        self.0.as_mut().unwrap()
-    }
-
-    /// Waits for the child to exit and collects its output (the guard no longer owns it).
-    fn wait_with_output(mut self) -> Output {
-        self.0.take().unwrap().wait_with_output().unwrap()
-    }
-}
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        if let Some(c) = self.0.as_mut() {
-            // Already exited: kill fails harmlessly; wait reaps either way.
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 /// Whether some socket listens on TCP `port` of this network namespace (the kernel's own
 /// table, `/proc/net/tcp`; state `0A` is LISTEN). Looking does not connect, so the listener's

@@ -5,44 +5,17 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::{gradwire, ChildGuard, TempDir};
+
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-fn gradwire(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_gradwire"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// A directory of test files, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let d = std::env::temp_dir().join(format!("gw-spellings-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-
-    fn write(&self, name: &str, text: &str) -> String {
-        let p = self.0.join(name);
-        std::fs::write(&p, text).unwrap();
-        p.to_str().unwrap().to_owned()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// A topology that `testbed up` refuses while reading it (before any namespace exists).
@@ -64,7 +37,7 @@ fn ctl(args: &[&str]) -> String {
 
 #[test]
 fn a_bad_rate_reads_the_same_on_the_command_line_and_in_a_topology() {
-    let dir = TempDir::new("rate");
+    let dir = TempDir::new("gw-spellings", "rate");
     for bad in ["25Gbps", "100", "fast", "64KiB"] {
         let want = gradwire_units::parse_rate(bad).unwrap_err().to_string();
         let o = gradwire(&["demo", "--datapath", "loopback", "--line-rate", bad]);
@@ -94,7 +67,7 @@ fn a_bad_rate_reads_the_same_on_the_command_line_and_in_a_topology() {
 
 #[test]
 fn a_bad_size_reads_the_same_in_gradwire_gradwire_ctl_and_a_policy_file() {
-    let dir = TempDir::new("size");
+    let dir = TempDir::new("gw-spellings", "size");
     for bad in ["64KiBs", "KiB", "1.5KiB", "99999999999999999999"] {
         let want = gradwire_units::parse_size(bad).unwrap_err().to_string();
         let o = gradwire(&["demo", "--datapath", "loopback", "--size", bad]);
@@ -148,16 +121,6 @@ fn a_host_name_that_does_not_resolve_is_named() {
     );
 }
 
-/// Kills the receiver if the test fails before it exits.
-struct Reap(Child);
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn send_to_localhost_reaches_a_receiver_on_127_0_0_1() {
     let port = {
@@ -174,7 +137,7 @@ fn send_to_localhost_reaches_a_receiver_on_127_0_0_1() {
         "--timeout",
         "20",
     ];
-    let mut recv = Reap(
+    let mut recv = ChildGuard(Some(
         Command::new(env!("CARGO_BIN_EXE_gradwire"))
             .args(["recv", "--listen", &format!("127.0.0.1:{port}")])
             .args(["--accept-timeout", "60"])
@@ -183,10 +146,10 @@ fn send_to_localhost_reaches_a_receiver_on_127_0_0_1() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap(),
-    );
+    ));
     // The receiver says it waits once its control socket listens.
     let (tx, rx) = mpsc::channel();
-    let err = recv.0.stderr.take().unwrap();
+    let err = recv.child().stderr.take().unwrap();
     std::thread::spawn(move || {
         for line in BufReader::new(err).lines().map_while(Result::ok) {
             if line.contains("waiting for a sender") {
@@ -203,5 +166,5 @@ fn send_to_localhost_reaches_a_receiver_on_127_0_0_1() {
     let s: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(s["role"], "send");
     assert_eq!(s["count"], 1);
-    assert!(recv.0.wait().unwrap().success());
+    assert!(recv.child().wait().unwrap().success());
 }

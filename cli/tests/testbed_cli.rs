@@ -7,10 +7,14 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::{ChildGuard, TempDir};
+
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -18,19 +22,9 @@ use gradwire_fabric::stats::FabricStats;
 use gradwire_fabric::supervise::TestbedStatus;
 use gradwire_netns::{require_root, run_in_netns, spawn_in_netns};
 
-/// A child process killed and reaped when dropped, so that a failing test leaves none behind.
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Runs `gradwire args`, killed after `timeout`; `None` if it had to be killed.
 fn try_gradwire(args: &[&str], timeout: Duration) -> Option<Output> {
-    let mut child = KillOnDrop(
+    let mut child = ChildGuard(Some(
         Command::new(env!("CARGO_BIN_EXE_gradwire"))
             .args(args)
             .stdin(Stdio::null())
@@ -38,9 +32,9 @@ fn try_gradwire(args: &[&str], timeout: Duration) -> Option<Output> {
             .stderr(Stdio::piped())
             .spawn()
             .ok()?,
-    );
-    let mut so = child.0.stdout.take()?;
-    let mut se = child.0.stderr.take()?;
+    ));
+    let mut so = child.child().stdout.take()?;
+    let mut se = child.child().stderr.take()?;
     let out = std::thread::spawn(move || {
         let mut v = Vec::new();
         let _ = so.read_to_end(&mut v);
@@ -53,7 +47,7 @@ fn try_gradwire(args: &[&str], timeout: Duration) -> Option<Output> {
     });
     let deadline = Instant::now() + timeout;
     let status = loop {
-        if let Ok(Some(s)) = child.0.try_wait() {
+        if let Ok(Some(s)) = child.child().try_wait() {
             break s;
         }
         if Instant::now() >= deadline {
@@ -110,30 +104,6 @@ fn succeeds(args: &[&str], timeout: Duration) -> String {
     text(&out.stdout)
 }
 
-/// A directory removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let p =
-            std::env::temp_dir().join(format!("gradwire-testbed-cli-{}-{tag}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-
-    fn write(&self, name: &str, contents: &str) -> String {
-        let p = self.0.join(name);
-        std::fs::write(&p, contents).unwrap();
-        p.to_str().unwrap().to_owned()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A name unique to this test run: `<letter>` + the last 5 digits of the pid.
 fn unique_name(letter: char) -> String {
     format!("{letter}{:05}", std::process::id() % 100_000)
@@ -155,7 +125,7 @@ fn up_of_a_missing_file_names_it() {
 
 #[test]
 fn up_of_a_malformed_topology_names_the_field() {
-    let dir = TempDir::new("bad");
+    let dir = TempDir::new("gradwire-testbed-cli", "bad");
     let bad_name = dir.write(
         "badname.toml",
         "name = \"Bad!\"\n[[switch]]\nname = \"s0\"\n",
@@ -187,7 +157,7 @@ fn stats_of_an_unknown_testbed_fail_clearly() {
 
 #[test]
 fn fabric_run_without_its_namespaces_points_to_testbed_up() {
-    let dir = TempDir::new("run");
+    let dir = TempDir::new("gradwire-testbed-cli", "run");
     let name = unique_name('n');
     let file = dir.write("t.toml", &topology(&name));
     let err = fails(&["fabric", "run", &file]);
@@ -313,7 +283,7 @@ fn testbed_life_cycle_with_tcp_through_the_fabric() {
     if !require_root("testbed_life_cycle_with_tcp_through_the_fabric") {
         return;
     }
-    let dir = TempDir::new("life");
+    let dir = TempDir::new("gradwire-testbed-cli", "life");
     let name = unique_name('t');
     let file = dir.write("tb.toml", &topology(&name));
     let _down = Down(name.clone());
