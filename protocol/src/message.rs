@@ -13,14 +13,24 @@
 
 use thiserror::Error;
 
-/// Protocol version carried in every body.
-pub const VERSION: u8 = 1;
+/// Protocol version carried in every body. Version 2 added the connection handshake
+/// (`Hello` .. `Welcome`), the sealed frames of authenticated jobs and the data sources and
+/// flow nonce of `FlowStart`; a version-1 peer is refused with [`CtrlError::BadVersion`].
+pub const VERSION: u8 = 2;
 /// Bytes in the length prefix that precedes each body.
 pub const LEN_PREFIX: usize = 4;
 /// Largest body accepted or produced (1 MiB); bounds the receiver's buffering.
 pub const MAX_BODY: u32 = 1 << 20;
 /// Largest `reason` string, in UTF-8 bytes.
 pub const MAX_REASON: usize = 1024;
+/// Most data sources one `FlowStart` may announce.
+pub const MAX_SOURCES: usize = 64;
+/// Bytes of a handshake nonce (`Hello`, `Challenge`).
+pub const HANDSHAKE_NONCE_LEN: usize = 32;
+/// Bytes of a handshake proof (`Challenge`, `Proof`): an HMAC-SHA256.
+pub const HANDSHAKE_PROOF_LEN: usize = 32;
+/// Bytes of the per-flow nonce in `FlowStart` (keys an authenticated flow's data).
+pub const FLOW_NONCE_LEN: usize = 16;
 /// Most ranges one `RetransmitRequest` can carry without its body exceeding [`MAX_BODY`].
 pub const MAX_RANGES: usize = (MAX_BODY as usize - HEADER - 4 - 4) / 8;
 
@@ -51,6 +61,14 @@ pub mod kind {
     pub const ECN_REPORT: u8 = 10;
     /// [`super::CtrlMsg::RateGrant`].
     pub const RATE_GRANT: u8 = 11;
+    /// [`super::CtrlMsg::Hello`].
+    pub const HELLO: u8 = 12;
+    /// [`super::CtrlMsg::Challenge`].
+    pub const CHALLENGE: u8 = 13;
+    /// [`super::CtrlMsg::Proof`].
+    pub const PROOF: u8 = 14;
+    /// [`super::CtrlMsg::Welcome`].
+    pub const WELCOME: u8 = 15;
 }
 
 /// Switch queues an [`CtrlMsg::EcnReport`] covers (the 7 data queues and the control queue).
@@ -107,6 +125,14 @@ pub enum CtrlError {
     /// A `RateGrant` of 0 bit/s (a receiver that wants a sender to pause grants the floor).
     #[error("rate grant of 0 bit/s")]
     ZeroGrant,
+    /// A `FlowStart` announcing no data source, more than [`MAX_SOURCES`], a port range of
+    /// zero ports or past 65535, or an address family code other than 4 or 6.
+    #[error("FlowStart data sources must be 1..=64 address/port ranges within 1..=65535")]
+    BadSources,
+    /// A sealed frame whose tag did not verify: tampered with, replayed, reordered, or sent by
+    /// a peer without the job secret. The stream cannot be trusted after it (sticky).
+    #[error("control frame failed authentication (tampered, replayed, or a peer without the job secret)")]
+    BadSeal,
 }
 
 /// Tolerated loss for one tensor, in parts per million of its segments (`0..=1_000_000`).
@@ -182,6 +208,47 @@ pub enum Stage {
     Pull,
 }
 
+/// A range of UDP source ports on one address that a sender's data may come from (announced
+/// in `FlowStart`; the receiver accepts data of the flow from these sources only).
+///
+/// An unspecified address (`0.0.0.0` or `::`) stands for the address the control connection
+/// comes from: a sender whose data socket is bound to the wildcard does not know its source
+/// address until the kernel routes a packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DataSource {
+    /// Source address (unspecified: the control connection's peer address).
+    pub addr: std::net::IpAddr,
+    /// First source port.
+    pub port: u16,
+    /// Number of consecutive ports from `port` (at least 1; several for per-packet spraying).
+    pub ports: u16,
+}
+
+impl DataSource {
+    /// One address and port.
+    pub const fn single(addr: std::net::SocketAddr) -> DataSource {
+        DataSource {
+            addr: addr.ip(),
+            port: addr.port(),
+            ports: 1,
+        }
+    }
+
+    /// Whether the range is one the wire can carry: at least one port, none past 65535.
+    pub const fn is_valid(&self) -> bool {
+        self.ports >= 1 && self.port as u32 + self.ports as u32 <= 65_536
+    }
+
+    /// Bytes on the wire: family, address, port, ports.
+    const fn wire_len(&self) -> usize {
+        1 + match self.addr {
+            std::net::IpAddr::V4(_) => 4,
+            std::net::IpAddr::V6(_) => 16,
+        } + 2
+            + 2
+    }
+}
+
 /// `FlowStart` flag bit marking the pull stage.
 const FLAG_PULL: u8 = 0x01;
 
@@ -206,15 +273,19 @@ pub struct FlowStart {
     pub segment_count: u32,
     /// Tolerated loss.
     pub loss_bound: LossBound,
-    /// The sender's UDP source port (informational).
-    pub data_port: u16,
     /// Push or pull stage.
     pub stage: Stage,
+    /// Random per flow: with an authenticated job it keys the flow's data (with the session's
+    /// nonces); otherwise it tells two flows of the same ids apart in traces.
+    pub flow_nonce: [u8; FLOW_NONCE_LEN],
+    /// Where the flow's data comes from: 1..=[`MAX_SOURCES`] address/port ranges (every
+    /// interface and spray port the sender uses).
+    pub sources: Vec<DataSource>,
 }
 
 impl FlowStart {
-    /// Body bytes after version and kind.
-    const FIELDS_LEN: usize = 4 + 4 + 4 + 2 + 1 + 8 + 4 + 4 + 4 + 2 + 1;
+    /// Fixed body bytes after version and kind (the sources follow).
+    const FIELDS_LEN: usize = 4 + 4 + 4 + 2 + 1 + 8 + 4 + 4 + 4 + 1 + FLOW_NONCE_LEN + 1;
 
     /// Whether `segment_count == ceil(size_bytes / segment_payload)` with a non-zero payload.
     /// Decoding does not check this: a mismatch is the receiver's `BadSegmentLayout` reject.
@@ -403,6 +474,33 @@ pub enum CtrlMsg {
         /// Granted rate in bit/s (at least 1).
         rate_bps: u64,
     },
+    /// Client -> server: the first message on every control connection (kind 12). `auth`:
+    /// the client holds the job secret and will prove it.
+    Hello {
+        /// The client wants (and will accept only) an authenticated connection.
+        auth: bool,
+        /// Fresh random nonce of the client.
+        nonce: [u8; HANDSHAKE_NONCE_LEN],
+    },
+    /// Server -> client, authenticated jobs only (kind 13): the server's nonce and its proof
+    /// of the job secret over both nonces.
+    Challenge {
+        /// Fresh random nonce of the server.
+        nonce: [u8; HANDSHAKE_NONCE_LEN],
+        /// `JobKey::server_proof(client nonce, server nonce)`.
+        proof: [u8; HANDSHAKE_PROOF_LEN],
+    },
+    /// Client -> server, authenticated jobs only (kind 14): the client's proof of the secret.
+    Proof {
+        /// `JobKey::client_proof(client nonce, server nonce)`.
+        proof: [u8; HANDSHAKE_PROOF_LEN],
+    },
+    /// Server -> client: the handshake is complete (kind 15); from here on flows may start.
+    /// With `auth`, this is the first sealed frame.
+    Welcome {
+        /// The connection is authenticated (every later frame is sealed).
+        auth: bool,
+    },
     /// Either side gives up on the flow (kind 9).
     Abort {
         /// Application-defined code.
@@ -427,6 +525,10 @@ impl CtrlMsg {
             CtrlMsg::Abort { .. } => kind::ABORT,
             CtrlMsg::EcnReport { .. } => kind::ECN_REPORT,
             CtrlMsg::RateGrant { .. } => kind::RATE_GRANT,
+            CtrlMsg::Hello { .. } => kind::HELLO,
+            CtrlMsg::Challenge { .. } => kind::CHALLENGE,
+            CtrlMsg::Proof { .. } => kind::PROOF,
+            CtrlMsg::Welcome { .. } => kind::WELCOME,
         }
     }
 
@@ -440,6 +542,13 @@ impl CtrlMsg {
             }
             CtrlMsg::RetransmitRequest { ranges, .. } => check_ranges(ranges),
             CtrlMsg::RateGrant { rate_bps: 0 } => Err(CtrlError::ZeroGrant),
+            CtrlMsg::FlowStart(f)
+                if f.sources.is_empty()
+                    || f.sources.len() > MAX_SOURCES
+                    || !f.sources.iter().all(DataSource::is_valid) =>
+            {
+                Err(CtrlError::BadSources)
+            }
             _ => Ok(()),
         }
     }
@@ -449,7 +558,10 @@ impl CtrlMsg {
     pub fn body_len(&self) -> usize {
         HEADER
             + match self {
-                CtrlMsg::FlowStart(_) => FlowStart::FIELDS_LEN,
+                CtrlMsg::FlowStart(f) => {
+                    FlowStart::FIELDS_LEN
+                        + f.sources.iter().map(DataSource::wire_len).sum::<usize>()
+                }
                 CtrlMsg::FlowAccept { .. } => 4 + 4 + 4 + 2,
                 CtrlMsg::FlowReject { reason, .. } => 4 + 4 + 4 + 1 + 2 + reason.len(),
                 CtrlMsg::FlowStop { .. } => 4 + 4,
@@ -460,6 +572,10 @@ impl CtrlMsg {
                 CtrlMsg::Abort { reason, .. } => 1 + 2 + reason.len(),
                 CtrlMsg::EcnReport { .. } => ECN_QUEUES * 8,
                 CtrlMsg::RateGrant { .. } => 8,
+                CtrlMsg::Hello { .. } => 1 + HANDSHAKE_NONCE_LEN,
+                CtrlMsg::Challenge { .. } => HANDSHAKE_NONCE_LEN + HANDSHAKE_PROOF_LEN,
+                CtrlMsg::Proof { .. } => HANDSHAKE_PROOF_LEN,
+                CtrlMsg::Welcome { .. } => 1,
             }
     }
 
@@ -491,11 +607,27 @@ impl CtrlMsg {
                 out.extend_from_slice(&f.segment_payload.to_be_bytes());
                 out.extend_from_slice(&f.segment_count.to_be_bytes());
                 out.extend_from_slice(&f.loss_bound.ppm().to_be_bytes());
-                out.extend_from_slice(&f.data_port.to_be_bytes());
                 out.push(match f.stage {
                     Stage::Push => 0,
                     Stage::Pull => FLAG_PULL,
                 });
+                out.extend_from_slice(&f.flow_nonce);
+                // validate() capped the count at MAX_SOURCES.
+                out.push(f.sources.len() as u8);
+                for src in &f.sources {
+                    match src.addr {
+                        std::net::IpAddr::V4(a) => {
+                            out.push(4);
+                            out.extend_from_slice(&a.octets());
+                        }
+                        std::net::IpAddr::V6(a) => {
+                            out.push(6);
+                            out.extend_from_slice(&a.octets());
+                        }
+                    }
+                    out.extend_from_slice(&src.port.to_be_bytes());
+                    out.extend_from_slice(&src.ports.to_be_bytes());
+                }
             }
             CtrlMsg::FlowAccept {
                 job_id,
@@ -564,6 +696,16 @@ impl CtrlMsg {
                 put_str(out, reason);
             }
             CtrlMsg::RateGrant { rate_bps } => out.extend_from_slice(&rate_bps.to_be_bytes()),
+            CtrlMsg::Hello { auth, nonce } => {
+                out.push(u8::from(*auth));
+                out.extend_from_slice(nonce);
+            }
+            CtrlMsg::Challenge { nonce, proof } => {
+                out.extend_from_slice(nonce);
+                out.extend_from_slice(proof);
+            }
+            CtrlMsg::Proof { proof } => out.extend_from_slice(proof),
+            CtrlMsg::Welcome { auth } => out.push(u8::from(*auth)),
         }
         Ok(())
     }
@@ -600,13 +742,34 @@ impl CtrlMsg {
                 let segment_payload = r.u32()?;
                 let segment_count = r.u32()?;
                 let loss_bound = LossBound::from_ppm(r.u32()?)?;
-                let data_port = r.u16()?;
                 let flags = r.u8()?;
                 let stage = match flags {
                     0 => Stage::Push,
                     FLAG_PULL => Stage::Pull,
                     other => return Err(CtrlError::BadFlags(other)),
                 };
+                let flow_nonce = r.array()?;
+                let count = usize::from(r.u8()?);
+                if count == 0 || count > MAX_SOURCES {
+                    return Err(CtrlError::BadSources);
+                }
+                let mut sources = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let addr = match r.u8()? {
+                        4 => std::net::IpAddr::from(r.array::<4>()?),
+                        6 => std::net::IpAddr::from(r.array::<16>()?),
+                        _ => return Err(CtrlError::BadSources),
+                    };
+                    let src = DataSource {
+                        addr,
+                        port: r.u16()?,
+                        ports: r.u16()?,
+                    };
+                    if !src.is_valid() {
+                        return Err(CtrlError::BadSources);
+                    }
+                    sources.push(src);
+                }
                 CtrlMsg::FlowStart(FlowStart {
                     job_id,
                     tensor_id,
@@ -617,8 +780,9 @@ impl CtrlMsg {
                     segment_payload,
                     segment_count,
                     loss_bound,
-                    data_port,
                     stage,
+                    flow_nonce,
+                    sources,
                 })
             }
             kind::FLOW_ACCEPT => CtrlMsg::FlowAccept {
@@ -688,6 +852,16 @@ impl CtrlMsg {
                 0 => return Err(CtrlError::ZeroGrant),
                 rate_bps => CtrlMsg::RateGrant { rate_bps },
             },
+            kind::HELLO => CtrlMsg::Hello {
+                auth: r.flag()?,
+                nonce: r.array()?,
+            },
+            kind::CHALLENGE => CtrlMsg::Challenge {
+                nonce: r.array()?,
+                proof: r.array()?,
+            },
+            kind::PROOF => CtrlMsg::Proof { proof: r.array()? },
+            kind::WELCOME => CtrlMsg::Welcome { auth: r.flag()? },
             other => return Err(CtrlError::UnknownKind(other)),
         };
         if !r.rest.is_empty() {
@@ -721,6 +895,15 @@ impl<'a> Reader<'a> {
 
     fn u8(&mut self) -> Result<u8, CtrlError> {
         Ok(u8::from_be_bytes(self.array()?))
+    }
+
+    /// A flags byte whose only defined bit is bit 0.
+    fn flag(&mut self) -> Result<bool, CtrlError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => Err(CtrlError::BadFlags(other)),
+        }
     }
 
     fn u16(&mut self) -> Result<u16, CtrlError> {
@@ -757,21 +940,35 @@ impl<'a> Reader<'a> {
 ///
 /// Errors: [`CtrlError::TooLarge`] for an announced length over [`MAX_BODY`] is reported as
 /// soon as the 4-byte prefix is buffered and is sticky (the stream cannot be resynchronised,
-/// so the frame is not consumed and every later `next` repeats it). Any other error is a bad
-/// body in an intact frame: that frame is consumed, so the caller may choose to continue,
-/// though the protocol's answer to either is normally `Abort` and close.
+/// so the frame is not consumed and every later `next` repeats it); so is
+/// [`CtrlError::BadSeal`]. Any other error is a bad body in an intact frame: that frame is
+/// consumed, so the caller may choose to continue, though the protocol's answer to either is
+/// normally `Abort` and close.
+///
+/// On an authenticated connection every frame is followed by a tag (the seal):
+/// [`Decoder::set_trailer`] says how long, and [`Decoder::next_checked`] hands each frame and
+/// its tag to the caller's check before the body is decoded.
 #[derive(Debug, Clone, Default)]
 pub struct Decoder {
     buf: Vec<u8>,
     /// Start of unconsumed bytes in `buf`; consumed bytes are dropped lazily on `push` so a
     /// burst of small messages costs O(bytes), not O(bytes x messages).
     start: usize,
+    /// Bytes of seal after every frame (0: none).
+    trailer: usize,
+    /// A seal failed: nothing after it is trusted.
+    bad_seal: bool,
 }
 
 impl Decoder {
     /// An empty decoder.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// From the next frame on, every frame is followed by `len` bytes of seal.
+    pub fn set_trailer(&mut self, len: usize) {
+        self.trailer = len;
     }
 
     /// Appends bytes read from the stream.
@@ -792,6 +989,19 @@ impl Decoder {
     // Not an Iterator: the item is fallible and `None` means "not yet", not "finished".
     #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> Result<Option<CtrlMsg>, CtrlError> {
+        self.next_checked(|_, _| true)
+    }
+
+    /// The next whole message, after `check(frame, seal)` accepted the frame (length prefix
+    /// and body) and the [`Decoder::set_trailer`] bytes after it. A refused frame is
+    /// [`CtrlError::BadSeal`], sticky like an oversized length.
+    pub fn next_checked(
+        &mut self,
+        check: impl FnOnce(&[u8], &[u8]) -> bool,
+    ) -> Result<Option<CtrlMsg>, CtrlError> {
+        if self.bad_seal {
+            return Err(CtrlError::BadSeal);
+        }
         let avail = self.buf.get(self.start..).unwrap_or_default();
         let Some(prefix) = avail.first_chunk::<LEN_PREFIX>() else {
             return Ok(None);
@@ -802,11 +1012,16 @@ impl Decoder {
         }
         // len <= 1 MiB, so this neither overflows nor truncates.
         let frame_len = LEN_PREFIX + len as usize;
-        let Some(body) = avail.get(LEN_PREFIX..frame_len) else {
+        let Some(sealed) = avail.get(..frame_len + self.trailer) else {
             return Ok(None);
         };
-        let res = CtrlMsg::decode_body(body);
-        self.start += frame_len;
+        let (frame, seal) = sealed.split_at(frame_len);
+        if !check(frame, seal) {
+            self.bad_seal = true;
+            return Err(CtrlError::BadSeal);
+        }
+        let res = CtrlMsg::decode_body(&frame[LEN_PREFIX..]);
+        self.start += frame_len + self.trailer;
         if self.start >= self.buf.len() {
             // Everything consumed: reset cheaply instead of draining later.
             self.buf.clear();
@@ -832,8 +1047,13 @@ mod tests {
             segment_payload: 1024,
             segment_count: 10,
             loss_bound: LossBound::from_ppm(50_000).unwrap(),
-            data_port: 4791,
             stage: Stage::Pull,
+            flow_nonce: std::array::from_fn(|i| i as u8 + 1),
+            sources: vec![DataSource {
+                addr: std::net::IpAddr::from([198, 18, 0, 2]),
+                port: 4791,
+                ports: 1,
+            }],
         }
     }
 
@@ -843,6 +1063,18 @@ mod tests {
             CtrlMsg::FlowStart(FlowStart {
                 stage: Stage::Push,
                 loss_bound: LossBound::RELIABLE,
+                sources: vec![
+                    DataSource {
+                        addr: std::net::IpAddr::from([0u8; 16]),
+                        port: 7000,
+                        ports: 8,
+                    },
+                    DataSource {
+                        addr: "2001:db8::1".parse().unwrap(),
+                        port: 65535,
+                        ports: 1,
+                    },
+                ],
                 ..sample_start()
             }),
             CtrlMsg::FlowAccept {
@@ -893,6 +1125,18 @@ mod tests {
             CtrlMsg::RateGrant {
                 rate_bps: 12_500_000,
             },
+            CtrlMsg::Hello {
+                auth: true,
+                nonce: [7; HANDSHAKE_NONCE_LEN],
+            },
+            CtrlMsg::Challenge {
+                nonce: [1; HANDSHAKE_NONCE_LEN],
+                proof: [2; HANDSHAKE_PROOF_LEN],
+            },
+            CtrlMsg::Proof {
+                proof: [3; HANDSHAKE_PROOF_LEN],
+            },
+            CtrlMsg::Welcome { auth: false },
         ]
     }
 
@@ -918,7 +1162,7 @@ mod tests {
     fn flow_start_layout_is_byte_exact() {
         let body = body_of(&CtrlMsg::FlowStart(sample_start()));
         let expect: Vec<u8> = [
-            &[1u8, 1][..],
+            &[VERSION, 1][..],
             &[1, 2, 3, 4],
             &[0, 0, 0, 7],
             &[0, 0, 0, 42],
@@ -928,12 +1172,16 @@ mod tests {
             &[0, 0, 4, 0],
             &[0, 0, 0, 10],
             &50_000u32.to_be_bytes(),
-            &4791u16.to_be_bytes(),
             &[1],
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16],
+            &[1],
+            &[4, 198, 18, 0, 2],
+            &4791u16.to_be_bytes(),
+            &[0, 1],
         ]
         .concat();
         assert_eq!(body, expect);
-        assert_eq!(body.len(), 40);
+        assert_eq!(body.len(), 64);
     }
 
     #[test]
@@ -941,9 +1189,9 @@ mod tests {
         let body = body_of(&CtrlMsg::RateGrant {
             rate_bps: 0x0102_0304_0506_0708,
         });
-        assert_eq!(body, [1, 11, 1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(body, [VERSION, 11, 1, 2, 3, 4, 5, 6, 7, 8]);
         assert_eq!(
-            CtrlMsg::decode_body(&[1, 11, 0, 0, 0, 0, 0, 0, 0, 0]),
+            CtrlMsg::decode_body(&[VERSION, 11, 0, 0, 0, 0, 0, 0, 0, 0]),
             Err(CtrlError::ZeroGrant)
         );
         assert_eq!(
@@ -958,7 +1206,25 @@ mod tests {
         let reason = "size 10 != 12 ✓".len();
         assert_eq!(
             lens,
-            vec![40, 40, 16, 17 + reason, 10, 26, 10, 6, 2, 34, 5, 66, 10]
+            vec![
+                64,
+                97,
+                16,
+                17 + reason,
+                10,
+                26,
+                10,
+                6,
+                2,
+                34,
+                5,
+                66,
+                10,
+                35,
+                66,
+                34,
+                3
+            ]
         );
     }
 
@@ -975,24 +1241,26 @@ mod tests {
             }
         }
         // A range count the body cannot hold is refused before allocating.
-        let mut b = vec![1, kind::RETRANSMIT_REQUEST, 0, 0, 0, 0];
+        let mut b = vec![VERSION, kind::RETRANSMIT_REQUEST, 0, 0, 0, 0];
         b.extend_from_slice(&u32::MAX.to_be_bytes());
         assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::Truncated));
     }
 
     #[test]
     fn error_version_kind_trailing() {
-        assert_eq!(CtrlMsg::decode_body(&[2, 7]), Err(CtrlError::BadVersion(2)));
+        // A version-1 peer (before the handshake and data sources) is refused by version.
+        assert_eq!(CtrlMsg::decode_body(&[1, 7]), Err(CtrlError::BadVersion(1)));
+        assert_eq!(CtrlMsg::decode_body(&[3, 7]), Err(CtrlError::BadVersion(3)));
         assert_eq!(
-            CtrlMsg::decode_body(&[1, 0]),
+            CtrlMsg::decode_body(&[VERSION, 0]),
             Err(CtrlError::UnknownKind(0))
         );
         assert_eq!(
-            CtrlMsg::decode_body(&[1, 12]),
-            Err(CtrlError::UnknownKind(12))
+            CtrlMsg::decode_body(&[VERSION, 16]),
+            Err(CtrlError::UnknownKind(16))
         );
         assert_eq!(
-            CtrlMsg::decode_body(&[1, 7, 0]),
+            CtrlMsg::decode_body(&[VERSION, 7, 0]),
             Err(CtrlError::TrailingBytes(1))
         );
         let mut b = body_of(&CtrlMsg::FlowStop {
@@ -1013,10 +1281,82 @@ mod tests {
         );
         b[33..37].copy_from_slice(&1_000_000u32.to_be_bytes());
         assert!(CtrlMsg::decode_body(&b).is_ok());
-        b[39] = 0x03;
+        b[37] = 0x03;
         assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::BadFlags(3)));
-        b[39] = 0x80;
+        b[37] = 0x80;
         assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::BadFlags(0x80)));
+        let mut h = body_of(&CtrlMsg::Hello {
+            auth: false,
+            nonce: [0; HANDSHAKE_NONCE_LEN],
+        });
+        h[2] = 2;
+        assert_eq!(CtrlMsg::decode_body(&h), Err(CtrlError::BadFlags(2)));
+    }
+
+    #[test]
+    fn error_sources() {
+        let ok = body_of(&CtrlMsg::FlowStart(sample_start()));
+        // Byte 54 is the source count, 55 the family, 56..60 the address, 60..62 the port,
+        // 62..64 the number of ports.
+        let mut b = ok.clone();
+        b[54] = 0;
+        assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::BadSources));
+        let mut b = ok.clone();
+        b[54] = MAX_SOURCES as u8 + 1;
+        assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::BadSources));
+        let mut b = ok.clone();
+        b[55] = 5;
+        assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::BadSources));
+        let mut b = ok.clone();
+        b[62..64].copy_from_slice(&0u16.to_be_bytes());
+        assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::BadSources));
+        let mut b = ok;
+        b[60..62].copy_from_slice(&65535u16.to_be_bytes());
+        b[62..64].copy_from_slice(&2u16.to_be_bytes());
+        assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::BadSources));
+        for sources in [
+            vec![],
+            vec![DataSource::single("198.18.0.1:1".parse().unwrap()); MAX_SOURCES + 1],
+            vec![DataSource {
+                addr: std::net::IpAddr::from([198, 18, 0, 1]),
+                port: 65535,
+                ports: 2,
+            }],
+        ] {
+            let m = CtrlMsg::FlowStart(FlowStart {
+                sources,
+                ..sample_start()
+            });
+            assert_eq!(m.to_frame(), Err(CtrlError::BadSources));
+        }
+    }
+
+    #[test]
+    fn sealed_frames_are_checked_before_decoding_and_a_bad_seal_is_sticky() {
+        let msgs = [
+            CtrlMsg::FinishConfirm,
+            CtrlMsg::FlowFinish {
+                received_segments: 4,
+            },
+        ];
+        let mut stream = Vec::new();
+        for m in &msgs {
+            let frame = m.to_frame().unwrap();
+            stream.extend_from_slice(&frame);
+            // A stand-in seal: the frame's length byte repeated (the real one is an HMAC).
+            stream.extend_from_slice(&[frame[3]; 4]);
+        }
+        let mut d = Decoder::new();
+        d.set_trailer(4);
+        d.push(&stream[..stream.len() - 1]);
+        let check = |frame: &[u8], seal: &[u8]| seal.iter().all(|&b| b == frame[3]);
+        assert_eq!(d.next_checked(check), Ok(Some(msgs[0].clone())));
+        assert_eq!(d.next_checked(check), Ok(None), "seal not complete yet");
+        d.push(&stream[stream.len() - 1..]);
+        assert_eq!(d.next_checked(check), Ok(Some(msgs[1].clone())));
+        d.push(&stream);
+        assert_eq!(d.next_checked(|_, _| false), Err(CtrlError::BadSeal));
+        assert_eq!(d.next_checked(check), Err(CtrlError::BadSeal), "sticky");
     }
 
     #[test]
@@ -1042,7 +1382,7 @@ mod tests {
         b[17] = 0xff;
         assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::BadUtf8));
 
-        let mut b = vec![1, kind::ABORT, 0];
+        let mut b = vec![VERSION, kind::ABORT, 0];
         b.extend_from_slice(&1025u16.to_be_bytes());
         b.extend_from_slice(&[b'x'; 1025]);
         assert_eq!(
@@ -1127,7 +1467,7 @@ mod tests {
     #[test]
     fn error_bad_ranges_on_decode() {
         let enc = |pairs: &[(u32, u32)]| {
-            let mut b = vec![1, kind::RETRANSMIT_REQUEST, 0, 0, 0, 1];
+            let mut b = vec![VERSION, kind::RETRANSMIT_REQUEST, 0, 0, 0, 1];
             b.extend_from_slice(&(pairs.len() as u32).to_be_bytes());
             for (s, l) in pairs {
                 b.extend_from_slice(&s.to_be_bytes());
@@ -1314,28 +1654,52 @@ mod tests {
         ])
     }
 
+    fn arb_sources() -> impl Strategy<Value = Vec<DataSource>> {
+        let addr = prop_oneof![
+            any::<[u8; 4]>().prop_map(std::net::IpAddr::from),
+            any::<[u8; 16]>().prop_map(std::net::IpAddr::from),
+        ];
+        prop::collection::vec(
+            (addr, any::<u16>(), 1..=u16::MAX).prop_map(|(addr, port, ports)| DataSource {
+                addr,
+                port,
+                // Clamp into a valid range: port + ports - 1 <= 65535.
+                ports: (u32::from(ports).min(65_536 - u32::from(port)) as u16).max(1),
+            }),
+            1..=MAX_SOURCES,
+        )
+    }
+
     fn arb_msg() -> impl Strategy<Value = CtrlMsg> {
         prop_oneof![
             (
                 (any::<u32>(), any::<u32>(), any::<u32>(), any::<u16>()),
                 (any::<u8>(), any::<u64>(), any::<u32>(), any::<u32>()),
-                (0..=1_000_000u32, any::<u16>(), any::<bool>()),
+                (
+                    0..=1_000_000u32,
+                    any::<[u8; FLOW_NONCE_LEN]>(),
+                    any::<bool>()
+                ),
+                arb_sources(),
             )
-                .prop_map(|((j, t, r, l), (d, s, p, c), (ppm, port, pull))| {
-                    CtrlMsg::FlowStart(FlowStart {
-                        job_id: j,
-                        tensor_id: t,
-                        round: r,
-                        layer: l,
-                        dtype_code: d,
-                        size_bytes: s,
-                        segment_payload: p,
-                        segment_count: c,
-                        loss_bound: LossBound::from_ppm(ppm).unwrap(),
-                        data_port: port,
-                        stage: if pull { Stage::Pull } else { Stage::Push },
-                    })
-                }),
+                .prop_map(
+                    |((j, t, r, l), (d, s, p, c), (ppm, nonce, pull), sources)| {
+                        CtrlMsg::FlowStart(FlowStart {
+                            job_id: j,
+                            tensor_id: t,
+                            round: r,
+                            layer: l,
+                            dtype_code: d,
+                            size_bytes: s,
+                            segment_payload: p,
+                            segment_count: c,
+                            loss_bound: LossBound::from_ppm(ppm).unwrap(),
+                            stage: if pull { Stage::Pull } else { Stage::Push },
+                            flow_nonce: nonce,
+                            sources,
+                        })
+                    }
+                ),
             (any::<u32>(), any::<u32>(), any::<u32>(), any::<u16>()).prop_map(
                 |(job_id, tensor_id, round, data_port)| CtrlMsg::FlowAccept {
                     job_id,
@@ -1383,6 +1747,15 @@ mod tests {
                 }
             }),
             (1..=u64::MAX).prop_map(|rate_bps| CtrlMsg::RateGrant { rate_bps }),
+            (any::<bool>(), any::<[u8; HANDSHAKE_NONCE_LEN]>())
+                .prop_map(|(auth, nonce)| CtrlMsg::Hello { auth, nonce }),
+            (
+                any::<[u8; HANDSHAKE_NONCE_LEN]>(),
+                any::<[u8; HANDSHAKE_PROOF_LEN]>()
+            )
+                .prop_map(|(nonce, proof)| CtrlMsg::Challenge { nonce, proof }),
+            any::<[u8; HANDSHAKE_PROOF_LEN]>().prop_map(|proof| CtrlMsg::Proof { proof }),
+            any::<bool>().prop_map(|auth| CtrlMsg::Welcome { auth }),
         ]
     }
 

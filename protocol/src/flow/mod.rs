@@ -24,10 +24,10 @@ pub mod sender;
 #[cfg(test)]
 mod tests;
 
-use crate::message::{CtrlMsg, LossBound, RejectCode};
+use crate::message::{CtrlMsg, DataSource, LossBound, RejectCode, FLOW_NONCE_LEN};
 use crate::wire::header::Flags;
 
-pub use receiver::{ReceiverFlow, RecvSpec, RejectCounts};
+pub use receiver::{DataReject, ReceiverFlow, RecvSpec, RejectCounts};
 pub use sender::{SenderConfig, SenderFlow, SenderStats};
 
 /// Identifies one transfer of one tensor.
@@ -48,6 +48,27 @@ impl std::fmt::Display for FlowId {
             "job {} tensor {} round {}",
             self.job, self.tensor, self.round
         )
+    }
+}
+
+/// Where a sender's data comes from, announced in its `FlowStart`: the receiver binds the flow
+/// to these sources (peer binding) and, in an authenticated job, keys the flow's data with the
+/// nonce.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DataOrigin {
+    /// Every address and source-port range the flow's data may come from.
+    pub sources: Vec<DataSource>,
+    /// Random per flow (see `FlowStart::flow_nonce`).
+    pub flow_nonce: [u8; FLOW_NONCE_LEN],
+}
+
+impl DataOrigin {
+    /// One source address and port, with a zero nonce (tests and benches).
+    pub fn single(src: std::net::SocketAddr) -> DataOrigin {
+        DataOrigin {
+            sources: vec![DataSource::single(src)],
+            flow_nonce: [0; FLOW_NONCE_LEN],
+        }
     }
 }
 
@@ -151,6 +172,10 @@ pub fn msg_name(m: &CtrlMsg) -> &'static str {
         CtrlMsg::Abort { .. } => "Abort",
         CtrlMsg::EcnReport { .. } => "EcnReport",
         CtrlMsg::RateGrant { .. } => "RateGrant",
+        CtrlMsg::Hello { .. } => "Hello",
+        CtrlMsg::Challenge { .. } => "Challenge",
+        CtrlMsg::Proof { .. } => "Proof",
+        CtrlMsg::Welcome { .. } => "Welcome",
     }
 }
 

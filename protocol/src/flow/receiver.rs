@@ -6,7 +6,11 @@
 //! copy, one bitmap bit.
 
 use crate::bitmap::SegmentBitmap;
-use crate::message::{CtrlMsg, FlowStart, LossBound, QueueEcn, RejectCode, ECN_QUEUES, MAX_RANGES};
+use std::net::{IpAddr, SocketAddr};
+
+use crate::message::{
+    CtrlMsg, DataSource, FlowStart, LossBound, QueueEcn, RejectCode, ECN_QUEUES, MAX_RANGES,
+};
 use crate::rate::RateMeter;
 use crate::tensor::{DType, PlaceError, SegmentLayout};
 use crate::wire::header;
@@ -53,9 +57,29 @@ impl ReceiverPhase {
     }
 }
 
+/// Why a received datagram was not placed ([`ReceiverFlow::on_datagram`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataReject {
+    /// From an address or port the sender did not announce in its `FlowStart`.
+    ForeignSource,
+    /// Not a parsable gradwire datagram.
+    Malformed,
+    /// The placement checks refused it.
+    Place(PlaceError),
+}
+
+impl From<PlaceError> for DataReject {
+    fn from(e: PlaceError) -> Self {
+        DataReject::Place(e)
+    }
+}
+
 /// Packets refused by the receiver, by reason (none of them touched the tensor).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct RejectCounts {
+    /// From a source the flow's sender did not announce (peer binding): a third host, or a
+    /// port the sender does not use.
+    pub foreign_source: u64,
     /// Not a parsable gradwire datagram (truncated, bad version, unknown kind, ...).
     pub malformed: u64,
     /// Unknown job.
@@ -75,7 +99,16 @@ pub struct RejectCounts {
 }
 
 impl RejectCounts {
-    /// Count one refusal.
+    /// Count one refused datagram.
+    pub fn count_datagram(&mut self, e: DataReject) {
+        match e {
+            DataReject::ForeignSource => self.foreign_source += 1,
+            DataReject::Malformed => self.malformed += 1,
+            DataReject::Place(p) => self.count(p),
+        }
+    }
+
+    /// Count one refusal by the placement checks.
     pub fn count(&mut self, e: PlaceError) {
         let c = match e {
             PlaceError::UnknownJob => &mut self.unknown_job,
@@ -91,7 +124,8 @@ impl RejectCounts {
 
     /// Total refusals.
     pub fn total(&self) -> u64 {
-        self.malformed
+        self.foreign_source
+            + self.malformed
             + self.unknown_job
             + self.unknown_tensor
             + self.stale_round
@@ -136,6 +170,9 @@ pub struct ReceiverStats {
 #[derive(Debug)]
 pub struct ReceiverFlow {
     id: FlowId,
+    /// The sources announced in `FlowStart`, unspecified addresses resolved to the control
+    /// peer's: the only ones whose datagrams may touch the tensor.
+    peers: Vec<DataSource>,
     layout: SegmentLayout,
     loss_bound: LossBound,
     bitmap: SegmentBitmap,
@@ -182,9 +219,13 @@ const GRANT_RESEND_SHIFT: u32 = 4;
 impl ReceiverFlow {
     /// Validate a FlowStart against what is registered. On success returns the flow and the
     /// FlowAccept to send; on failure the FlowReject to send.
+    ///
+    /// `control_peer` is the address of the control connection's peer: it stands for the
+    /// unspecified addresses among the announced data sources.
     pub fn accept(
         start: &FlowStart,
         spec: &RecvSpec,
+        control_peer: IpAddr,
         data_port: u16,
         period_ns: u64,
         now_ns: u64,
@@ -257,9 +298,28 @@ impl ReceiverFlow {
             }
             Err(e) => return Err(reject(RejectCode::BadSegmentLayout, e.to_string())),
         };
+        if start.sources.is_empty() {
+            return Err(reject(
+                RejectCode::Other,
+                "FlowStart announces no data source".into(),
+            ));
+        }
+        let peers = start
+            .sources
+            .iter()
+            .map(|s| DataSource {
+                addr: if s.addr.is_unspecified() {
+                    control_peer.to_canonical()
+                } else {
+                    s.addr.to_canonical()
+                },
+                ..*s
+            })
+            .collect();
         let loss_bound = spec.loss_bound.unwrap_or(start.loss_bound);
         let flow = ReceiverFlow {
             id,
+            peers,
             bitmap: SegmentBitmap::new(layout.count()),
             layout,
             loss_bound,
@@ -365,6 +425,43 @@ impl ReceiverFlow {
             self.finish_pending = true;
             self.stats.bound_met_ns = Some(now_ns);
         }
+    }
+
+    /// The data sources this flow accepts datagrams from (announced, resolved).
+    pub fn peers(&self) -> &[DataSource] {
+        &self.peers
+    }
+
+    /// Whether `src` is one of the flow's announced data sources.
+    #[inline]
+    pub fn is_peer(&self, src: SocketAddr) -> bool {
+        let ip = src.ip().to_canonical();
+        let port = u32::from(src.port());
+        self.peers.iter().any(|p| {
+            p.addr == ip
+                && port >= u32::from(p.port)
+                && port < u32::from(p.port) + u32::from(p.ports)
+        })
+    }
+
+    /// Handle one received datagram from `src`: peer binding (the announced sources only),
+    /// header parse, then [`Self::on_data`]. Returns whether the segment was new; nothing is
+    /// written unless every check passed. This is the whole per-packet receive path.
+    #[inline]
+    pub fn on_datagram(
+        &mut self,
+        src: SocketAddr,
+        datagram: &[u8],
+        tensor: &mut [u8],
+        tos: u8,
+        now_ns: u64,
+    ) -> Result<bool, DataReject> {
+        if !self.is_peer(src) {
+            return Err(DataReject::ForeignSource);
+        }
+        let pkt = header::Packet::new_checked(datagram).map_err(|_| DataReject::Malformed)?;
+        let repr = header::Repr::parse(&pkt).map_err(|_| DataReject::Malformed)?;
+        Ok(self.on_data(&repr, pkt.payload(), tensor, tos, now_ns)?)
     }
 
     /// Place one data packet into `tensor` (the registered buffer). `tos` is the packet's IP

@@ -11,7 +11,7 @@ use crate::rate::{
 use crate::tensor::{DType, SegmentLayout};
 use crate::wire::header;
 
-use super::{msg_name, segment_flags, FlowId, ProtoError};
+use super::{msg_name, segment_flags, DataOrigin, FlowId, ProtoError};
 
 /// Sender tuning.
 #[derive(Debug, Clone, PartialEq)]
@@ -177,7 +177,7 @@ impl SenderFlow {
         layer: u16,
         loss_bound: LossBound,
         stage: Stage,
-        src_port: u16,
+        origin: DataOrigin,
         cfg: &SenderConfig,
         now_ns: u64,
     ) -> (SenderFlow, CtrlMsg) {
@@ -204,8 +204,9 @@ impl SenderFlow {
             segment_payload: layout.segment_payload() as u32,
             segment_count: layout.count(),
             loss_bound,
-            data_port: src_port,
             stage,
+            flow_nonce: origin.flow_nonce,
+            sources: origin.sources,
         });
         let flow = SenderFlow {
             id,

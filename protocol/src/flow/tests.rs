@@ -2,7 +2,7 @@
 //! test decides exactly which segments are lost.
 
 use crate::message::{
-    CtrlMsg, FlowStart, LossBound, QueueEcn, RejectCode, SegRange, Stage, ECN_QUEUES,
+    CtrlMsg, DataSource, FlowStart, LossBound, QueueEcn, RejectCode, SegRange, Stage, ECN_QUEUES,
 };
 use crate::rate::{RateConfig, RateMode, RateState};
 use crate::tensor::{DType, PlaceError, SegmentLayout, Tensor};
@@ -18,6 +18,11 @@ const ID: FlowId = FlowId {
     round: 11,
 };
 const MS: u64 = 1_000_000;
+/// The sender's data source in these tests.
+const SENDER: std::net::SocketAddr = std::net::SocketAddr::new(
+    std::net::IpAddr::V4(std::net::Ipv4Addr::new(198, 18, 0, 1)),
+    5000,
+);
 
 fn layout(elems: usize) -> SegmentLayout {
     SegmentLayout::new(elems as u64 * 4, 4, 1440).unwrap()
@@ -65,7 +70,7 @@ impl Pair {
             2,
             bound(p),
             Stage::Push,
-            5000,
+            DataOrigin::single(SENDER),
             &cfg,
             0,
         );
@@ -73,7 +78,8 @@ impl Pair {
             panic!("not a FlowStart")
         };
         assert_eq!(fs.segment_count, layout(elems).count());
-        let (r, accept) = ReceiverFlow::accept(&fs, &spec(elems, None), 6000, 200_000, 0).unwrap();
+        let (r, accept) =
+            ReceiverFlow::accept(&fs, &spec(elems, None), SENDER.ip(), 6000, 200_000, 0).unwrap();
         assert_eq!(s.on_ctrl(accept, 0).unwrap(), None);
         assert_eq!(s.phase(), SenderPhase::Sending);
         assert_eq!(s.data_port(), Some(6000));
@@ -448,7 +454,7 @@ fn rendezvous_rejects_mismatches_with_reasons() {
         0,
         bound(0.1),
         Stage::Pull,
-        1,
+        DataOrigin::single(SENDER),
         &cfg,
         0,
     );
@@ -456,7 +462,12 @@ fn rendezvous_rejects_mismatches_with_reasons() {
         panic!()
     };
     let check = |fs: &FlowStart, spec: &RecvSpec, code: RejectCode| match ReceiverFlow::accept(
-        fs, spec, 1, 200_000, 0,
+        fs,
+        spec,
+        SENDER.ip(),
+        1,
+        200_000,
+        0,
     ) {
         Err(CtrlMsg::FlowReject {
             code: c, reason, ..
@@ -525,8 +536,15 @@ fn rendezvous_rejects_mismatches_with_reasons() {
         RejectCode::Other,
     );
     // The receiver's own bound wins over the sender's.
-    let (r, _) =
-        ReceiverFlow::accept(&fs, &spec(1000, Some(LossBound::RELIABLE)), 1, 1, 0).unwrap();
+    let (r, _) = ReceiverFlow::accept(
+        &fs,
+        &spec(1000, Some(LossBound::RELIABLE)),
+        SENDER.ip(),
+        1,
+        1,
+        0,
+    )
+    .unwrap();
     assert_eq!(r.loss_bound(), LossBound::RELIABLE);
 }
 
@@ -731,14 +749,14 @@ fn empty_tensor_finishes_at_once() {
         0,
         LossBound::RELIABLE,
         Stage::Push,
-        1,
+        DataOrigin::single(SENDER),
         &cfg,
         0,
     );
     let CtrlMsg::FlowStart(fs) = start else {
         panic!()
     };
-    let (mut r, accept) = ReceiverFlow::accept(&fs, &spec(0, None), 1, 1, 0).unwrap();
+    let (mut r, accept) = ReceiverFlow::accept(&fs, &spec(0, None), SENDER.ip(), 1, 1, 0).unwrap();
     s.on_ctrl(accept, 0).unwrap();
     assert_eq!(
         r.poll(0),
@@ -894,7 +912,7 @@ fn grant_mode_starts_at_the_remembered_rate() {
             0,
             LossBound::RELIABLE,
             Stage::Push,
-            1,
+            DataOrigin::single(SENDER),
             &cfg,
             0,
         );
@@ -929,4 +947,118 @@ fn ecn_mode_cuts_on_reported_marks() {
     p.s.on_ctrl(CtrlMsg::RateGrant { rate_bps: 1 }, MS).unwrap();
     assert_eq!(p.s.rate_bps(), line / 2);
     assert_eq!(p.s.stats().halvings, 1);
+}
+
+/// Peer binding: only the sources announced in FlowStart may write the tensor; a datagram from
+/// anyone else is counted and leaves every byte as it was, even when its ids are the flow's.
+#[test]
+fn only_announced_sources_write_the_tensor() {
+    let elems = 10_000;
+    let spray = DataSource {
+        addr: std::net::IpAddr::from([0, 0, 0, 0]),
+        port: 7000,
+        ports: 4,
+    };
+    let second_nic = DataSource::single("198.18.1.1:9000".parse().unwrap());
+    let (_, start) = SenderFlow::new(
+        ID,
+        layout(elems),
+        DType::F32,
+        2,
+        bound(0.0),
+        Stage::Push,
+        DataOrigin {
+            sources: vec![spray, second_nic],
+            flow_nonce: [9; 16],
+        },
+        &SenderConfig::new(10_000_000_000),
+        0,
+    );
+    let CtrlMsg::FlowStart(fs) = start else {
+        panic!("not a FlowStart")
+    };
+    let control_peer = std::net::IpAddr::from([198, 18, 0, 7]);
+    let (mut r, _) =
+        ReceiverFlow::accept(&fs, &spec(elems, None), control_peer, 1, 200_000, 0).unwrap();
+    // The wildcard source resolved to the control connection's address.
+    assert_eq!(r.peers()[0].addr, control_peer);
+
+    let mut src = Tensor::zeros(DType::F32, elems);
+    src.fill_pattern(3);
+    let datagram = |index: u32, payload: &[u8]| {
+        let (off, len) = layout(elems).segment(index).unwrap();
+        let repr = header::Repr {
+            kind: header::Kind::Data,
+            flags: header::Flags::default(),
+            pass: 0,
+            job_id: ID.job,
+            tensor_id: ID.tensor,
+            round: ID.round,
+            offset: off,
+            seq: index,
+            length: len as u16,
+            layer: 2,
+        };
+        let mut buf = vec![0u8; header::HEADER_LEN + len];
+        let mut pkt = header::Packet::new_unchecked(&mut buf[..]);
+        repr.emit(&mut pkt).unwrap();
+        pkt.payload_mut()
+            .copy_from_slice(&payload[off as usize..off as usize + len]);
+        buf
+    };
+    let forged = vec![0xa5u8; elems * 4];
+    let mut dst = Tensor::zeros(DType::F32, elems);
+    let mut counts = RejectCounts::default();
+    let foreign: [std::net::SocketAddr; 5] = [
+        "198.18.0.99:7000".parse().unwrap(), // a third host, the sender's port
+        "198.18.0.7:6999".parse().unwrap(),  // the sender's host, below the spray range
+        "198.18.0.7:7004".parse().unwrap(),  // just past it
+        "198.18.1.1:9001".parse().unwrap(),  // the second interface, another port
+        "[2001:db8::7]:7000".parse().unwrap(),
+    ];
+    for (i, from) in foreign.iter().enumerate() {
+        let res = r.on_datagram(
+            *from,
+            &datagram(i as u32, &forged),
+            dst.as_bytes_mut(),
+            0,
+            1,
+        );
+        assert_eq!(res, Err(DataReject::ForeignSource), "{from}");
+        counts.count_datagram(res.unwrap_err());
+    }
+    assert_eq!(counts.foreign_source, 5);
+    assert_eq!(counts.total(), 5);
+    assert!(
+        dst.as_bytes().iter().all(|&b| b == 0),
+        "a foreign datagram touched the tensor"
+    );
+    assert_eq!(r.stats().placed + r.stats().duplicates, 0);
+
+    // Every announced source is accepted: each spray port, the second interface, and the
+    // IPv4-mapped IPv6 spelling of the control peer (a dual-stack socket reports that).
+    let ok: [std::net::SocketAddr; 4] = [
+        "198.18.0.7:7000".parse().unwrap(),
+        "198.18.0.7:7003".parse().unwrap(),
+        "198.18.1.1:9000".parse().unwrap(),
+        "[::ffff:198.18.0.7]:7001".parse().unwrap(),
+    ];
+    for (i, from) in ok.iter().enumerate() {
+        let res = r.on_datagram(
+            *from,
+            &datagram(i as u32, src.as_bytes()),
+            dst.as_bytes_mut(),
+            0,
+            1,
+        );
+        assert_eq!(res, Ok(true), "{from}");
+    }
+    // The forged copies of segments 0..4 did not pre-empt the real ones.
+    let n = layout(elems).segment(4).unwrap().0 as usize;
+    assert_eq!(&dst.as_bytes()[..n], &src.as_bytes()[..n]);
+    // Malformed datagrams from a peer are counted as such, not placed.
+    assert_eq!(
+        r.on_datagram(ok[0], &[1, 1, 0], dst.as_bytes_mut(), 0, 1),
+        Err(DataReject::Malformed)
+    );
 }
