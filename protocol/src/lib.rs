@@ -17,8 +17,11 @@
 //! - [`flow`]: the sender and receiver state machines of one transfer.
 //! - [`tagging`]: DLCP's default priority function (layer -> DSCP, gradient magnitude ->
 //!   ECN-capable).
+//! - [`auth`]: authenticated jobs' crypto (from `ring`): the key schedule from a job secret,
+//!   handshake proofs, control-frame tags, per-flow AES-128-GCM of data datagrams.
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod bitmap;
 pub mod datagram;
 pub mod flow;

@@ -1,10 +1,11 @@
 //! The gradwire data header: a fixed 32-byte big-endian header at the start of every UDP
-//! datagram, followed by exactly `length` payload bytes.
+//! datagram, followed by exactly `length` payload bytes and, in an authenticated datagram, a
+//! 16-byte tag.
 //!
 //! ```text
 //! off size field
 //! 0   1    version    VERSION (1); anything else is rejected
-//! 1   1    kind       1 = Data
+//! 1   1    kind       1 = Data, 2 = AuthData (a TAG_LEN-byte tag follows the payload)
 //! 2   1    flags      bit0 RETRANSMIT, bit1 LAST, bit2 IMPORTANT; unknown bits preserved
 //! 3   1    pass       retransmission pass (0 = first transmission), wraps
 //! 4   4    job_id
@@ -14,12 +15,26 @@
 //! 24  4    seq        per-flow packet sequence number
 //! 28  2    length     payload length in bytes
 //! 30  2    layer      layer index of the tensor
-//! 32  ..   payload    exactly `length` bytes
+//! 32  ..   payload    exactly `length` bytes (AuthData: AES-128-GCM ciphertext)
+//! 32+length  tag      AuthData only: TAG_LEN (16) bytes, the AES-128-GCM tag over the
+//!                     32 header bytes (AAD) and the payload; see `crate::auth`
 //! ```
 //!
 //! The 64-bit `offset` sits at an 8-byte-aligned offset so the header can be read with plain
 //! loads. A datagram is exact (UDP preserves boundaries), so trailing bytes after the payload
-//! are an error rather than padding.
+//! (after the tag for AuthData) are an error rather than padding.
+//!
+//! # Check order
+//!
+//! Parsing checks lengths first, then the version, then the kind. How many bytes a datagram
+//! must have depends on its kind, so the length check reads the raw kind byte only to size
+//! the trailer ([`tag_len`]: 16 when byte 1 is AuthData's 2, 0 for any other value) and does not
+//! judge it: a datagram whose kind byte is unknown is still length-checked as a tag-less one,
+//! and is then rejected by [`Repr::parse`] as `UnknownKind` exactly as before AuthData
+//! existed. The version byte does not change the length rule (a datagram of another version
+//! with a consistent length is `BadVersion`, as before). The header version stays 1: an old
+//! receiver that does not know kind 2 drops AuthData datagrams as `LengthMismatch` (the tag
+//! looks like trailing bytes), never places them.
 
 use super::{Error, Result};
 
@@ -56,6 +71,8 @@ pub mod field {
 pub const HEADER_LEN: usize = 32;
 /// The only header version this code speaks.
 pub const VERSION: u8 = 1;
+/// Length of the authentication tag after the payload of an [`Kind::AuthData`] datagram.
+pub const TAG_LEN: usize = 16;
 
 /// Packet kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -63,6 +80,20 @@ pub const VERSION: u8 = 1;
 pub enum Kind {
     /// A segment of gradient data.
     Data = 1,
+    /// A segment of gradient data in an authenticated flow: the payload is AES-128-GCM
+    /// ciphertext and a [`TAG_LEN`]-byte tag follows it (see `crate::auth::FlowKey`).
+    AuthData = 2,
+}
+
+impl Kind {
+    /// Bytes that follow the payload in a datagram of this kind: [`TAG_LEN`] for AuthData,
+    /// 0 for Data.
+    pub const fn tag_len(self) -> usize {
+        match self {
+            Kind::Data => 0,
+            Kind::AuthData => TAG_LEN,
+        }
+    }
 }
 
 impl TryFrom<u8> for Kind {
@@ -70,8 +101,20 @@ impl TryFrom<u8> for Kind {
     fn try_from(v: u8) -> Result<Kind> {
         match v {
             1 => Ok(Kind::Data),
+            2 => Ok(Kind::AuthData),
             _ => Err(Error::UnknownKind),
         }
+    }
+}
+
+/// Bytes after the payload for a raw kind byte, as the length check uses it: [`TAG_LEN`] for
+/// AuthData, 0 for Data and for every unknown kind (which [`Repr::parse`] then rejects as
+/// `UnknownKind`; see the module doc's check order).
+pub const fn tag_len(kind: u8) -> usize {
+    if kind == Kind::AuthData as u8 {
+        TAG_LEN
+    } else {
+        0
     }
 }
 
@@ -124,7 +167,7 @@ impl core::ops::BitOr for Flags {
     }
 }
 
-/// A zero-copy view of a gradwire datagram (header + payload).
+/// A zero-copy view of a gradwire datagram (header + payload, + tag for AuthData).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Packet<T> {
     buffer: T,
@@ -143,14 +186,15 @@ impl<T: AsRef<[u8]>> Packet<T> {
         Ok(p)
     }
 
-    /// Shorter than 32 bytes or than 32 + `length` -> `Truncated`; longer than 32 + `length`
-    /// -> `LengthMismatch`.
+    /// Shorter than 32 bytes or than 32 + `length` + tag -> `Truncated`; longer than
+    /// 32 + `length` + tag -> `LengthMismatch`, where tag is [`tag_len`] of the raw kind byte
+    /// (16 for AuthData, else 0). Neither version nor kind is judged here.
     pub fn check_len(&self) -> Result<()> {
         let len = self.buffer.as_ref().len();
         if len < HEADER_LEN {
             return Err(Error::Truncated);
         }
-        let want = HEADER_LEN + usize::from(self.length());
+        let want = HEADER_LEN + usize::from(self.length()) + tag_len(self.kind());
         match len.cmp(&want) {
             core::cmp::Ordering::Less => Err(Error::Truncated),
             core::cmp::Ordering::Greater => Err(Error::LengthMismatch),
@@ -226,12 +270,22 @@ impl<T: AsRef<[u8]>> Packet<T> {
 }
 
 impl<'a, T: AsRef<[u8]> + ?Sized> Packet<&'a T> {
-    /// The payload: `length` bytes after the header (clamped to the buffer, so this never
-    /// panics even on an unchecked view of at least 32 bytes).
+    /// The payload: `length` bytes after the header, without the tag of an AuthData datagram
+    /// (clamped to the buffer, so this never panics even on an unchecked view of at least 32
+    /// bytes).
     pub fn payload(&self) -> &'a [u8] {
         let data = self.buffer.as_ref();
         let end = (field::PAYLOAD + usize::from(self.length())).min(data.len());
         data.get(field::PAYLOAD..end).unwrap_or(&[])
+    }
+
+    /// The tag after the payload: [`TAG_LEN`] bytes for AuthData, empty for any other kind
+    /// (clamped to the buffer like [`Self::payload`]).
+    pub fn tag(&self) -> &'a [u8] {
+        let data = self.buffer.as_ref();
+        let start = (field::PAYLOAD + usize::from(self.length())).min(data.len());
+        let end = (start + tag_len(self.kind())).min(data.len());
+        data.get(start..end).unwrap_or(&[])
     }
 }
 
@@ -295,7 +349,8 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
         self.put(field::LAYER, &v.to_be_bytes())
     }
 
-    /// The payload, mutably (`length` bytes after the header, clamped to the buffer).
+    /// The payload, mutably (`length` bytes after the header, without an AuthData tag,
+    /// clamped to the buffer).
     pub fn payload_mut(&mut self) -> &mut [u8] {
         let len = usize::from(self.length());
         let data = self.buffer.as_mut();
@@ -304,8 +359,8 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
     }
 }
 
-/// High-level contents of a gradwire data header (the payload is not included; the version is
-/// implied, always [`VERSION`]).
+/// High-level contents of a gradwire data header (the payload and tag are not included; the
+/// version is implied, always [`VERSION`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Repr {
     /// Packet kind.
@@ -357,13 +412,14 @@ impl Repr {
         HEADER_LEN
     }
 
-    /// Header plus payload length.
+    /// Header plus payload length, plus [`TAG_LEN`] for AuthData: the whole datagram.
     pub const fn buffer_len(&self) -> usize {
-        HEADER_LEN + self.length as usize
+        HEADER_LEN + self.length as usize + self.kind.tag_len()
     }
 
-    /// Writes the header; the payload area is left alone (the caller fills it, before or
-    /// after). `Oversize` if the buffer is shorter than [`Self::buffer_len`].
+    /// Writes the header; the payload and tag areas are left alone (the caller fills them,
+    /// before or after; `crate::auth::FlowKey::seal` writes the tag). `Oversize` if the buffer
+    /// is shorter than [`Self::buffer_len`].
     pub fn emit<T: AsRef<[u8]> + AsMut<[u8]> + ?Sized>(
         &self,
         packet: &mut Packet<&mut T>,
@@ -474,13 +530,85 @@ pub(crate) mod tests {
             Repr::parse(&Packet::new_unchecked(&ok[..])),
             Err(Error::UnknownKind)
         );
-        assert_eq!(Kind::try_from(2), Err(Error::UnknownKind));
+        // 2 is AuthData since issue 12; the first unknown kind is 3.
+        assert_eq!(Kind::try_from(2), Ok(Kind::AuthData));
+        assert_eq!(Kind::try_from(3), Err(Error::UnknownKind));
         assert_eq!(
             sample_repr(4).emit(&mut Packet::new_unchecked(&mut buf[..35])),
             Err(Error::Oversize)
         );
         // An unchecked view's payload() clamps instead of panicking.
         assert_eq!(Packet::new_unchecked(&buf[..33]).payload().len(), 1);
+    }
+
+    #[test]
+    fn auth_data_layout_and_errors() {
+        let r = Repr {
+            kind: Kind::AuthData,
+            ..sample_repr(3)
+        };
+        assert_eq!(r.buffer_len(), HEADER_LEN + 3 + TAG_LEN);
+        let mut buf = vec![0u8; r.buffer_len() + 1];
+        r.emit(&mut Packet::new_unchecked(&mut buf[..])).unwrap();
+        buf[32..35].copy_from_slice(b"abc");
+        for (i, b) in buf[35..51].iter_mut().enumerate() {
+            *b = 0xe0 + i as u8;
+        }
+        assert_eq!(buf[field::KIND], 2);
+        let whole = &buf[..51];
+        let p = Packet::new_checked(whole).unwrap();
+        assert_eq!(Repr::parse(&p).unwrap(), r);
+        assert_eq!(p.payload(), b"abc");
+        assert_eq!(p.tag(), &whole[35..]);
+        // Without its tag (what a plain Data datagram of the same length looks like), with
+        // part of it, or with trailing bytes.
+        assert_eq!(
+            Packet::new_checked(&buf[..35]).unwrap_err(),
+            Error::Truncated
+        );
+        assert_eq!(
+            Packet::new_checked(&buf[..50]).unwrap_err(),
+            Error::Truncated
+        );
+        assert_eq!(
+            Packet::new_checked(&buf[..]).unwrap_err(),
+            Error::LengthMismatch
+        );
+        // The same bytes with kind Data: the tag is trailing bytes.
+        let mut plain = whole.to_vec();
+        plain[field::KIND] = Kind::Data as u8;
+        assert_eq!(
+            Packet::new_checked(&plain[..]).unwrap_err(),
+            Error::LengthMismatch
+        );
+        let p = Packet::new_checked(&plain[..35]).unwrap();
+        assert_eq!(p.tag(), b"");
+        assert_eq!(p.payload(), b"abc");
+        // Length first, then version, then kind: a bad version on a consistent AuthData
+        // datagram is BadVersion; an unknown kind is length-checked as tag-less.
+        let mut v = whole.to_vec();
+        v[field::VERSION] = 2;
+        assert_eq!(
+            Repr::parse(&Packet::new_unchecked(&v[..])),
+            Err(Error::BadVersion)
+        );
+        let mut k = whole.to_vec();
+        k[field::KIND] = 3;
+        assert_eq!(
+            Packet::new_checked(&k[..]).unwrap_err(),
+            Error::LengthMismatch
+        );
+        assert_eq!(
+            Repr::parse(&Packet::new_unchecked(&k[..35])),
+            Err(Error::UnknownKind)
+        );
+        // Unchecked views clamp the tag like the payload.
+        assert_eq!(Packet::new_unchecked(&whole[..40]).tag(), &whole[35..40]);
+        assert_eq!(Packet::new_unchecked(&whole[..33]).tag(), b"");
+        assert_eq!(
+            r.emit(&mut Packet::new_unchecked(&mut buf[..50])),
+            Err(Error::Oversize)
+        );
     }
 
     prop_compose! {
@@ -516,13 +644,59 @@ pub(crate) mod tests {
         #[test]
         fn arbitrary_header_with_exact_payload(hdr in any::<[u8; 32]>()) {
             // Make the length consistent so parse gets past check_len and exercises the
-            // version/kind checks on random bytes.
+            // version/kind checks on random bytes (an AuthData kind byte adds its tag).
             let len = usize::from(u16::from_be_bytes([hdr[28], hdr[29]]));
             let mut buf = hdr.to_vec();
-            buf.resize(HEADER_LEN + len, 0);
+            buf.resize(HEADER_LEN + len + tag_len(hdr[1]), 0);
             match Repr::parse(&Packet::new_unchecked(&buf[..])) {
-                Ok(r) => prop_assert!(hdr[0] == VERSION && hdr[1] == 1 && r.length as usize == len),
+                Ok(r) => prop_assert!(
+                    hdr[0] == VERSION && matches!(hdr[1], 1 | 2) && r.length as usize == len
+                ),
                 Err(e) => prop_assert!(matches!(e, Error::BadVersion | Error::UnknownKind)),
+            }
+        }
+
+        #[test]
+        fn auth_data_round_trip(
+            r in any_repr(2000), fill in any::<u8>(), tag in any::<[u8; TAG_LEN]>(),
+        ) {
+            let r = Repr { kind: Kind::AuthData, ..r };
+            let len = usize::from(r.length);
+            prop_assert_eq!(r.buffer_len(), HEADER_LEN + len + TAG_LEN);
+            let mut buf = vec![fill; r.buffer_len()];
+            r.emit(&mut Packet::new_unchecked(&mut buf[..])).unwrap();
+            buf[HEADER_LEN + len..].copy_from_slice(&tag);
+            let p = Packet::new_checked(&buf[..]).unwrap();
+            prop_assert_eq!(Repr::parse(&p).unwrap(), r);
+            prop_assert_eq!(p.payload().len(), len);
+            prop_assert!(p.payload().iter().all(|b| *b == fill));
+            prop_assert_eq!(p.tag(), &tag[..]);
+            // Cut anywhere in the tag or the end of the payload: Truncated (a missing tag is
+            // never taken for a tag-less datagram); one byte more: LengthMismatch.
+            let from = (buf.len() - TAG_LEN - 2).max(HEADER_LEN);
+            for n in (from..buf.len()).chain([HEADER_LEN]) {
+                prop_assert_eq!(Packet::new_checked(&buf[..n]).unwrap_err(), Error::Truncated);
+            }
+            buf.push(fill);
+            prop_assert_eq!(Packet::new_checked(&buf[..]).unwrap_err(), Error::LengthMismatch);
+        }
+
+        #[test]
+        fn kind_byte_sets_the_trailer(r in any_repr(64), kind in any::<u8>()) {
+            // The same header and payload bytes with each kind byte: exactly
+            // 32 + length + tag_len(kind) bytes pass the length check.
+            let want = HEADER_LEN + usize::from(r.length) + tag_len(kind);
+            let mut buf = vec![0u8; HEADER_LEN + usize::from(r.length) + TAG_LEN + 1];
+            r.emit(&mut Packet::new_unchecked(&mut buf[..])).unwrap();
+            buf[field::KIND] = kind;
+            for n in want.saturating_sub(TAG_LEN + 1)..buf.len() {
+                let got = Packet::new_checked(&buf[..n]).map(|_| ());
+                let expect = match n.cmp(&want) {
+                    core::cmp::Ordering::Less => Err(Error::Truncated),
+                    core::cmp::Ordering::Greater => Err(Error::LengthMismatch),
+                    core::cmp::Ordering::Equal => Ok(()),
+                };
+                prop_assert_eq!(got, expect, "kind {} len {}", kind, n);
             }
         }
     }
