@@ -63,6 +63,11 @@ pub enum ChannelError {
 pub trait CtrlChannel {
     /// Peer description for errors.
     fn peer(&self) -> String;
+    /// The peer's IP address, where the channel has one: a receiver binds a flow's wildcard
+    /// data sources to it (an in-memory channel has none).
+    fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        None
+    }
     /// Send one message (reliably, in order).
     fn send(&mut self, msg: &CtrlMsg) -> Result<(), ChannelError>;
     /// Receive one message, waiting at most `timeout` (zero: don't wait).
@@ -147,6 +152,10 @@ impl TcpCtrl {
 impl CtrlChannel for TcpCtrl {
     fn peer(&self) -> String {
         self.peer.to_string()
+    }
+
+    fn peer_ip(&self) -> Option<std::net::IpAddr> {
+        Some(self.peer.ip())
     }
 
     fn send(&mut self, msg: &CtrlMsg) -> Result<(), ChannelError> {

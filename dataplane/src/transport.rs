@@ -44,12 +44,12 @@ use crate::datapath::{Datapath, DatapathError, DatapathStats, RxMeta, TxMeta};
 use crate::flow::receiver::{ReceiverPhase, ReceiverStats};
 use crate::flow::sender::SenderPhase;
 use crate::flow::{
-    FlowId, LossDefaults, PriorityFn, ProtoError, ReceiverFlow, RecvSpec, RejectCounts,
+    DataOrigin, FlowId, LossDefaults, PriorityFn, ProtoError, ReceiverFlow, RecvSpec, RejectCounts,
     SegmentInfo, SenderConfig, SenderFlow, SenderStats,
 };
 use crate::grant::GrantConfig;
 use crate::grant_pool::GrantPool;
-use crate::message::{CtrlMsg, LossBound, Stage, MAX_REASON};
+use crate::message::{CtrlMsg, LossBound, Stage, FLOW_NONCE_LEN, MAX_REASON};
 use crate::rate::RateConfig;
 use crate::tensor::{segment_payload_for, LayoutError, SegmentLayout, Tensor};
 use crate::wire::header;
@@ -260,6 +260,11 @@ pub enum TransferError {
     /// Invalid configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The operating system's random number generator failed (getrandom).
+    #[error(
+        "the system random number generator failed: check that /dev/urandom or getrandom(2) works"
+    )]
+    Random,
 }
 
 /// Result of a send.
@@ -366,7 +371,9 @@ fn abort_peer<T, C: CtrlChannel + ?Sized>(
         TransferError::Channel(ChannelError::Encode(_)) => abort_code::LOCAL,
         TransferError::Datapath { .. } => abort_code::DATAPATH,
         TransferError::Stalled { .. } => abort_code::STALLED,
-        TransferError::Layout(_) | TransferError::Config(_) => abort_code::LOCAL,
+        TransferError::Layout(_) | TransferError::Config(_) | TransferError::Random => {
+            abort_code::LOCAL
+        }
     };
     let mut reason = e.to_string();
     if reason.len() > MAX_REASON {
@@ -437,7 +444,10 @@ fn send_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         opts.layer,
         bound,
         opts.stage,
-        dp.local_addr().port(),
+        DataOrigin {
+            sources: dp.data_sources(),
+            flow_nonce: random_flow_nonce()?,
+        },
         &cfg.sender,
         now(),
     );
@@ -641,9 +651,13 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
             });
         }
     };
+    let control_peer = ctrl
+        .peer_ip()
+        .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
     let (mut flow, accept) = match ReceiverFlow::accept(
         &start,
         &spec,
+        control_peer,
         dp.local_addr().port(),
         cfg.rate().period_ns,
         now(),
@@ -672,6 +686,8 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         u64::try_from(cfg.no_progress_timeout.as_nanos()).unwrap_or(u64::MAX),
     );
     flow.set_max_backoff(u64::try_from(cfg.max_backoff.as_nanos()).unwrap_or(u64::MAX));
+    // Before FlowAccept: the sender sends nothing earlier, so its first packet gets through.
+    dp.admit_peers(flow.peers()).map_err(dp_err(dp.name()))?;
     // This flow's share of the downlink, announced right after FlowAccept (by `poll`).
     let pool = cfg.grant_pool();
     let remaining = |f: &ReceiverFlow| f.layout().size_bytes().saturating_sub(f.stats().bytes);
@@ -691,19 +707,8 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     let buf = tensor.as_bytes_mut();
     let mut place =
         |flow: &mut ReceiverFlow, rejected: &mut RejectCounts, meta: &RxMeta, d: &[u8], t: u64| {
-            let pkt = match header::Packet::new_checked(d) {
-                Ok(p) => p,
-                Err(_) => {
-                    rejected.malformed += 1;
-                    return;
-                }
-            };
-            let Ok(repr) = header::Repr::parse(&pkt) else {
-                rejected.malformed += 1;
-                return;
-            };
-            if let Err(e) = flow.on_data(&repr, pkt.payload(), buf, meta.tos, t) {
-                rejected.count(e);
+            if let Err(e) = flow.on_datagram(meta.src, d, buf, meta.tos, t) {
+                rejected.count_datagram(e);
             }
         };
     while !flow.is_done() {
@@ -792,6 +797,17 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         bitmap,
         layout,
     })
+}
+
+/// A fresh random flow nonce from the operating system's CSPRNG (it keys an authenticated
+/// flow's data, so it must not be predictable or repeat).
+fn random_flow_nonce() -> Result<[u8; FLOW_NONCE_LEN], TransferError> {
+    use ring::rand::SecureRandom;
+    let mut nonce = [0u8; FLOW_NONCE_LEN];
+    ring::rand::SystemRandom::new()
+        .fill(&mut nonce)
+        .map_err(|_| TransferError::Random)?;
+    Ok(nonce)
 }
 
 /// Sends the receiver's messages that are due, feeding each rate report's packet and CE
@@ -945,6 +961,17 @@ impl<D: Datapath> Receiver<D> {
         cfg.validate()?;
         let stream = accept_within(listener, cfg.connect_timeout)?;
         let ctrl = TcpCtrl::new(stream, cfg.control_dscp)?;
+        Ok(Receiver { dp, ctrl, cfg })
+    }
+
+    /// A receiver over an already established control channel (e.g. one a
+    /// `CtrlListener` accepted).
+    pub fn with_channel(
+        ctrl: TcpCtrl,
+        dp: D,
+        cfg: TransferConfig,
+    ) -> Result<Receiver<D>, TransferError> {
+        cfg.validate()?;
         Ok(Receiver { dp, ctrl, cfg })
     }
 

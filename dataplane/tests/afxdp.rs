@@ -337,8 +337,12 @@ fn malformed_and_foreign_packets_are_dropped_counted_and_touch_nothing() {
                 segment_payload: 1440,
                 segment_count: 10,
                 loss_bound: LossBound::RELIABLE,
-                data_port: DATA_PORT,
                 stage: Stage::Push,
+                flow_nonce: [0; 16],
+                // The data socket below: peer binding accepts data from it only.
+                sources: vec![gradwire::message::DataSource::single(SocketAddr::new(
+                    ip0, DATA_PORT,
+                ))],
             }))
             .unwrap();
             let Some(CtrlMsg::FlowAccept { data_port, .. }) =
@@ -350,7 +354,7 @@ fn malformed_and_foreign_packets_are_dropped_counted_and_touch_nothing() {
             // The flow is live: let the foreign host try, then carry on.
             accepted_tx.send(()).unwrap();
             go_rx.recv_timeout(Duration::from_secs(10)).unwrap();
-            let s = UdpSocket::bind(SocketAddr::new(ip0, 0)).unwrap();
+            let s = UdpSocket::bind(SocketAddr::new(ip0, DATA_PORT)).unwrap();
             let junk = [0xEEu8; 1440];
             let bad: Vec<Vec<u8>> = vec![
                 vec![1, 1, 0, 0, 0, 0, 0, 4, 0, 0], // truncated gradwire header: dropped in XDP

@@ -329,8 +329,9 @@ fn sender_that_disappears_mid_transfer_is_an_error_not_a_hang() {
                 segment_payload: layout.segment_payload() as u32,
                 segment_count: layout.count(),
                 loss_bound: LossBound::RELIABLE,
-                data_port: 1,
                 stage: gradwire::message::Stage::Push,
+                flow_nonce: [0; 16],
+                sources: vec![gradwire::message::DataSource::single(a)],
             }))
             .unwrap();
             assert!(matches!(
@@ -422,8 +423,9 @@ fn protocol_violation_aborts_with_a_reason_the_peer_sees() {
                 segment_payload: layout.segment_payload() as u32,
                 segment_count: layout.count(),
                 loss_bound: LossBound::RELIABLE,
-                data_port: 1,
                 stage: gradwire::message::Stage::Push,
+                flow_nonce: [0; 16],
+                sources: vec![gradwire::message::DataSource::single(a)],
             }))
             .unwrap();
             assert!(matches!(

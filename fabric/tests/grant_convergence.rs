@@ -113,6 +113,7 @@ fn run(s: &Setup, warmup_ns: u64, window_ns: u64) -> Outcome {
             tensor: 0,
             round: i as u32,
         };
+        let sender: std::net::SocketAddr = ([198, 18, 0, 1], 7000).into();
         let (mut sf, start) = SenderFlow::new(
             id,
             layout,
@@ -120,14 +121,15 @@ fn run(s: &Setup, warmup_ns: u64, window_ns: u64) -> Outcome {
             0,
             LossBound::RELIABLE,
             Stage::Push,
-            7000,
+            gradwire_proto::flow::DataOrigin::single(sender),
             &cfg,
             0,
         );
         let CtrlMsg::FlowStart(fs) = start else {
             panic!("FlowStart expected")
         };
-        let (mut rf, accept) = ReceiverFlow::accept(&fs, &spec, 7000, period_ns, 0).unwrap();
+        let (mut rf, accept) =
+            ReceiverFlow::accept(&fs, &spec, sender.ip(), 7000, period_ns, 0).unwrap();
         // Rendezvous is instantaneous here; the grant itself travels like any message.
         sf.on_ctrl(accept, 0).unwrap();
         let key = alloc.join(s.tensor_bytes);

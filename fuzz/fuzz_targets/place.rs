@@ -28,6 +28,12 @@ use gradwire_proto::tensor::DType;
 use gradwire_proto::wire::header::{self, Packet, Repr};
 use libfuzzer_sys::fuzz_target;
 
+/// The flow's announced data source (the placement checks under test come after peer binding).
+const SENDER: std::net::SocketAddr = std::net::SocketAddr::new(
+    std::net::IpAddr::V4(std::net::Ipv4Addr::new(198, 18, 0, 1)),
+    9000,
+);
+
 const GUARD: usize = 64;
 const GUARD_BYTE: u8 = 0xA5;
 const JOB: u32 = 0x1020_3040;
@@ -87,11 +93,12 @@ fuzz_target!(|data: &[u8]| {
             u32::try_from((size as u64).div_ceil(u64::from(seg))).unwrap_or(u32::MAX)
         },
         loss_bound: sender_bound,
-        data_port: 9000,
         stage: Stage::Push,
+        flow_nonce: [0; 16],
+        sources: vec![gradwire_proto::message::DataSource::single(SENDER)],
     };
     let mut now: u64 = 1_000_000;
-    let Ok((mut flow, _accept)) = ReceiverFlow::accept(&start, &spec, 9000, 100_000, now) else {
+    let Ok((mut flow, _accept)) = ReceiverFlow::accept(&start, &spec, SENDER.ip(), 9000, 100_000, now) else {
         return;
     };
     let layout = *flow.layout();

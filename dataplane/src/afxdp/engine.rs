@@ -640,4 +640,12 @@ impl Datapath for Engine {
     fn backend_stats(&self) -> Option<crate::datapath::BackendStats> {
         Some(Box::new(Engine::afxdp_stats(self)))
     }
+
+    fn data_sources(&self) -> Vec<crate::datapath::DataSource> {
+        self.cfg.data_sources()
+    }
+
+    fn admit_peers(&mut self, peers: &[crate::datapath::DataSource]) -> Result<(), DatapathError> {
+        self.cfg.admit_peers(&self.xdp, peers)
+    }
 }

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use gradwire_ebpf::{AttachMode, XdpConfig, XdpCounters, XdpProgram};
 
-use crate::datapath::{Datapath, DatapathError, DatapathStats, Deliver, Fill, RxMeta};
+use crate::datapath::{DataSource, Datapath, DatapathError, DatapathStats, Deliver, Fill, RxMeta};
 use crate::wire::frame::{self, FrameMeta};
 use crate::wire::Ecn;
 
@@ -77,7 +77,11 @@ pub struct AfXdpConfig {
     pub xdp_mode: AttachMode,
     /// Static neighbours (IP -> MAC), consulted before the kernel's neighbour table.
     pub neighbors: Vec<(IpAddr, [u8; 6])>,
-    /// Only accept gradwire packets from these sources (enforced in XDP).
+    /// Peer filter in XDP: `Some(list)` (the default, empty) accepts gradwire packets only
+    /// from these sources plus every flow's announced data sources, added when a receiver
+    /// accepts the flow ([`Datapath::admit_peers`]), so traffic from anyone else is dropped
+    /// before it reaches user space. `None` turns the filter off (raw packet generators in
+    /// benchmarks); the receiver's own peer binding still applies.
     pub allowlist: Option<Vec<IpAddr>>,
     /// Fault injection in XDP: drop probability per DSCP (0..=63), for loss tests.
     pub fault_drop: Vec<(u8, f64)>,
@@ -101,7 +105,7 @@ impl AfXdpConfig {
             poll: PollMode::WakeOnDemand { spin: 4 },
             xdp_mode: AttachMode::Auto,
             neighbors: Vec::new(),
-            allowlist: None,
+            allowlist: Some(Vec::new()),
             fault_drop: Vec::new(),
             hop_limit: 64,
             spray_ports: 1,
@@ -370,6 +374,33 @@ impl AfXdpConfig {
             src_mac,
             xdp,
         })
+    }
+
+    /// The sources this datapath's datagrams come from: its address, one port per spray port.
+    pub(crate) fn data_sources(&self) -> Vec<DataSource> {
+        vec![DataSource {
+            addr: self.local.ip(),
+            port: self.local.port(),
+            ports: self.spray_ports.max(1),
+        }]
+    }
+
+    /// Adds the flow's `peers` to the classifier's allowlist, when the filter is on.
+    pub(crate) fn admit_peers(
+        &self,
+        xdp: &XdpProgram,
+        peers: &[DataSource],
+    ) -> Result<(), DatapathError> {
+        if self.allowlist.is_none() {
+            return Ok(());
+        }
+        for p in peers {
+            xdp.allow(p.addr).map_err(|e| DatapathError::AdmitPeer {
+                peer: p.addr,
+                reason: e.to_string(),
+            })?;
+        }
+        Ok(())
     }
 
     /// Bind the socket of queue `q` and register it with the classifier.
@@ -694,5 +725,13 @@ impl Datapath for AfXdpDatapath {
 
     fn backend_stats(&self) -> Option<crate::datapath::BackendStats> {
         Some(Box::new(AfXdpDatapath::afxdp_stats(self)))
+    }
+
+    fn data_sources(&self) -> Vec<DataSource> {
+        self.cfg.data_sources()
+    }
+
+    fn admit_peers(&mut self, peers: &[DataSource]) -> Result<(), DatapathError> {
+        self.cfg.admit_peers(&self.xdp, peers)
     }
 }

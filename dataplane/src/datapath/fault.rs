@@ -273,6 +273,14 @@ impl<D: Datapath> Datapath for FaultInjector<D> {
         self.inner.backend_stats()
     }
 
+    fn data_sources(&self) -> Vec<super::DataSource> {
+        self.inner.data_sources()
+    }
+
+    fn admit_peers(&mut self, peers: &[super::DataSource]) -> Result<(), DatapathError> {
+        self.inner.admit_peers(peers)
+    }
+
     fn stats(&self) -> DatapathStats {
         let mut s = self.inner.stats();
         s.rx_dropped += self.fstats.dropped;

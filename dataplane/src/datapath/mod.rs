@@ -27,6 +27,7 @@ pub mod multipath;
 pub mod udp;
 
 pub use gradwire_proto::datagram::{tos, RxMeta, TxMeta};
+pub use gradwire_proto::message::DataSource;
 
 /// Counters every datapath keeps.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -65,6 +66,14 @@ pub enum DatapathError {
          configured static neighbour)"
     )]
     NoNeighbor(std::net::IpAddr),
+    /// A filter below the datapath (the XDP classifier's allowlist) refused a flow's peer.
+    #[error("cannot admit data source {peer} to the XDP classifier's allowlist: {reason}")]
+    AdmitPeer {
+        /// The peer address.
+        peer: std::net::IpAddr,
+        /// Why (the map error, which says whether the allowlist is full).
+        reason: String,
+    },
 }
 
 /// Filler for one transmit slot: write a datagram into the buffer, return its length and
@@ -101,6 +110,23 @@ pub trait Datapath {
 
     /// Counters so far.
     fn stats(&self) -> DatapathStats;
+
+    /// Every source address and port range the datagrams this datapath sends come from: the
+    /// sender announces them in `FlowStart`, and the receiver accepts the flow's data from
+    /// these only (peer binding). An unspecified address (a wildcard-bound socket) stands for
+    /// the control connection's source address.
+    fn data_sources(&self) -> Vec<DataSource> {
+        vec![DataSource::single(self.local_addr())]
+    }
+
+    /// Lets datagrams from `peers` through whatever filters traffic below this datapath (the
+    /// AF_XDP classifier's allowlist, so that foreign traffic never reaches user space). A
+    /// receiver calls it when it accepts a flow; datapaths without such a filter do nothing
+    /// (the receiver's own peer check still applies).
+    fn admit_peers(&mut self, peers: &[DataSource]) -> Result<(), DatapathError> {
+        let _ = peers;
+        Ok(())
+    }
 
     /// Counters only one kind of datapath keeps (the AF_XDP datapath: per-socket and XDP
     /// classifier counters), as a snapshot for reports. Callers downcast to the type they know
@@ -140,5 +166,11 @@ impl<D: Datapath + ?Sized> Datapath for Box<D> {
     }
     fn backend_stats(&self) -> Option<BackendStats> {
         (**self).backend_stats()
+    }
+    fn data_sources(&self) -> Vec<DataSource> {
+        (**self).data_sources()
+    }
+    fn admit_peers(&mut self, peers: &[DataSource]) -> Result<(), DatapathError> {
+        (**self).admit_peers(peers)
     }
 }

@@ -67,6 +67,21 @@ impl Datapath for MultiPath {
         self.paths[0].local_addr()
     }
 
+    /// Every path's sources: a receiver must accept the flow's data from all of them.
+    fn data_sources(&self) -> Vec<super::DataSource> {
+        let mut all: Vec<super::DataSource> = Vec::new();
+        for s in self.paths.iter().flat_map(|p| p.data_sources()) {
+            if !all.contains(&s) {
+                all.push(s);
+            }
+        }
+        all
+    }
+
+    fn admit_peers(&mut self, peers: &[super::DataSource]) -> Result<(), DatapathError> {
+        self.paths.iter_mut().try_for_each(|p| p.admit_peers(peers))
+    }
+
     fn max_datagram(&self) -> usize {
         self.paths
             .iter()

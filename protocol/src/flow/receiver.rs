@@ -304,6 +304,14 @@ impl ReceiverFlow {
                 "FlowStart announces no data source".into(),
             ));
         }
+        if control_peer.is_unspecified() && start.sources.iter().any(|s| s.addr.is_unspecified()) {
+            return Err(reject(
+                RejectCode::Other,
+                "FlowStart announces a wildcard data source, but the control channel has no \
+                 peer address to stand for it: bind the sender's data socket to an address"
+                    .into(),
+            ));
+        }
         let peers = start
             .sources
             .iter()
