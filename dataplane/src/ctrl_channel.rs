@@ -68,6 +68,11 @@ pub trait CtrlChannel {
     fn peer_ip(&self) -> Option<std::net::IpAddr> {
         None
     }
+    /// The session keys of an authenticated channel (the handshake proved the job secret on
+    /// both ends): the drivers derive each flow's data key from them. `None`: plain channel.
+    fn session(&self) -> Option<&gradwire_proto::auth::SessionKeys> {
+        None
+    }
     /// Send one message (reliably, in order).
     fn send(&mut self, msg: &CtrlMsg) -> Result<(), ChannelError>;
     /// Receive one message, waiting at most `timeout` (zero: don't wait).
