@@ -4,12 +4,18 @@
 //!
 //! - `memcpy_1440`: `copy_from_slice` of a pre-built datagram's payload into the 64 MiB
 //!   tensor, same source bytes and destination walk as `recv_place`.
-//! - `recv_place`: `header::Packet::new_checked` + `Repr::parse` + `ReceiverFlow::on_data`
-//!   (bounds check, bitmap bit, the copy into the tensor), as `recv_tensor`'s place closure.
+//! - `recv_place`: `ReceiverFlow::on_datagram` (peer binding, `header::Packet::new_checked`,
+//!   `Repr::parse`, `on_data`: bounds check, bitmap bit, the copy into the tensor), as
+//!   `recv_tensor`'s place closure.
 //! - `recv_frame_place`: `frame::parse` (IPv4 + UDP checksums verified) + the above.
 //! - `send_build`: `SenderFlow::next_segment` + priority + header emit + payload copy into a
 //!   1472-byte transmit buffer, as `send_tensor`'s fill closure.
 //! - `send_build_frame`: the above + `frame::emit_headers` (IPv4 + UDP checksums).
+//! - `send_build_tagged`: `send_build` with DLCP's default priority function.
+//! - `recv_place_auth`, `recv_frame_place_auth`: the receive paths of an authenticated flow
+//!   (AES-128-GCM `FlowKey::open` of the sealed datagram into a reused scratch buffer, then
+//!   parse and place the plaintext).
+//! - `send_build_auth`, `send_build_frame_auth`: the send paths with `FlowKey::seal`.
 //!
 //! Every timed receive packet is a first copy: flows are rebuilt after each lap over the
 //! tensor, outside the timed part (`iter_custom`). See `gradwire_bench` for the details.
@@ -53,6 +59,18 @@ fn per_packet(c: &mut Criterion) {
     });
     bench_op(&mut g, "send_build_tagged", || {
         SendFixture::with_tagging(false, true, SEGMENTS)
+    });
+    bench_op(&mut g, "recv_place_auth", || {
+        RecvFixture::authenticated(false, SEGMENTS)
+    });
+    bench_op(&mut g, "recv_frame_place_auth", || {
+        RecvFixture::authenticated(true, SEGMENTS)
+    });
+    bench_op(&mut g, "send_build_auth", || {
+        SendFixture::authenticated(false, SEGMENTS)
+    });
+    bench_op(&mut g, "send_build_frame_auth", || {
+        SendFixture::authenticated(true, SEGMENTS)
     });
     g.finish();
 }

@@ -21,14 +21,21 @@
 //!   pre-built datagram for segment `i` into the tensor at `i * 1440`. Same source bytes and
 //!   same destination walk as `recv_place`: the baseline the receive path is compared with.
 //! - `recv_place` ([`RecvFixture`] without frames): what `transport::recv_tensor`'s `place`
-//!   closure does with one datagram: `header::Packet::new_checked`, `header::Repr::parse`,
-//!   `ReceiverFlow::on_data` (flow match, `SegmentLayout::locate` bounds check, rate meter,
-//!   bitmap bit, the one 1440-byte copy into the tensor, counters, loss-bound check) and the
-//!   reject accounting.
+//!   closure does with one datagram: `ReceiverFlow::on_datagram` (peer binding: the source
+//!   against the flow's announced sources; `header::Packet::new_checked`,
+//!   `header::Repr::parse`; `on_data`: flow match, `SegmentLayout::locate` bounds check, rate
+//!   meter, bitmap bit, the one 1440-byte copy into the tensor, counters, loss-bound check)
+//!   and the reject accounting.
 //! - `recv_frame_place` ([`RecvFixture`] with frames): `frame::parse` of a whole
 //!   Ethernet/IPv4/UDP frame (IPv4 header checksum and UDP checksum verified over the 1480
-//!   UDP bytes), then the same as `recv_place` on the datagram, with CE taken from the IP
-//!   header: the AF_XDP receive path.
+//!   UDP bytes), then the same as `recv_place` on the datagram, with the source from the IP
+//!   and UDP headers and CE from the IP header: the AF_XDP receive path.
+//! - `recv_place_auth`, `recv_frame_place_auth` ([`RecvFixture::authenticated`]): the same
+//!   for an authenticated flow: peer binding (`ReceiverFlow::is_peer`), then
+//!   `auth::FlowKey::open` (copy of the 1440-byte ciphertext and tag into a reused scratch
+//!   buffer, AES-128-GCM verify and decrypt in place there), `new_checked` + `Repr::parse` of
+//!   the datagram, and `on_data` with the plaintext. The packets are AuthData datagrams
+//!   (1488 bytes; frames 1530 bytes) sealed by the send path.
 //! - `send_build` ([`SendFixture`] without frames): what `transport::send_tensor`'s `fill`
 //!   closure does for one datagram: `SenderFlow::next_segment`, the priority function call,
 //!   `Repr::emit` of the 32-byte header and the 1440-byte copy of the segment from the tensor
@@ -37,6 +44,15 @@
 //! - `send_build_frame` ([`SendFixture`] with frames): the same, with the datagram written at
 //!   offset 42 of a frame buffer, then `frame::emit_headers` (Ethernet, IPv4 with header
 //!   checksum, UDP with checksum over the datagram).
+//! - `send_build_auth`, `send_build_frame_auth` ([`SendFixture::authenticated`]): the same
+//!   with an AuthData header and `auth::FlowKey::seal` (AES-128-GCM encryption of the payload
+//!   in place, the tag after it) before the frame headers.
+//!
+//! The authenticated fixtures keep the 1440-byte payload, so that plain and authenticated
+//! costs compare at equal payloads; on a 1500-byte MTU an authenticated datagram has room for
+//! [`DATA_TAG_LEN`] bytes less (1424), and its 1530-byte frame here is over the standard
+//! 1514 (`frame::parse` does not judge the MTU). The keys are derived from a fixed bench secret
+//! outside the timed part.
 //! - `send_build_tagged` ([`SendFixture::with_tagging`]): `send_build` with DLCP's default
 //!   priority function (layer DSCP, mean |g| of the segment against the tensor's sampled
 //!   median) instead of a fixed tag. [`threshold_estimate_time`] measures the once-per-tensor
@@ -48,12 +64,13 @@ use std::hint::black_box;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use gradwire_proto::auth::{FlowKey, JobKey, JobSecret, DATA_TAG_LEN, NONCE_LEN};
 use gradwire_proto::datagram::{RxMeta, TxMeta};
 use gradwire_proto::flow::{
-    fixed_priority, FlowId, PriorityFn, ReceiverFlow, RecvSpec, RejectCounts, SegmentInfo,
-    SenderConfig, SenderFlow, Tag,
+    fixed_priority, DataOrigin, FlowId, PriorityFn, ReceiverFlow, RecvSpec, RejectCounts,
+    SegmentInfo, SenderConfig, SenderFlow, Tag,
 };
-use gradwire_proto::message::{CtrlMsg, FlowStart, LossBound, Stage};
+use gradwire_proto::message::{CtrlMsg, FlowStart, LossBound, Stage, FLOW_NONCE_LEN};
 use gradwire_proto::tagging::{DlcpTagger, MagnitudeConfig};
 use gradwire_proto::tensor::{DType, SegmentLayout, Tensor};
 use gradwire_proto::wire::frame::{self, Ecn, FrameMeta};
@@ -74,6 +91,17 @@ pub const TX_BUFFERS: usize = 32;
 /// Wire time of one full-size packet at 100 Gbit/s, in ns: (1500 + 14 Ethernet + 4 FCS +
 /// 8 preamble + 12 inter-frame gap) bytes x 8 / 100.
 pub const NS_PER_PACKET_100G: f64 = (1500.0 + 38.0) * 8.0 / 100.0;
+/// Full-size (1500-byte MTU) packets per second at 25 Gbit/s line rate, Ethernet overheads
+/// included: 25e9 / ((1500 + 38) x 8) = 2.03 M.
+pub const PPS_25G: f64 = 25e9 / ((1500.0 + 38.0) * 8.0);
+/// The same at 100 Gbit/s: 8.13 M.
+pub const PPS_100G: f64 = 100e9 / ((1500.0 + 38.0) * 8.0);
+
+/// Cores that processing `pps` packets per second needs at `ns_per_packet` each:
+/// ns/packet x packets/s / 1e9 (one core does 1e9 ns of work per second).
+pub fn cores_needed(ns_per_packet: f64, pps: f64) -> f64 {
+    ns_per_packet * pps / 1e9
+}
 
 const JOB: u32 = 7;
 const TENSOR_ID: u32 = 42;
@@ -82,6 +110,10 @@ const LAYER: u16 = 5;
 const NOW_NS: u64 = 1_000;
 const SRC: &str = "198.18.0.1:40000";
 const DST: &str = "198.18.0.2:9000";
+/// The bench job's secret and handshake nonces (fixed: the keys are the same every run).
+const SECRET: [u8; 32] = [0x5a; 32];
+const CLIENT_NONCE: [u8; NONCE_LEN] = [0xc1; NONCE_LEN];
+const SERVER_NONCE: [u8; NONCE_LEN] = [0x5e; NONCE_LEN];
 
 /// One per-packet operation over a fixture.
 pub trait PerPacket {
@@ -141,8 +173,9 @@ fn zero_tensor(segments: u32) -> Tensor {
     t
 }
 
-/// A sender flow for the bench tensor that has been accepted (is sending), and its FlowStart.
-fn sender_flow(segments: u32) -> (SenderFlow, FlowStart) {
+/// A sender flow for the bench tensor that has been accepted (is sending), and its FlowStart,
+/// which announces `flow_nonce`.
+fn sender_flow(segments: u32, flow_nonce: [u8; FLOW_NONCE_LEN]) -> (SenderFlow, FlowStart) {
     let layout = SegmentLayout::new(tensor_bytes(segments) as u64, 4, PAYLOAD)
         .expect("bench segment layout is valid");
     let id = FlowId {
@@ -157,7 +190,10 @@ fn sender_flow(segments: u32) -> (SenderFlow, FlowStart) {
         LAYER,
         LossBound::RELIABLE,
         Stage::Push,
-        addr(SRC).port(),
+        DataOrigin {
+            flow_nonce,
+            ..DataOrigin::single(addr(SRC))
+        },
         &SenderConfig::new(100_000_000_000),
         0,
     );
@@ -175,6 +211,27 @@ fn sender_flow(segments: u32) -> (SenderFlow, FlowStart) {
     (flow, start)
 }
 
+/// The flow nonce of lap `lap`.
+fn lap_nonce(lap: u64) -> [u8; FLOW_NONCE_LEN] {
+    let mut nonce = [0u8; FLOW_NONCE_LEN];
+    nonce[..8].copy_from_slice(&lap.to_be_bytes());
+    nonce
+}
+
+/// The AES-128-GCM key of the bench flow `start` announces, as both ends derive it after the
+/// handshake (not timed).
+fn flow_key(start: &FlowStart) -> FlowKey {
+    let secret = JobSecret::new(SECRET.to_vec()).expect("32-byte bench secret");
+    JobKey::new(&secret)
+        .session(&CLIENT_NONCE, &SERVER_NONCE)
+        .flow_key(
+            start.job_id,
+            start.tensor_id,
+            start.round,
+            &start.flow_nonce,
+        )
+}
+
 /// A receiver flow that accepted `start` into a tensor of `segments` segments.
 fn receiver_flow(start: &FlowStart, segments: u32) -> ReceiverFlow {
     let spec = RecvSpec {
@@ -186,8 +243,9 @@ fn receiver_flow(start: &FlowStart, segments: u32) -> ReceiverFlow {
         max_payload: PAYLOAD,
         loss_bound: None,
     };
-    let (flow, _accept) = ReceiverFlow::accept(start, &spec, addr(DST).port(), 100_000, 0)
-        .expect("receiver accepts the bench flow");
+    let (flow, _accept) =
+        ReceiverFlow::accept(start, &spec, addr(SRC).ip(), addr(DST).port(), 100_000, 0)
+            .expect("receiver accepts the bench flow");
     flow
 }
 
@@ -195,9 +253,16 @@ fn receiver_flow(start: &FlowStart, segments: u32) -> ReceiverFlow {
 pub struct SendFixture {
     frames: bool,
     tagged: bool,
+    /// Authenticated: AuthData datagrams sealed with this flow's key.
+    key: Option<FlowKey>,
+    /// Laps so far: each lap is a new flow with a new flow nonce, so an authenticated
+    /// fixture never seals the same (seq, pass) twice under one key.
+    laps: u64,
     segments: u32,
     tensor: Tensor,
     flow: SenderFlow,
+    /// The current flow's FlowStart.
+    start: FlowStart,
     prio: Box<PriorityFn<'static>>,
     dst: SocketAddr,
     src: SocketAddr,
@@ -213,6 +278,7 @@ impl std::fmt::Debug for SendFixture {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SendFixture")
             .field("frames", &self.frames)
+            .field("authenticated", &self.key.is_some())
             .field("segments", &self.segments)
             .field("built", &self.built)
             .finish_non_exhaustive()
@@ -226,13 +292,21 @@ impl SendFixture {
         Self::with_tagging(frames, false, segments)
     }
 
+    /// [`SendFixture::new`] for an authenticated flow: AuthData datagrams, payload sealed
+    /// with the flow's AES-128-GCM key (`send_build_auth`, `send_build_frame_auth`).
+    pub fn authenticated(frames: bool, segments: u32) -> SendFixture {
+        let mut f = Self::new(frames, segments);
+        f.key = Some(flow_key(&f.start));
+        f
+    }
+
     /// [`SendFixture::new`], with DLCP's default tagging when `tagged` (layer 5 of 161, the
     /// magnitude threshold sampled from the tensor; each segment's mean |g| is computed):
     /// `send_build_tagged`.
     pub fn with_tagging(frames: bool, tagged: bool, segments: u32) -> SendFixture {
         let mut tensor = zero_tensor(segments);
         tensor.fill_pattern(1);
-        let (flow, _) = sender_flow(segments);
+        let (flow, start) = sender_flow(segments, lap_nonce(0));
         let prio: Box<PriorityFn<'static>> = if tagged {
             let tagger = DlcpTagger::for_tensor(&tensor, 5, 161, &MagnitudeConfig::default())
                 .expect("valid tagging configuration");
@@ -246,9 +320,12 @@ impl SendFixture {
         SendFixture {
             frames,
             tagged,
+            key: None,
+            laps: 0,
             segments,
             tensor,
             flow,
+            start,
             prio,
             dst: addr(DST),
             src: addr(SRC),
@@ -267,7 +344,8 @@ impl SendFixture {
 
     /// Builds the next packet into transmit slot `slot`; returns its length and metadata.
     ///
-    /// The datagram part is `send_tensor`'s fill closure line by line.
+    /// The datagram part is `send_tensor`'s fill closure line by line, plus the seal of an
+    /// authenticated flow.
     #[inline]
     fn build(&mut self, slot: usize) -> Option<(usize, TxMeta)> {
         let hl = if self.frames { frame::HEADER_LEN_V4 } else { 0 };
@@ -289,11 +367,17 @@ impl SendFixture {
         if tag.ect {
             repr.flags.insert(header::Flags::IMPORTANT);
         }
-        let total = HEADER_LEN + len;
+        if self.key.is_some() {
+            repr.kind = header::Kind::AuthData;
+        }
+        let total = repr.buffer_len();
         let out = buf.get_mut(..total)?;
         let mut pkt = header::Packet::new_unchecked(&mut *out);
         repr.emit(&mut pkt).ok()?;
         pkt.payload_mut().copy_from_slice(seg);
+        if let Some(key) = &self.key {
+            key.seal(out).ok()?;
+        }
         self.payload_bytes += len as u64;
         let tx = TxMeta {
             dst: self.dst,
@@ -329,10 +413,12 @@ impl SendFixture {
 
 impl PerPacket for SendFixture {
     fn name(&self) -> &'static str {
-        match (self.frames, self.tagged) {
-            (true, _) => "send_build_frame",
-            (false, true) => "send_build_tagged",
-            (false, false) => "send_build",
+        match (self.frames, self.tagged, self.key.is_some()) {
+            (true, _, true) => "send_build_frame_auth",
+            (false, _, true) => "send_build_auth",
+            (true, _, false) => "send_build_frame",
+            (false, true, false) => "send_build_tagged",
+            (false, false, false) => "send_build",
         }
     }
 
@@ -356,16 +442,28 @@ impl PerPacket for SendFixture {
             "{}: every packet of the lap was built in full",
             self.name()
         );
-        self.flow = sender_flow(self.segments).0;
+        // A new flow with a new flow nonce (and so a new key when authenticated) per lap, as a
+        // real sender has per flow.
+        self.laps += 1;
+        (self.flow, self.start) = sender_flow(self.segments, lap_nonce(self.laps));
+        if self.key.is_some() {
+            self.key = Some(flow_key(&self.start));
+        }
         self.built = 0;
         self.payload_bytes = 0;
     }
 }
 
-/// One pre-built packet per segment, in [`SLOT`]-byte slots, as the send path emits them.
-fn prebuilt_packets(frames: bool, segments: u32) -> Vec<u8> {
-    let mut send = SendFixture::new(frames, segments);
-    let want = if frames { FRAME_LEN } else { DATAGRAM_LEN };
+/// One pre-built packet per segment, in [`SLOT`]-byte slots, as the send path emits them
+/// (sealed for an authenticated flow), and the flow's FlowStart.
+fn prebuilt_packets(frames: bool, auth: bool, segments: u32) -> (Vec<u8>, FlowStart) {
+    let mut send = if auth {
+        SendFixture::authenticated(frames, segments)
+    } else {
+        SendFixture::new(frames, segments)
+    };
+    let start = send.start.clone();
+    let want = packet_len(frames, auth);
     let mut pool = vec![0u8; segments as usize * SLOT];
     for slot in pool.chunks_exact_mut(SLOT) {
         let n = send
@@ -373,13 +471,25 @@ fn prebuilt_packets(frames: bool, segments: u32) -> Vec<u8> {
             .expect("send path builds every segment");
         assert_eq!(n, want);
     }
-    pool
+    (pool, start)
+}
+
+/// Length of a bench packet: a datagram or a frame, with the tag when authenticated.
+const fn packet_len(frames: bool, auth: bool) -> usize {
+    let d = DATAGRAM_LEN + if auth { DATA_TAG_LEN } else { 0 };
+    if frames {
+        frame::HEADER_LEN_V4 + d
+    } else {
+        d
+    }
 }
 
 /// The receive path: places one pre-built datagram (or frame) per call into a 64 MiB tensor.
 #[derive(Debug)]
 pub struct RecvFixture {
     frames: bool,
+    /// Authenticated: the flow's key and the reused scratch buffer `open` decrypts into.
+    auth: Option<(FlowKey, Vec<u8>)>,
     segments: u32,
     packets: Vec<u8>,
     tensor: Tensor,
@@ -394,11 +504,22 @@ impl RecvFixture {
     /// A receiver of `segments` segments; with `frames`, packets are whole
     /// Ethernet/IPv4/UDP frames and go through `frame::parse` first.
     pub fn new(frames: bool, segments: u32) -> RecvFixture {
-        let packets = prebuilt_packets(frames, segments);
-        let (_, start) = sender_flow(segments);
+        Self::build(frames, false, segments)
+    }
+
+    /// [`RecvFixture::new`] for an authenticated flow: sealed AuthData packets, opened
+    /// before placement (`recv_place_auth`, `recv_frame_place_auth`).
+    pub fn authenticated(frames: bool, segments: u32) -> RecvFixture {
+        Self::build(frames, true, segments)
+    }
+
+    fn build(frames: bool, auth: bool, segments: u32) -> RecvFixture {
+        let (packets, start) = prebuilt_packets(frames, auth, segments);
         let flow = receiver_flow(&start, segments);
+        let auth = auth.then(|| (flow_key(&start), Vec::with_capacity(SLOT)));
         RecvFixture {
             frames,
+            auth,
             segments,
             packets,
             tensor: zero_tensor(segments),
@@ -426,10 +547,11 @@ impl RecvFixture {
 
 impl PerPacket for RecvFixture {
     fn name(&self) -> &'static str {
-        if self.frames {
-            "recv_frame_place"
-        } else {
-            "recv_place"
+        match (self.frames, self.auth.is_some()) {
+            (true, true) => "recv_frame_place_auth",
+            (false, true) => "recv_place_auth",
+            (true, false) => "recv_frame_place",
+            (false, false) => "recv_place",
         }
     }
 
@@ -441,29 +563,38 @@ impl PerPacket for RecvFixture {
     fn op(&mut self) {
         let at = self.next as usize * SLOT;
         self.next += 1;
-        let (d, tos) = if self.frames {
-            let Ok(f) = frame::parse(&self.packets[at..at + FRAME_LEN]) else {
+        let len = packet_len(self.frames, self.auth.is_some());
+        let (src, d, tos) = if self.frames {
+            let Ok(f) = frame::parse(&self.packets[at..at + len]) else {
                 self.rejected.malformed += 1;
                 return;
             };
-            (f.datagram, (f.dscp << 2) | f.ecn.bits())
+            (f.src, f.datagram, (f.dscp << 2) | f.ecn.bits())
         } else {
-            (&self.packets[at..at + DATAGRAM_LEN], self.meta.tos)
+            (self.meta.src, &self.packets[at..at + len], self.meta.tos)
         };
-        // --- recv_tensor's place closure ---
-        let pkt = match header::Packet::new_checked(d) {
-            Ok(p) => p,
-            Err(_) => {
-                self.rejected.malformed += 1;
-                return;
+        let buf = self.tensor.as_bytes_mut();
+        let Some((key, scratch)) = &mut self.auth else {
+            // --- recv_tensor's place closure ---
+            if let Err(e) = self.flow.on_datagram(src, d, buf, tos, NOW_NS) {
+                self.rejected.count_datagram(e);
             }
+            return;
         };
-        let Ok(repr) = header::Repr::parse(&pkt) else {
+        // The authenticated receive path: peer binding, open, parse, place the plaintext.
+        if !self.flow.is_peer(src) {
+            self.rejected.foreign_source += 1;
+            return;
+        }
+        let Ok(payload) = key.open(d, scratch) else {
             self.rejected.malformed += 1;
             return;
         };
-        let buf = self.tensor.as_bytes_mut();
-        if let Err(e) = self.flow.on_data(&repr, pkt.payload(), buf, tos, NOW_NS) {
+        let Ok(repr) = header::Packet::new_checked(d).and_then(|p| header::Repr::parse(&p)) else {
+            self.rejected.malformed += 1;
+            return;
+        };
+        if let Err(e) = self.flow.on_data(&repr, payload, buf, tos, NOW_NS) {
             self.rejected.count(e);
         }
     }
@@ -503,7 +634,7 @@ impl MemcpyFixture {
     pub fn new(segments: u32) -> MemcpyFixture {
         MemcpyFixture {
             segments,
-            packets: prebuilt_packets(false, segments),
+            packets: prebuilt_packets(false, false, segments).0,
             tensor: zero_tensor(segments),
             next: 0,
         }
@@ -539,14 +670,26 @@ impl PerPacket for MemcpyFixture {
     }
 }
 
-/// The six operations, in report order.
-pub const OPS: [&str; 6] = [
+/// The ten operations, in report order.
+pub const OPS: [&str; 10] = [
     "memcpy_1440",
     "recv_place",
     "recv_frame_place",
     "send_build",
     "send_build_frame",
     "send_build_tagged",
+    "recv_place_auth",
+    "recv_frame_place_auth",
+    "send_build_auth",
+    "send_build_frame_auth",
+];
+
+/// Each authenticated operation and the plain one it is compared with.
+pub const AUTH_PAIRS: [(&str, &str); 4] = [
+    ("recv_place_auth", "recv_place"),
+    ("recv_frame_place_auth", "recv_frame_place"),
+    ("send_build_auth", "send_build"),
+    ("send_build_frame_auth", "send_build_frame"),
 ];
 
 /// Time to estimate the magnitude threshold of `tensor` (DLCP's 0.1 % sample median), best
@@ -582,8 +725,8 @@ mod tests {
     #[test]
     fn receive_paths_reproduce_the_tensor() {
         let want = SendFixture::new(false, SMALL).tensor().as_bytes().to_vec();
-        for frames in [false, true] {
-            let mut r = RecvFixture::new(frames, SMALL);
+        for (frames, auth) in [(false, false), (true, false), (false, true), (true, true)] {
+            let mut r = RecvFixture::build(frames, auth, SMALL);
             for _ in 0..2 {
                 assert!(time_packets(&mut r, u64::from(SMALL)) > Duration::ZERO);
                 assert_eq!(r.placed(), u64::from(SMALL));
@@ -598,16 +741,19 @@ mod tests {
 
     #[test]
     fn send_paths_build_parsable_packets() {
-        for frames in [false, true] {
-            let mut s = SendFixture::new(frames, SMALL);
+        for (frames, auth) in [(false, false), (true, false), (false, true), (true, true)] {
+            let mut s = if auth {
+                SendFixture::authenticated(frames, SMALL)
+            } else {
+                SendFixture::new(frames, SMALL)
+            };
             // Several laps, across lap boundaries.
             time_packets(&mut s, u64::from(SMALL) * 3 + 7);
             let (n, tx) = s.build(0).expect("a packet");
+            assert_eq!(n, packet_len(frames, auth));
             let d = if frames {
-                assert_eq!(n, FRAME_LEN);
                 frame::parse(&s.bufs[..n]).expect("valid frame").datagram
             } else {
-                assert_eq!(n, DATAGRAM_LEN);
                 &s.bufs[..n]
             };
             let repr = header::Repr::parse(&header::Packet::new_checked(d).expect("datagram"))
@@ -615,6 +761,42 @@ mod tests {
             assert_eq!(repr.offset, 7 * PAYLOAD as u64);
             assert!(repr.flags.contains(header::Flags::IMPORTANT));
             assert_eq!(tx.tos, (10 << 2) | 0b10);
+            let seg = &s.tensor().as_bytes()[7 * PAYLOAD..8 * PAYLOAD];
+            if auth {
+                assert_eq!(repr.kind, header::Kind::AuthData);
+                // The lap's key opens it (the fourth lap: a key of its own); the first lap's
+                // does not.
+                assert_eq!(s.laps, 3);
+                let mut scratch = Vec::new();
+                assert_eq!(flow_key(&s.start).open(d, &mut scratch), Ok(seg));
+                let (_, first) = sender_flow(SMALL, lap_nonce(0));
+                assert!(flow_key(&first).open(d, &mut scratch).is_err());
+            } else {
+                assert_eq!(repr.kind, header::Kind::Data);
+                assert_eq!(
+                    header::Packet::new_checked(d).expect("datagram").payload(),
+                    seg
+                );
+            }
         }
+    }
+
+    #[test]
+    fn names_and_line_rates() {
+        for (frames, auth) in [(false, false), (true, false), (false, true), (true, true)] {
+            assert!(OPS.contains(&RecvFixture::build(frames, auth, 2).name()));
+            let s = if auth {
+                SendFixture::authenticated(frames, 2)
+            } else {
+                SendFixture::new(frames, 2)
+            };
+            assert!(OPS.contains(&s.name()));
+        }
+        for (a, p) in AUTH_PAIRS {
+            assert!(OPS.contains(&a) && OPS.contains(&p) && a.starts_with(p));
+        }
+        assert!((PPS_25G / 1e6 - 2.032).abs() < 1e-3);
+        assert!((PPS_100G / 1e6 - 8.127).abs() < 1e-3);
+        assert!((cores_needed(500.0, 2e6) - 1.0).abs() < 1e-12);
     }
 }
