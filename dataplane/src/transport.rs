@@ -426,8 +426,19 @@ fn send_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         flow: flow_id,
         source,
     };
-    let payload = segment_payload_for(cfg.mtu, dst_ip.is_ipv6(), tensor.dtype(), dp.max_datagram())
-        .unwrap_or(0);
+    // An authenticated flow's datagrams end with a tag: the payload makes room for it.
+    let tag_len = if ctrl.session().is_some() {
+        header::TAG_LEN
+    } else {
+        0
+    };
+    let payload = segment_payload_for(
+        cfg.mtu.saturating_sub(tag_len),
+        dst_ip.is_ipv6(),
+        tensor.dtype(),
+        dp.max_datagram().saturating_sub(tag_len),
+    )
+    .unwrap_or(0);
     let layout = SegmentLayout::new(
         tensor.len_bytes() as u64,
         tensor.dtype().elem_size(),
@@ -437,6 +448,7 @@ fn send_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         Stage::Push => cfg.loss_defaults.push,
         Stage::Pull => cfg.loss_defaults.pull,
     });
+    let flow_nonce = random_flow_nonce()?;
     let (mut flow, start) = SenderFlow::new(
         flow_id,
         layout,
@@ -446,11 +458,14 @@ fn send_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         opts.stage,
         DataOrigin {
             sources: dp.data_sources(),
-            flow_nonce: random_flow_nonce()?,
+            flow_nonce,
         },
         &cfg.sender,
         now(),
     );
+    if let Some(session) = ctrl.session() {
+        flow.authenticate(session.flow_key(opts.job, opts.tensor, opts.round, &flow_nonce));
+    }
     ctrl.send(&start)?;
 
     // Rendezvous.
@@ -521,11 +536,14 @@ fn send_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
                         if tag.ect {
                             repr.flags.insert(header::Flags::IMPORTANT);
                         }
-                        let total = header::HEADER_LEN + len;
+                        let total = header::HEADER_LEN + len + flow.tag_len();
                         let out = buf.get_mut(..total)?;
                         let mut pkt = header::Packet::new_unchecked(&mut *out);
                         repr.emit(&mut pkt).ok()?;
                         pkt.payload_mut().copy_from_slice(seg);
+                        if let Some(key) = flow.data_key() {
+                            key.seal(out).ok()?;
+                        }
                         payload_bytes += len as u64;
                         Some((
                             total,
@@ -537,6 +555,9 @@ fn send_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
                     })
                     .map_err(dp_err(dp.name()))?;
                 flow.on_sent(sent as u64, payload_bytes, now());
+                if flow.nonces_exhausted() {
+                    return Err(proto(ProtoError::NoncesExhausted));
+                }
                 if sent > 0 {
                     last_progress = Instant::now();
                 }
@@ -598,14 +619,26 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     let clock = Instant::now();
     let now = || clock.elapsed().as_nanos() as u64;
     let ipv6 = dp.local_addr().is_ipv6();
+    // An authenticated channel carries authenticated flows only (their datagrams end with a
+    // tag); a plain one, plain flows only: the handshake decided which, for the connection.
+    let tag_len = if ctrl.session().is_some() {
+        header::TAG_LEN
+    } else {
+        0
+    };
     let spec = RecvSpec {
         job: opts.job,
         tensor: opts.tensor,
         round: opts.round,
         dtype: tensor.dtype(),
         size_bytes: tensor.len_bytes() as u64,
-        max_payload: segment_payload_for(cfg.mtu, ipv6, tensor.dtype(), dp.max_datagram())
-            .unwrap_or(0),
+        max_payload: segment_payload_for(
+            cfg.mtu.saturating_sub(tag_len),
+            ipv6,
+            tensor.dtype(),
+            dp.max_datagram().saturating_sub(tag_len),
+        )
+        .unwrap_or(0),
         loss_bound: opts.loss_bound,
     };
     let mut rejected = RejectCounts::default();
@@ -686,6 +719,14 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         u64::try_from(cfg.no_progress_timeout.as_nanos()).unwrap_or(u64::MAX),
     );
     flow.set_max_backoff(u64::try_from(cfg.max_backoff.as_nanos()).unwrap_or(u64::MAX));
+    if let Some(session) = ctrl.session() {
+        flow.authenticate(session.flow_key(
+            start.job_id,
+            start.tensor_id,
+            start.round,
+            &start.flow_nonce,
+        ));
+    }
     // Before FlowAccept: the sender sends nothing earlier, so its first packet gets through.
     dp.admit_peers(flow.peers()).map_err(dp_err(dp.name()))?;
     // This flow's share of the downlink, announced right after FlowAccept (by `poll`).

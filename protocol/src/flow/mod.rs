@@ -96,6 +96,12 @@ impl Default for LossDefaults {
 /// A protocol error: the peer did something the state machine cannot accept.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProtoError {
+    /// An authenticated flow sent 2^32 datagrams: another would reuse a nonce.
+    #[error(
+        "authenticated flow used all 2^32 sequence numbers (its nonces); split the tensor or \
+         raise the loss bound"
+    )]
+    NoncesExhausted,
     /// The receiver refused the flow.
     #[error("receiver rejected {flow}: {code:?}: {reason}")]
     Rejected {

@@ -5,6 +5,7 @@
 //! three integer compares to find the flow, [`SegmentLayout::locate`] to bound-check, one
 //! copy, one bitmap bit.
 
+use crate::auth::FlowKey;
 use crate::bitmap::SegmentBitmap;
 use std::net::{IpAddr, SocketAddr};
 
@@ -64,6 +65,13 @@ pub enum DataReject {
     ForeignSource,
     /// Not a parsable gradwire datagram.
     Malformed,
+    /// A plain datagram for an authenticated flow, or an authenticated one for a plain flow.
+    Unauthenticated,
+    /// An authenticated datagram whose tag did not verify (forged, corrupted, or keyed for
+    /// another flow, such as a replay from an earlier round).
+    BadTag,
+    /// An authenticated datagram of an earlier retransmission pass (a replay, or very late).
+    StalePass,
     /// The placement checks refused it.
     Place(PlaceError),
 }
@@ -82,6 +90,12 @@ pub struct RejectCounts {
     pub foreign_source: u64,
     /// Not a parsable gradwire datagram (truncated, bad version, unknown kind, ...).
     pub malformed: u64,
+    /// Plain data for an authenticated flow (or the reverse).
+    pub unauthenticated: u64,
+    /// Authentication tag did not verify.
+    pub bad_tag: u64,
+    /// Authenticated data of an earlier pass.
+    pub stale_pass: u64,
     /// Unknown job.
     pub unknown_job: u64,
     /// Unknown tensor.
@@ -104,6 +118,9 @@ impl RejectCounts {
         match e {
             DataReject::ForeignSource => self.foreign_source += 1,
             DataReject::Malformed => self.malformed += 1,
+            DataReject::Unauthenticated => self.unauthenticated += 1,
+            DataReject::BadTag => self.bad_tag += 1,
+            DataReject::StalePass => self.stale_pass += 1,
             DataReject::Place(p) => self.count(p),
         }
     }
@@ -126,6 +143,9 @@ impl RejectCounts {
     pub fn total(&self) -> u64 {
         self.foreign_source
             + self.malformed
+            + self.unauthenticated
+            + self.bad_tag
+            + self.stale_pass
             + self.unknown_job
             + self.unknown_tensor
             + self.stale_round
@@ -173,6 +193,11 @@ pub struct ReceiverFlow {
     /// The sources announced in `FlowStart`, unspecified addresses resolved to the control
     /// peer's: the only ones whose datagrams may touch the tensor.
     peers: Vec<DataSource>,
+    /// An authenticated flow's key and the scratch buffer payloads are decrypted into (boxed:
+    /// taken out and put back per packet, which moves one pointer).
+    auth: Option<Box<(FlowKey, Vec<u8>)>>,
+    /// The retransmission pass whose data is current (authenticated flows drop older passes).
+    current_pass: u32,
     layout: SegmentLayout,
     loss_bound: LossBound,
     bitmap: SegmentBitmap,
@@ -328,6 +353,8 @@ impl ReceiverFlow {
         let flow = ReceiverFlow {
             id,
             peers,
+            auth: None,
+            current_pass: 0,
             bitmap: SegmentBitmap::new(layout.count()),
             layout,
             loss_bound,
@@ -452,9 +479,21 @@ impl ReceiverFlow {
         })
     }
 
+    /// Makes this an authenticated flow: from now on only `AuthData` datagrams of the
+    /// current pass whose tag verifies under `key` are placed (decrypted first).
+    pub fn authenticate(&mut self, key: FlowKey) {
+        self.auth = Some(Box::new((key, Vec::new())));
+    }
+
+    /// Whether the flow takes authenticated datagrams only.
+    pub fn is_authenticated(&self) -> bool {
+        self.auth.is_some()
+    }
+
     /// Handle one received datagram from `src`: peer binding (the announced sources only),
-    /// header parse, then [`Self::on_data`]. Returns whether the segment was new; nothing is
-    /// written unless every check passed. This is the whole per-packet receive path.
+    /// header parse, for an authenticated flow the kind, pass and tag (payload decrypted),
+    /// then [`Self::on_data`]. Returns whether the segment was new; nothing is written
+    /// unless every check passed. This is the whole per-packet receive path.
     #[inline]
     pub fn on_datagram(
         &mut self,
@@ -469,7 +508,57 @@ impl ReceiverFlow {
         }
         let pkt = header::Packet::new_checked(datagram).map_err(|_| DataReject::Malformed)?;
         let repr = header::Repr::parse(&pkt).map_err(|_| DataReject::Malformed)?;
-        Ok(self.on_data(&repr, pkt.payload(), tensor, tos, now_ns)?)
+        let Some(mut auth) = self.auth.take() else {
+            if repr.kind != header::Kind::Data {
+                return Err(DataReject::Unauthenticated);
+            }
+            return Ok(self.on_data(&repr, pkt.payload(), tensor, tos, now_ns)?);
+        };
+        let res = self.on_sealed(&repr, datagram, &mut auth, tensor, tos, now_ns);
+        self.auth = Some(auth);
+        res
+    }
+
+    /// The header names this flow (job, tensor, round) and the flow still takes data.
+    #[inline]
+    fn check_ids(&self, hdr: &header::Repr) -> Result<(), PlaceError> {
+        if hdr.job_id != self.id.job {
+            return Err(PlaceError::UnknownJob);
+        }
+        if hdr.tensor_id != self.id.tensor {
+            return Err(PlaceError::UnknownTensor);
+        }
+        if hdr.round != self.id.round || self.phase == ReceiverPhase::Done {
+            return Err(PlaceError::StaleRound);
+        }
+        Ok(())
+    }
+
+    /// The authenticated half of [`Self::on_datagram`], with the key taken out of `self`.
+    #[inline]
+    fn on_sealed(
+        &mut self,
+        repr: &header::Repr,
+        datagram: &[u8],
+        auth: &mut (FlowKey, Vec<u8>),
+        tensor: &mut [u8],
+        tos: u8,
+        now_ns: u64,
+    ) -> Result<bool, DataReject> {
+        if repr.kind != header::Kind::AuthData {
+            return Err(DataReject::Unauthenticated);
+        }
+        // Cheap refusals first: junk with another flow's ids costs no decryption.
+        self.check_ids(repr)?;
+        // The header's pass is 8 bits of the control channel's pass number.
+        if repr.pass != self.current_pass as u8 {
+            return Err(DataReject::StalePass);
+        }
+        let (key, scratch) = auth;
+        let payload = key
+            .open(datagram, scratch)
+            .map_err(|_| DataReject::BadTag)?;
+        Ok(self.on_data(repr, payload, tensor, tos, now_ns)?)
     }
 
     /// Place one data packet into `tensor` (the registered buffer). `tos` is the packet's IP
@@ -485,15 +574,7 @@ impl ReceiverFlow {
         now_ns: u64,
     ) -> Result<bool, PlaceError> {
         let ce = tos & 0b11 == 0b11;
-        if hdr.job_id != self.id.job {
-            return Err(PlaceError::UnknownJob);
-        }
-        if hdr.tensor_id != self.id.tensor {
-            return Err(PlaceError::UnknownTensor);
-        }
-        if hdr.round != self.id.round || self.phase == ReceiverPhase::Done {
-            return Err(PlaceError::StaleRound);
-        }
+        self.check_ids(hdr)?;
         let index = self.layout.locate(hdr.offset, payload.len())?;
         let start = hdr.offset as usize;
         let dst = tensor
@@ -504,8 +585,8 @@ impl ReceiverFlow {
             self.meter = RateMeter::new(self.meter.period_ns(), now_ns);
             self.stats.first_data_ns = Some(now_ns);
         }
-        self.meter
-            .record(payload.len() as u64 + header::HEADER_LEN as u64, ce);
+        let overhead = header::HEADER_LEN + hdr.kind.tag_len();
+        self.meter.record((payload.len() + overhead) as u64, ce);
         self.stats.ce_packets += u64::from(ce);
         // A DSCP the policy does not name lands in queue 0 on a gradwire switch.
         let q = gradwire_qos::dscp_queue(tos >> 2).unwrap_or(0);
@@ -617,6 +698,7 @@ impl ReceiverFlow {
                     self.stats.segments_requested +=
                         ranges.iter().map(|r| u64::from(r.len)).sum::<u64>();
                     let request = CtrlMsg::RetransmitRequest { pass, ranges };
+                    self.current_pass = pass.wrapping_add(1);
                     if self.futile_passes == 0 {
                         return Ok(Some(request));
                     }

@@ -12,6 +12,7 @@ use crate::tensor::{DType, SegmentLayout};
 use crate::wire::header;
 
 use super::{msg_name, segment_flags, DataOrigin, FlowId, ProtoError};
+use crate::auth::FlowKey;
 
 /// Sender tuning.
 #[derive(Debug, Clone, PartialEq)]
@@ -147,6 +148,11 @@ pub struct SenderFlow {
     next_in_range: u32,
     sent_this_pass: u32,
     seq: u32,
+    /// Authenticated flow: its data is sealed with this key, and `seq` (the GCM nonce) must
+    /// never repeat, so it does not wrap.
+    auth: Option<FlowKey>,
+    /// `seq` went past `u32::MAX`.
+    seq_wrapped: bool,
     data_port: Option<u16>,
     mode: RateMode,
     retransmit_ect: bool,
@@ -219,6 +225,8 @@ impl SenderFlow {
             next_in_range: 0,
             sent_this_pass: 0,
             seq: 0,
+            auth: None,
+            seq_wrapped: false,
             data_port: None,
             mode: cfg.mode,
             retransmit_ect: cfg.retransmit_ect,
@@ -240,6 +248,43 @@ impl SenderFlow {
             },
         };
         (flow, start)
+    }
+
+    /// Makes this an authenticated flow: its datagrams are `AuthData`, to be sealed with
+    /// [`Self::data_key`] by the driver, and at most 2^32 of them are sent (the sequence
+    /// number is the nonce; [`Self::next_segment`] refuses to reuse one).
+    pub fn authenticate(&mut self, key: FlowKey) {
+        self.auth = Some(key);
+    }
+
+    /// The key that seals this flow's datagrams, if authenticated.
+    pub fn data_key(&self) -> Option<&FlowKey> {
+        self.auth.as_ref()
+    }
+
+    /// Bytes after each datagram's payload: the authentication tag, or none.
+    pub fn tag_len(&self) -> usize {
+        self.data_kind().tag_len()
+    }
+
+    /// An authenticated flow has used every sequence number: it cannot send more without
+    /// reusing a nonce, and must end (`ProtoError::NoncesExhausted`).
+    pub fn nonces_exhausted(&self) -> bool {
+        self.auth.is_some() && self.seq_wrapped
+    }
+
+    fn data_kind(&self) -> header::Kind {
+        if self.auth.is_some() {
+            header::Kind::AuthData
+        } else {
+            header::Kind::Data
+        }
+    }
+
+    /// Jump the sequence number (tests of its exhaustion; 2^32 packets are too many to send).
+    #[cfg(test)]
+    pub(crate) fn set_seq_for_test(&mut self, seq: u32) {
+        self.seq = seq;
     }
 
     /// The flow.
@@ -492,7 +537,7 @@ impl SenderFlow {
 
     /// The next segment of the current pass and its header, or `None` when the pass is done.
     pub fn next_segment(&mut self) -> Option<(u32, header::Repr)> {
-        if self.phase != SenderPhase::Sending {
+        if self.phase != SenderPhase::Sending || self.nonces_exhausted() {
             return None;
         }
         let range = *self.queue.get(self.queue_pos)?;
@@ -505,7 +550,7 @@ impl SenderFlow {
             self.next_in_range = index + 1;
         }
         let repr = header::Repr {
-            kind: header::Kind::Data,
+            kind: self.data_kind(),
             flags: segment_flags(self.pass > 0, index + 1 == self.layout.count(), false),
             pass: self.pass as u8,
             job_id: self.id.job,
@@ -517,13 +562,14 @@ impl SenderFlow {
             layer: self.layer,
         };
         self.seq = self.seq.wrapping_add(1);
+        self.seq_wrapped |= self.seq == 0;
         self.sent_this_pass += 1;
         Some((index, repr))
     }
 
     /// Account for `packets` segments of `bytes` payload handed to the datapath.
     pub fn on_sent(&mut self, packets: u64, bytes: u64, now_ns: u64) {
-        let wire = bytes + packets * header::HEADER_LEN as u64;
+        let wire = bytes + packets * (header::HEADER_LEN + self.tag_len()) as u64;
         self.pacer.available(now_ns);
         self.pacer.consume(wire);
         self.sent_since_report += wire;

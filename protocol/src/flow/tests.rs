@@ -1062,3 +1062,199 @@ fn only_announced_sources_write_the_tensor() {
         Err(DataReject::Malformed)
     );
 }
+
+/// Authenticated flows: the sender's datagrams are sealed with the flow key; the receiver
+/// places only datagrams of the current pass whose tag verifies, decrypted. A datagram with
+/// the flow's ids but a wrong key (a host without the secret, or a spoofed source), a plain
+/// one, a replay of an earlier pass, and a replay of an earlier round of the same tensor
+/// (another flow, so another key) all leave the tensor untouched and are counted.
+#[test]
+fn authenticated_flow_places_only_sealed_datagrams_of_the_current_pass() {
+    use crate::auth::{JobKey, JobSecret};
+    let elems = 3600; // 10 segments of 1424 B (1440 minus the tag) + a short one
+    let job = JobKey::new(&JobSecret::new(b"a job secret of 32 bytes, really".to_vec()).unwrap());
+    let session = job.session(&[1; 32], &[2; 32]);
+    let nonce = [7u8; 16];
+    let layout = SegmentLayout::new(elems as u64 * 4, 4, 1424).unwrap();
+    let mut src = Tensor::zeros(DType::F32, elems);
+    src.fill_pattern(5);
+    let (mut s, start) = SenderFlow::new(
+        ID,
+        layout,
+        DType::F32,
+        2,
+        bound(0.0),
+        Stage::Push,
+        DataOrigin {
+            sources: vec![DataSource::single(SENDER)],
+            flow_nonce: nonce,
+        },
+        &SenderConfig::new(10_000_000_000),
+        0,
+    );
+    s.authenticate(session.flow_key(ID.job, ID.tensor, ID.round, &nonce));
+    let CtrlMsg::FlowStart(fs) = start else {
+        panic!("not a FlowStart")
+    };
+    let (mut r, accept) =
+        ReceiverFlow::accept(&fs, &spec(elems, None), SENDER.ip(), 1, 200_000, 0).unwrap();
+    r.authenticate(session.flow_key(fs.job_id, fs.tensor_id, fs.round, &fs.flow_nonce));
+    assert!(r.is_authenticated());
+    s.on_ctrl(accept, 0).unwrap();
+
+    // Every datagram of pass 0, sealed as the driver does.
+    let mut sealed = Vec::new();
+    while let Some((_, repr)) = s.next_segment() {
+        assert_eq!(repr.kind, header::Kind::AuthData);
+        let len = usize::from(repr.length);
+        let mut buf = vec![0u8; header::HEADER_LEN + len + s.tag_len()];
+        repr.emit(&mut header::Packet::new_unchecked(&mut buf[..]))
+            .unwrap();
+        let off = repr.offset as usize;
+        buf[header::HEADER_LEN..header::HEADER_LEN + len]
+            .copy_from_slice(&src.as_bytes()[off..off + len]);
+        s.data_key().unwrap().seal(&mut buf).unwrap();
+        // Encrypted on the wire.
+        assert_ne!(
+            &buf[header::HEADER_LEN..header::HEADER_LEN + len],
+            &src.as_bytes()[off..off + len]
+        );
+        sealed.push(buf);
+    }
+    assert_eq!(sealed.len(), layout.count() as usize);
+    let mut dst = Tensor::zeros(DType::F32, elems);
+    let mut counts = RejectCounts::default();
+    let mut try_place = |r: &mut ReceiverFlow, d: &[u8], dst: &mut Tensor| {
+        let res = r.on_datagram(SENDER, d, dst.as_bytes_mut(), 0, 1);
+        if let Err(e) = res {
+            counts.count_datagram(e);
+        }
+        res
+    };
+
+    // A host without the secret: the flow's ids, a tag under another key (here: another
+    // session of the same job), from the sender's own (spoofed) address.
+    let other = job
+        .session(&[3; 32], &[4; 32])
+        .flow_key(ID.job, ID.tensor, ID.round, &nonce);
+    let mut forged = sealed[0].clone();
+    forged[header::HEADER_LEN..header::HEADER_LEN + 1424].fill(0xa5);
+    other.seal(&mut forged).unwrap();
+    assert_eq!(
+        try_place(&mut r, &forged, &mut dst),
+        Err(DataReject::BadTag)
+    );
+    // A flipped byte of a real datagram.
+    let mut flipped = sealed[1].clone();
+    flipped[40] ^= 1;
+    assert_eq!(
+        try_place(&mut r, &flipped, &mut dst),
+        Err(DataReject::BadTag)
+    );
+    // A plain datagram with the flow's ids.
+    let mut plain = sealed[2].clone();
+    plain.truncate(plain.len() - header::TAG_LEN);
+    plain[1] = header::Kind::Data as u8;
+    assert_eq!(
+        try_place(&mut r, &plain, &mut dst),
+        Err(DataReject::Unauthenticated)
+    );
+    assert!(
+        dst.as_bytes().iter().all(|&b| b == 0),
+        "a rejected datagram touched the tensor"
+    );
+
+    // Pass 0 loses segments 0..3; the rest arrive.
+    for d in &sealed[3..] {
+        assert_eq!(try_place(&mut r, d, &mut dst), Ok(true));
+    }
+    let stop = s.poll_pass_end().unwrap();
+    let request = r.on_ctrl(stop, 10).unwrap().unwrap();
+    assert!(matches!(
+        request,
+        CtrlMsg::RetransmitRequest { pass: 0, .. }
+    ));
+    // A replay of pass 0 after the request is stale, even for a missing segment.
+    assert_eq!(
+        try_place(&mut r, &sealed[0], &mut dst),
+        Err(DataReject::StalePass)
+    );
+    s.on_ctrl(request, 20).unwrap();
+    let mut pass1 = 0;
+    while let Some((_, repr)) = s.next_segment() {
+        assert_eq!(repr.pass, 1);
+        let len = usize::from(repr.length);
+        let mut buf = vec![0u8; header::HEADER_LEN + len + header::TAG_LEN];
+        repr.emit(&mut header::Packet::new_unchecked(&mut buf[..]))
+            .unwrap();
+        let off = repr.offset as usize;
+        buf[header::HEADER_LEN..header::HEADER_LEN + len]
+            .copy_from_slice(&src.as_bytes()[off..off + len]);
+        s.data_key().unwrap().seal(&mut buf).unwrap();
+        assert_eq!(try_place(&mut r, &buf, &mut dst), Ok(true));
+        pass1 += 1;
+    }
+    assert_eq!(pass1, 3);
+    assert_eq!(dst.as_bytes(), src.as_bytes());
+
+    // The next round of the same tensor is another flow with another nonce: last round's
+    // datagrams, replayed into it, are refused (stale round, or a tag under the old key).
+    let next = FlowId {
+        round: ID.round + 1,
+        ..ID
+    };
+    let (_, start2) = SenderFlow::new(
+        next,
+        layout,
+        DType::F32,
+        2,
+        bound(0.0),
+        Stage::Push,
+        DataOrigin {
+            sources: vec![DataSource::single(SENDER)],
+            flow_nonce: [8; 16],
+        },
+        &SenderConfig::new(10_000_000_000),
+        0,
+    );
+    let CtrlMsg::FlowStart(fs2) = start2 else {
+        panic!("not a FlowStart")
+    };
+    let (mut r2, _) =
+        ReceiverFlow::accept(&fs2, &spec(elems, None), SENDER.ip(), 1, 200_000, 0).unwrap();
+    r2.authenticate(session.flow_key(fs2.job_id, fs2.tensor_id, fs2.round, &fs2.flow_nonce));
+    let mut dst2 = Tensor::zeros(DType::F32, elems);
+    for d in &sealed {
+        assert_eq!(
+            r2.on_datagram(SENDER, d, dst2.as_bytes_mut(), 0, 1),
+            Err(DataReject::Place(PlaceError::StaleRound))
+        );
+    }
+    // Rewriting the round field does not help: the header is authenticated.
+    let mut rewritten = sealed[0].clone();
+    rewritten[12..16].copy_from_slice(&next.round.to_be_bytes());
+    assert_eq!(
+        r2.on_datagram(SENDER, &rewritten, dst2.as_bytes_mut(), 0, 1),
+        Err(DataReject::BadTag)
+    );
+    assert!(dst2.as_bytes().iter().all(|&b| b == 0));
+    assert_eq!(
+        (counts.bad_tag, counts.unauthenticated, counts.stale_pass),
+        (2, 1, 1)
+    );
+}
+
+/// An authenticated sender never reuses a sequence number (its GCM nonce): after 2^32
+/// datagrams it stops and says so.
+#[test]
+fn authenticated_sender_refuses_to_wrap_its_sequence_number() {
+    use crate::auth::{JobKey, JobSecret};
+    let job = JobKey::new(&JobSecret::new(vec![9; 16]).unwrap());
+    let key = job.session(&[0; 32], &[0; 32]).flow_key(1, 2, 3, &[0; 16]);
+    let mut p = Pair::new(3600, 0.0);
+    p.s.authenticate(key);
+    p.s.set_seq_for_test(u32::MAX);
+    assert!(p.s.next_segment().is_some(), "seq u32::MAX is still unused");
+    assert!(p.s.nonces_exhausted());
+    assert!(p.s.next_segment().is_none());
+}
