@@ -2,7 +2,7 @@
 //!
 //! The protocol itself, with no I/O, is the `gradwire-proto` crate; its modules are
 //! re-exported here ([`wire`], [`message`], [`datagram`], [`rate`], [`grant`], [`tensor`],
-//! [`bitmap`], [`flow`], [`tagging`]) so `gradwire::wire::...` is the one path users write. This crate
+//! [`bitmap`], [`flow`], [`tagging`], [`auth`], [`handshake`]) so `gradwire::wire::...` is the one path users write. This crate
 //! adds what touches the operating system:
 //!
 //! - [`datapath`]: the datapath trait and its in-memory, fault-injecting, multipath and
@@ -15,6 +15,7 @@
 //! - [`ctrl_channel`]: the reliable control channel (kernel TCP, or in-memory for tests).
 //! - [`transport`]: the drivers that run one transfer, and the `Sender`/`Receiver` API
 //!   (DLCP's `dlcp_send` / `dlcp_recv`).
+//! - [`job_secret`]: an authenticated job's secret, from a key file or the environment.
 //! - [`addr`]: `host:port` as users write it, resolved once through the system resolver.
 #![doc(html_no_source)]
 
@@ -24,6 +25,9 @@ pub mod afxdp;
 pub mod ctrl_channel;
 pub mod datapath;
 pub mod grant_pool;
+pub mod job_secret;
 pub mod transport;
 
-pub use gradwire_proto::{bitmap, datagram, flow, grant, message, rate, tagging, tensor, wire};
+pub use gradwire_proto::{
+    auth, bitmap, datagram, flow, grant, handshake, message, rate, tagging, tensor, wire,
+};
