@@ -3,8 +3,8 @@
 //!
 //! Properties checked:
 //! - neither function panics on any input;
-//! - an accepted datagram is exactly `HEADER_LEN + length` bytes, and `payload()` is the bytes
-//!   after the header;
+//! - an accepted datagram is exactly `HEADER_LEN + length` bytes (+ `TAG_LEN` for AuthData),
+//!   `payload()` is the `length` bytes after the header and `tag()` the rest;
 //! - the header is canonical: emitting the parsed `Repr` reproduces the 32 header bytes
 //!   exactly (unknown flag bits included).
 #![no_main]
@@ -21,7 +21,10 @@ fuzz_target!(|data: &[u8]| {
     };
     assert_eq!(repr.buffer_len(), data.len(), "accepted length");
     assert_eq!(repr.header_len(), HEADER_LEN);
-    assert_eq!(pkt.payload(), &data[HEADER_LEN..], "payload view");
+    let end = HEADER_LEN + usize::from(repr.length);
+    assert_eq!(pkt.payload(), &data[HEADER_LEN..end], "payload view");
+    assert_eq!(pkt.tag(), &data[end..], "tag view");
+    assert_eq!(pkt.tag().len(), repr.kind.tag_len(), "tag length");
 
     let mut out = vec![0u8; repr.buffer_len()];
     assert!(
