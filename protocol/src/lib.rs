@@ -19,6 +19,8 @@
 //!   ECN-capable).
 //! - [`auth`]: authenticated jobs' crypto (from `ring`): the key schedule from a job secret,
 //!   handshake proofs, control-frame tags, per-flow AES-128-GCM of data datagrams.
+//! - [`handshake`]: the control connection's opening handshake (plain or authenticated) as
+//!   client and server state machines.
 #![forbid(unsafe_code)]
 
 pub mod auth;
@@ -26,6 +28,7 @@ pub mod bitmap;
 pub mod datagram;
 pub mod flow;
 pub mod grant;
+pub mod handshake;
 pub mod message;
 pub mod rate;
 pub mod tagging;

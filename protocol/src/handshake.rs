@@ -1,0 +1,820 @@
+//! The control connection's opening handshake, as two state machines with no I/O.
+//!
+//! Every control connection starts with it, authenticated or not, so a receiver learns what
+//! the sender expects before it keeps any state for it, and a version-1 peer or a stray
+//! client fails here instead of in the middle of a flow.
+//!
+//! ```text
+//!  plain job                          authenticated job (both ends hold the job secret)
+//!  client            server           client                              server
+//!  Hello{auth:false,Nc} ->            Hello{auth:true,Nc} ->
+//!                 <- Welcome{false}                  <- Challenge{Ns, server_proof(Nc,Ns)}
+//!                                     (verify)  Proof{client_proof(Nc,Ns)} ->
+//!                                                                     (verify)
+//!                                     =========== every later frame is sealed ===========
+//!                                                    <- Welcome{true}  (first sealed frame)
+//! ```
+//!
+//! The client proves itself only after the server did, so a client never answers a server
+//! that does not hold the secret; the proofs use distinct labels per direction
+//! ([`crate::auth`]), so a server's proof replayed as a client's fails. A refusal is sent to
+//! the peer as [`CtrlMsg::Abort`] with code [`ABORT_AUTH`] and the reason, unsealed, and the
+//! connection is closed. Any message out of place is an error that names it.
+//!
+//! The caller does the I/O: it sends what each [`Step`] says, and once the client has sent its
+//! `Proof` it seals every frame it sends and verifies every frame it receives (with
+//! [`ClientHandshake::session`]'s control keys) before handing it to
+//! [`ClientHandshake::on_msg`]; the server seals from its `Welcome` on.
+
+use crate::auth::{JobKey, SessionKeys, NONCE_LEN};
+use crate::message::CtrlMsg;
+
+/// `Abort` code of a refusal at the handshake (authentication mode or secret mismatch).
+pub const ABORT_AUTH: u8 = 6;
+
+/// Why one end refuses the other at the handshake. The [`Refusal::reason`] is what the
+/// refused peer is told and shows its user.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// Server with a job secret, client without one.
+    UnauthenticatedPeer,
+    /// Server without a job secret, client with one.
+    AuthenticationUnavailable,
+    /// The client's proof does not verify: the client holds another secret (or replayed a
+    /// proof from elsewhere).
+    SecretMismatch,
+    /// Client: the server's proof does not verify.
+    ServerNotProven,
+    /// Client with a secret: the server offered an unauthenticated connection instead of a
+    /// challenge.
+    Downgrade,
+}
+
+impl Refusal {
+    /// What the refused peer is told: what happened and what to do.
+    pub const fn reason(self) -> &'static str {
+        match self {
+            Refusal::UnauthenticatedPeer => {
+                "this receiver requires an authenticated job: start the sender with the job's \
+                 secret (GRADWIRE_JOB_SECRET or --secret-file)"
+            }
+            Refusal::AuthenticationUnavailable => {
+                "this receiver runs without a job secret and accepts only unauthenticated \
+                 senders: start the receiver with the job's secret (GRADWIRE_JOB_SECRET or \
+                 --secret-file), or the sender without one"
+            }
+            Refusal::SecretMismatch => {
+                "job secret mismatch: the sender's proof does not verify with the receiver's \
+                 job secret"
+            }
+            Refusal::ServerNotProven => {
+                "the receiver could not prove the job secret: wrong secret, or not this job's \
+                 receiver"
+            }
+            Refusal::Downgrade => {
+                "the receiver offered an unauthenticated connection to a sender that holds a \
+                 job secret: start the receiver with the job's secret too"
+            }
+        }
+    }
+
+    /// The `Abort` that tells the peer.
+    pub fn abort(self) -> CtrlMsg {
+        CtrlMsg::Abort {
+            code: ABORT_AUTH,
+            reason: self.reason().to_owned(),
+        }
+    }
+}
+
+/// Why a handshake failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HandshakeError {
+    /// We refuse the peer: send it [`Refusal::abort`], then close.
+    #[error("{}", .0.reason())]
+    Refused(Refusal),
+    /// The peer sent `Abort` (code [`ABORT_AUTH`]: it refused us, the reason says why).
+    #[error("peer aborted the handshake (code {code}): {reason}")]
+    PeerAborted {
+        /// The peer's code.
+        code: u8,
+        /// The peer's reason.
+        reason: String,
+    },
+    /// The peer sent a message that has no place here: not a gradwire peer of this protocol
+    /// version, or a broken one. Close.
+    #[error("handshake: expected {expected}, got {got}")]
+    Unexpected {
+        /// What this end was waiting for.
+        expected: &'static str,
+        /// What arrived.
+        got: &'static str,
+    },
+}
+
+impl HandshakeError {
+    /// The `Abort` to send the peer before closing, if any (refusals only: a peer that broke
+    /// the protocol or aborted itself is not answered).
+    pub fn abort(&self) -> Option<CtrlMsg> {
+        match self {
+            HandshakeError::Refused(r) => Some(r.abort()),
+            _ => None,
+        }
+    }
+}
+
+/// What the caller does after [`ClientHandshake::on_msg`] or [`ServerHandshake::on_msg`].
+#[derive(Debug)]
+pub enum Step {
+    /// Send this message (unsealed) and feed the peer's next message back in. A client of an
+    /// authenticated job that is told to send its `Proof` seals everything after it: see
+    /// [`ClientHandshake::session`].
+    Send(CtrlMsg),
+    /// The handshake is complete.
+    Established {
+        /// Send this first (the server's `Welcome`; sealed when `session` is set).
+        send: Option<CtrlMsg>,
+        /// The connection's keys when it is authenticated: every later frame is sealed with
+        /// `session.control(role)`, and flows derive their data keys from it. `None` for a
+        /// plain connection.
+        session: Option<SessionKeys>,
+    },
+}
+
+/// Name of a message's kind, for errors.
+pub fn msg_name(msg: &CtrlMsg) -> &'static str {
+    match msg {
+        CtrlMsg::FlowStart(_) => "FlowStart",
+        CtrlMsg::FlowAccept { .. } => "FlowAccept",
+        CtrlMsg::FlowReject { .. } => "FlowReject",
+        CtrlMsg::FlowStop { .. } => "FlowStop",
+        CtrlMsg::RetransmitRequest { .. } => "RetransmitRequest",
+        CtrlMsg::FlowFinish { .. } => "FlowFinish",
+        CtrlMsg::FinishConfirm => "FinishConfirm",
+        CtrlMsg::RateReport { .. } => "RateReport",
+        CtrlMsg::Abort { .. } => "Abort",
+        CtrlMsg::EcnReport { .. } => "EcnReport",
+        CtrlMsg::RateGrant { .. } => "RateGrant",
+        CtrlMsg::Hello { auth: false, .. } => "Hello (unauthenticated)",
+        CtrlMsg::Hello { auth: true, .. } => "Hello (authenticated)",
+        CtrlMsg::Challenge { .. } => "Challenge",
+        CtrlMsg::Proof { .. } => "Proof",
+        CtrlMsg::Welcome { auth: false } => "Welcome (unauthenticated)",
+        CtrlMsg::Welcome { auth: true } => "Welcome (authenticated)",
+    }
+}
+
+/// An `Abort` from the peer, or the message out of place.
+fn unexpected(expected: &'static str, got: CtrlMsg) -> HandshakeError {
+    match got {
+        CtrlMsg::Abort { code, reason } => HandshakeError::PeerAborted { code, reason },
+        other => HandshakeError::Unexpected {
+            expected,
+            got: msg_name(&other),
+        },
+    }
+}
+
+/// Where the client is.
+#[derive(Debug)]
+enum ClientState {
+    /// Hello sent, waiting for `Welcome` (plain) or `Challenge` (authenticated).
+    AwaitAnswer,
+    /// Proof sent; waiting for the sealed `Welcome{auth: true}`.
+    AwaitWelcome(SessionKeys),
+    /// Established or failed: nothing more is accepted.
+    Finished,
+}
+
+/// The connecting end (the sender of tensors).
+#[derive(Debug)]
+pub struct ClientHandshake<'k> {
+    key: Option<&'k JobKey>,
+    nonce: [u8; NONCE_LEN],
+    state: ClientState,
+}
+
+impl<'k> ClientHandshake<'k> {
+    /// A client that holds `key` (authenticated) or none (plain), with a fresh random
+    /// `nonce` (drawn by the caller from the OS), and the `Hello` to send first.
+    pub fn new(key: Option<&'k JobKey>, nonce: [u8; NONCE_LEN]) -> (ClientHandshake<'k>, CtrlMsg) {
+        let hello = CtrlMsg::Hello {
+            auth: key.is_some(),
+            nonce,
+        };
+        (
+            ClientHandshake {
+                key,
+                nonce,
+                state: ClientState::AwaitAnswer,
+            },
+            hello,
+        )
+    }
+
+    /// After the `Proof` has been sent: the connection's keys. From then on every frame is
+    /// sealed in both directions, the server's `Welcome` first: build the sealer and opener
+    /// with `session.control(Role::Client)` once, and verify each frame before `on_msg`.
+    pub fn session(&self) -> Option<&SessionKeys> {
+        match &self.state {
+            ClientState::AwaitWelcome(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The server's next message (verified, once [`Self::session`] is set).
+    pub fn on_msg(&mut self, msg: CtrlMsg) -> Result<Step, HandshakeError> {
+        let state = std::mem::replace(&mut self.state, ClientState::Finished);
+        match (state, self.key, msg) {
+            (ClientState::AwaitAnswer, None, CtrlMsg::Welcome { auth: false }) => {
+                Ok(Step::Established {
+                    send: None,
+                    session: None,
+                })
+            }
+            (ClientState::AwaitAnswer, Some(key), CtrlMsg::Challenge { nonce, proof }) => {
+                if !key.verify_server_proof(&self.nonce, &nonce, &proof) {
+                    return Err(HandshakeError::Refused(Refusal::ServerNotProven));
+                }
+                let proof = key.client_proof(&self.nonce, &nonce);
+                self.state = ClientState::AwaitWelcome(key.session(&self.nonce, &nonce));
+                Ok(Step::Send(CtrlMsg::Proof { proof }))
+            }
+            (ClientState::AwaitAnswer, Some(_), CtrlMsg::Welcome { auth: false }) => {
+                Err(HandshakeError::Refused(Refusal::Downgrade))
+            }
+            (ClientState::AwaitAnswer, None, msg) => Err(unexpected("Welcome", msg)),
+            (ClientState::AwaitAnswer, Some(_), msg) => Err(unexpected("Challenge", msg)),
+            (ClientState::AwaitWelcome(session), _, CtrlMsg::Welcome { auth: true }) => {
+                Ok(Step::Established {
+                    send: None,
+                    session: Some(session),
+                })
+            }
+            (ClientState::AwaitWelcome(_), _, msg) => Err(unexpected("sealed Welcome", msg)),
+            (ClientState::Finished, _, msg) => Err(unexpected("nothing (handshake over)", msg)),
+        }
+    }
+}
+
+/// Where the server is.
+#[derive(Debug)]
+enum ServerState {
+    /// Waiting for the client's `Hello`.
+    AwaitHello,
+    /// Challenge sent; waiting for the client's `Proof`.
+    AwaitProof {
+        /// The client's nonce from its `Hello`.
+        client_nonce: [u8; NONCE_LEN],
+    },
+    /// Established or failed.
+    Finished,
+}
+
+/// The accepting end (the receiver of tensors).
+#[derive(Debug)]
+pub struct ServerHandshake<'k> {
+    key: Option<&'k JobKey>,
+    nonce: [u8; NONCE_LEN],
+    state: ServerState,
+}
+
+impl<'k> ServerHandshake<'k> {
+    /// A server that requires `key` (authenticated) or runs without one (plain), with a fresh
+    /// random `nonce` (drawn by the caller from the OS). It waits for the client's `Hello`.
+    pub fn new(key: Option<&'k JobKey>, nonce: [u8; NONCE_LEN]) -> ServerHandshake<'k> {
+        ServerHandshake {
+            key,
+            nonce,
+            state: ServerState::AwaitHello,
+        }
+    }
+
+    /// The client's next message.
+    pub fn on_msg(&mut self, msg: CtrlMsg) -> Result<Step, HandshakeError> {
+        let state = std::mem::replace(&mut self.state, ServerState::Finished);
+        match (state, self.key, msg) {
+            (ServerState::AwaitHello, None, CtrlMsg::Hello { auth: false, .. }) => {
+                Ok(Step::Established {
+                    send: Some(CtrlMsg::Welcome { auth: false }),
+                    session: None,
+                })
+            }
+            (ServerState::AwaitHello, None, CtrlMsg::Hello { auth: true, .. }) => {
+                Err(HandshakeError::Refused(Refusal::AuthenticationUnavailable))
+            }
+            (ServerState::AwaitHello, Some(_), CtrlMsg::Hello { auth: false, .. }) => {
+                Err(HandshakeError::Refused(Refusal::UnauthenticatedPeer))
+            }
+            (ServerState::AwaitHello, Some(key), CtrlMsg::Hello { auth: true, nonce }) => {
+                let proof = key.server_proof(&nonce, &self.nonce);
+                self.state = ServerState::AwaitProof {
+                    client_nonce: nonce,
+                };
+                Ok(Step::Send(CtrlMsg::Challenge {
+                    nonce: self.nonce,
+                    proof,
+                }))
+            }
+            (ServerState::AwaitHello, _, msg) => Err(unexpected("Hello", msg)),
+            (ServerState::AwaitProof { client_nonce }, Some(key), CtrlMsg::Proof { proof }) => {
+                if !key.verify_client_proof(&client_nonce, &self.nonce, &proof) {
+                    return Err(HandshakeError::Refused(Refusal::SecretMismatch));
+                }
+                Ok(Step::Established {
+                    send: Some(CtrlMsg::Welcome { auth: true }),
+                    session: Some(key.session(&client_nonce, &self.nonce)),
+                })
+            }
+            (ServerState::AwaitProof { .. }, _, msg) => Err(unexpected("Proof", msg)),
+            (ServerState::Finished, _, msg) => Err(unexpected("nothing (handshake over)", msg)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use crate::auth::{CtrlOpener, CtrlSealer, JobSecret, Role};
+
+    const NC: [u8; NONCE_LEN] = [0xC1; NONCE_LEN];
+    const NS: [u8; NONCE_LEN] = [0x5E; NONCE_LEN];
+
+    fn key(fill: u8) -> JobKey {
+        JobKey::new(&JobSecret::new(vec![fill; 32]).unwrap())
+    }
+
+    /// One side's end of a handshake: its session (None: plain), or its error.
+    type Outcome = Result<Option<SessionKeys>, HandshakeError>;
+
+    /// Feeds each message of one side to the other until both are established or one fails.
+    /// Returns (client outcome, server outcome, messages exchanged in order).
+    fn run(ck: Option<&JobKey>, sk: Option<&JobKey>) -> (Outcome, Outcome, Vec<CtrlMsg>) {
+        let (mut client, hello) = ClientHandshake::new(ck, NC);
+        let mut server = ServerHandshake::new(sk, NS);
+        let mut wire = vec![hello.clone()];
+        let mut to_server = Some(hello);
+        let mut to_client = None;
+        let (mut cres, mut sres) = (None, None);
+        for _ in 0..8 {
+            if let Some(m) = to_server.take() {
+                match server.on_msg(m) {
+                    Ok(Step::Send(r)) => to_client = Some(r),
+                    Ok(Step::Established { send, session }) => {
+                        to_client = send;
+                        sres = Some(Ok(session));
+                    }
+                    Err(e) => {
+                        to_client = e.abort();
+                        sres = Some(Err(e));
+                    }
+                }
+                wire.extend(to_client.clone());
+            } else if let Some(m) = to_client.take() {
+                match client.on_msg(m) {
+                    Ok(Step::Send(r)) => to_server = Some(r),
+                    Ok(Step::Established { send, session }) => {
+                        assert!(send.is_none(), "a client ends by receiving");
+                        cres = Some(Ok(session));
+                    }
+                    Err(e) => {
+                        to_server = e.abort();
+                        cres = Some(Err(e));
+                    }
+                }
+                wire.extend(to_server.clone());
+            } else {
+                break;
+            }
+        }
+        (
+            cres.expect("client finished"),
+            sres.expect("server finished"),
+            wire,
+        )
+    }
+
+    fn control(s: &SessionKeys, role: Role) -> (CtrlSealer, CtrlOpener) {
+        s.control(role)
+    }
+
+    #[test]
+    fn plain_both_ends() {
+        let (c, s, wire) = run(None, None);
+        assert!(c.unwrap().is_none());
+        assert!(s.unwrap().is_none());
+        assert_eq!(
+            wire,
+            vec![
+                CtrlMsg::Hello {
+                    auth: false,
+                    nonce: NC
+                },
+                CtrlMsg::Welcome { auth: false }
+            ]
+        );
+    }
+
+    #[test]
+    fn authenticated_both_ends_share_session_keys() {
+        let k = key(1);
+        let k2 = key(1);
+        let (c, s, wire) = run(Some(&k), Some(&k2));
+        let (cs, ss) = (c.unwrap().unwrap(), s.unwrap().unwrap());
+        assert_eq!(wire.len(), 4);
+        assert!(matches!(wire[0], CtrlMsg::Hello { auth: true, nonce } if nonce == NC));
+        assert!(matches!(wire[1], CtrlMsg::Challenge { nonce, .. } if nonce == NS));
+        assert!(matches!(wire[2], CtrlMsg::Proof { .. }));
+        assert_eq!(wire[3], CtrlMsg::Welcome { auth: true });
+        // Same session on both ends: what the server seals the client opens, both ways.
+        let (mut ctx, mut crx) = control(&cs, Role::Client);
+        let (mut stx, mut srx) = control(&ss, Role::Server);
+        let t = stx.seal(b"welcome");
+        assert!(crx.open(b"welcome", &t));
+        let t = ctx.seal(b"flow start");
+        assert!(srx.open(b"flow start", &t));
+    }
+
+    #[test]
+    fn unauthenticated_sender_to_authenticated_receiver_is_refused() {
+        let k = key(1);
+        let (c, s, wire) = run(None, Some(&k));
+        assert_eq!(
+            s.unwrap_err(),
+            HandshakeError::Refused(Refusal::UnauthenticatedPeer)
+        );
+        let c = c.unwrap_err();
+        assert_eq!(
+            c,
+            HandshakeError::PeerAborted {
+                code: ABORT_AUTH,
+                reason: Refusal::UnauthenticatedPeer.reason().into()
+            }
+        );
+        assert!(
+            c.to_string().contains("requires an authenticated job"),
+            "{c}"
+        );
+        assert!(c.to_string().contains("GRADWIRE_JOB_SECRET"), "{c}");
+        assert!(matches!(
+            wire[1],
+            CtrlMsg::Abort {
+                code: ABORT_AUTH,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn authenticated_sender_to_plain_receiver_is_refused() {
+        let k = key(1);
+        let (c, s, _) = run(Some(&k), None);
+        assert_eq!(
+            s.unwrap_err(),
+            HandshakeError::Refused(Refusal::AuthenticationUnavailable)
+        );
+        assert!(matches!(
+            c.unwrap_err(),
+            HandshakeError::PeerAborted { code: ABORT_AUTH, reason }
+                if reason.contains("without a job secret")
+        ));
+    }
+
+    #[test]
+    fn wrong_secret_fails_at_the_client_which_never_proves_itself() {
+        let (ck, sk) = (key(1), key(2));
+        let (c, s, wire) = run(Some(&ck), Some(&sk));
+        let c = c.unwrap_err();
+        assert_eq!(c, HandshakeError::Refused(Refusal::ServerNotProven));
+        assert!(c.to_string().contains("could not prove the job secret"));
+        assert!(matches!(
+            s.unwrap_err(),
+            HandshakeError::PeerAborted {
+                code: ABORT_AUTH,
+                ..
+            }
+        ));
+        // No Proof was ever sent.
+        assert!(!wire.iter().any(|m| matches!(m, CtrlMsg::Proof { .. })));
+    }
+
+    #[test]
+    fn wrong_client_proof_is_a_secret_mismatch() {
+        let k = key(1);
+        let mut server = ServerHandshake::new(Some(&k), NS);
+        server
+            .on_msg(CtrlMsg::Hello {
+                auth: true,
+                nonce: NC,
+            })
+            .unwrap();
+        // A client with another secret that skips checking the server's proof.
+        let proof = key(2).client_proof(&NC, &NS);
+        let e = server.on_msg(CtrlMsg::Proof { proof }).unwrap_err();
+        assert_eq!(e, HandshakeError::Refused(Refusal::SecretMismatch));
+        assert!(e.to_string().contains("job secret mismatch"));
+        assert_eq!(
+            e.abort(),
+            Some(CtrlMsg::Abort {
+                code: ABORT_AUTH,
+                reason: e.to_string()
+            })
+        );
+        // The server is finished: nothing more is accepted.
+        assert!(matches!(
+            server.on_msg(CtrlMsg::Proof {
+                proof: k.client_proof(&NC, &NS)
+            }),
+            Err(HandshakeError::Unexpected { .. })
+        ));
+    }
+
+    #[test]
+    fn reflected_server_proof_is_refused() {
+        let k = key(1);
+        let mut server = ServerHandshake::new(Some(&k), NS);
+        let Step::Send(CtrlMsg::Challenge { nonce, proof }) = server
+            .on_msg(CtrlMsg::Hello {
+                auth: true,
+                nonce: NC,
+            })
+            .unwrap()
+        else {
+            panic!("expected a challenge")
+        };
+        assert_eq!(nonce, NS);
+        // An attacker without the secret replays the server's own proof as its proof.
+        assert_eq!(
+            server.on_msg(CtrlMsg::Proof { proof }).unwrap_err(),
+            HandshakeError::Refused(Refusal::SecretMismatch)
+        );
+        // Nor does a client proof pass as the server's (the labels differ per direction).
+        assert!(!k.verify_server_proof(&NC, &NS, &k.client_proof(&NC, &NS)));
+    }
+
+    #[test]
+    fn proof_from_another_handshake_is_refused() {
+        let k = key(1);
+        let old = k.client_proof(&NC, &[0x77; NONCE_LEN]);
+        let mut server = ServerHandshake::new(Some(&k), NS);
+        server
+            .on_msg(CtrlMsg::Hello {
+                auth: true,
+                nonce: NC,
+            })
+            .unwrap();
+        assert_eq!(
+            server.on_msg(CtrlMsg::Proof { proof: old }).unwrap_err(),
+            HandshakeError::Refused(Refusal::SecretMismatch)
+        );
+    }
+
+    #[test]
+    fn plain_welcome_to_an_authenticated_client_is_a_downgrade() {
+        let k = key(1);
+        let (mut client, _) = ClientHandshake::new(Some(&k), NC);
+        let e = client.on_msg(CtrlMsg::Welcome { auth: false }).unwrap_err();
+        assert_eq!(e, HandshakeError::Refused(Refusal::Downgrade));
+        assert!(e.abort().is_some());
+        assert!(client.session().is_none());
+    }
+
+    #[test]
+    fn challenge_to_a_plain_client_is_unexpected() {
+        let (mut client, _) = ClientHandshake::new(None, NC);
+        assert_eq!(
+            client
+                .on_msg(CtrlMsg::Challenge {
+                    nonce: NS,
+                    proof: [0; 32]
+                })
+                .unwrap_err(),
+            HandshakeError::Unexpected {
+                expected: "Welcome",
+                got: "Challenge"
+            }
+        );
+    }
+
+    #[test]
+    fn session_is_exposed_only_between_proof_and_welcome() {
+        let k = key(1);
+        let (mut client, _) = ClientHandshake::new(Some(&k), NC);
+        assert!(client.session().is_none());
+        let ch = CtrlMsg::Challenge {
+            nonce: NS,
+            proof: k.server_proof(&NC, &NS),
+        };
+        assert!(
+            matches!(client.on_msg(ch).unwrap(), Step::Send(CtrlMsg::Proof { proof }) if k.verify_client_proof(&NC, &NS, &proof))
+        );
+        assert!(client.session().is_some());
+        // An authenticated Welcome is the only way on; a plain one after the proof is not.
+        let (mut c2, _) = ClientHandshake::new(Some(&k), NC);
+        c2.on_msg(CtrlMsg::Challenge {
+            nonce: NS,
+            proof: k.server_proof(&NC, &NS),
+        })
+        .unwrap();
+        assert_eq!(
+            c2.on_msg(CtrlMsg::Welcome { auth: false }).unwrap_err(),
+            HandshakeError::Unexpected {
+                expected: "sealed Welcome",
+                got: "Welcome (unauthenticated)"
+            }
+        );
+        match client.on_msg(CtrlMsg::Welcome { auth: true }).unwrap() {
+            Step::Established {
+                send: None,
+                session: Some(_),
+            } => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(client.session().is_none());
+    }
+
+    #[test]
+    fn out_of_order_messages_are_named() {
+        let k = key(1);
+        let every = || {
+            vec![
+                CtrlMsg::FinishConfirm,
+                CtrlMsg::FlowStop {
+                    pass: 0,
+                    segments_sent: 1,
+                },
+                CtrlMsg::RateGrant { rate_bps: 1 },
+                CtrlMsg::Hello {
+                    auth: true,
+                    nonce: NC,
+                },
+                CtrlMsg::Hello {
+                    auth: false,
+                    nonce: NC,
+                },
+                CtrlMsg::Challenge {
+                    nonce: NS,
+                    proof: [1; 32],
+                },
+                CtrlMsg::Proof { proof: [2; 32] },
+                CtrlMsg::Welcome { auth: true },
+                CtrlMsg::Welcome { auth: false },
+            ]
+        };
+        // Server waiting for Hello: everything but a Hello is unexpected.
+        for m in every() {
+            for sk in [None, Some(&k)] {
+                let mut s = ServerHandshake::new(sk, NS);
+                let name = msg_name(&m);
+                match s.on_msg(m.clone()) {
+                    Err(HandshakeError::Unexpected { expected, got }) => {
+                        assert_eq!(expected, "Hello");
+                        assert_eq!(got, name);
+                        assert!(!name.starts_with("Hello"));
+                    }
+                    Ok(_) | Err(HandshakeError::Refused(_)) => assert!(name.starts_with("Hello")),
+                    Err(e) => panic!("{name}: {e}"),
+                }
+            }
+        }
+        // Server waiting for the Proof: only a Proof.
+        for m in every() {
+            let mut s = ServerHandshake::new(Some(&k), NS);
+            s.on_msg(CtrlMsg::Hello {
+                auth: true,
+                nonce: NC,
+            })
+            .unwrap();
+            let name = msg_name(&m);
+            match s.on_msg(m) {
+                Err(HandshakeError::Unexpected { expected, got }) => {
+                    assert_eq!((expected, got), ("Proof", name));
+                }
+                Err(HandshakeError::Refused(Refusal::SecretMismatch)) => {
+                    assert_eq!(name, "Proof")
+                }
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        // Client waiting for the answer to Hello.
+        for m in every() {
+            for ck in [None, Some(&k)] {
+                let (mut c, _) = ClientHandshake::new(ck, NC);
+                let name = msg_name(&m);
+                let r = c.on_msg(m.clone());
+                match (&r, ck.is_some(), name) {
+                    (Ok(Step::Established { .. }), false, "Welcome (unauthenticated)") => {}
+                    (
+                        Err(HandshakeError::Refused(Refusal::Downgrade)),
+                        true,
+                        "Welcome (unauthenticated)",
+                    ) => {}
+                    // A forged challenge (proof [1; 32]) fails like a wrong secret.
+                    (Err(HandshakeError::Refused(Refusal::ServerNotProven)), true, "Challenge") => {
+                    }
+                    (Err(HandshakeError::Unexpected { expected, got }), _, _) => {
+                        assert_eq!(*got, name);
+                        assert_eq!(
+                            *expected,
+                            if ck.is_some() { "Challenge" } else { "Welcome" }
+                        );
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn abort_from_the_peer_is_reported_with_its_reason() {
+        let abort = CtrlMsg::Abort {
+            code: 3,
+            reason: "going away".into(),
+        };
+        let k = key(1);
+        let (mut c, _) = ClientHandshake::new(Some(&k), NC);
+        assert_eq!(
+            c.on_msg(abort.clone()).unwrap_err(),
+            HandshakeError::PeerAborted {
+                code: 3,
+                reason: "going away".into()
+            }
+        );
+        let mut s = ServerHandshake::new(None, NS);
+        let e = s.on_msg(abort).unwrap_err();
+        assert!(e.to_string().contains("going away"), "{e}");
+        assert_eq!(e.abort(), None, "an abort is not answered");
+    }
+
+    #[test]
+    fn finished_machines_accept_nothing() {
+        let (mut c, _) = ClientHandshake::new(None, NC);
+        c.on_msg(CtrlMsg::Welcome { auth: false }).unwrap();
+        assert!(matches!(
+            c.on_msg(CtrlMsg::Welcome { auth: false }),
+            Err(HandshakeError::Unexpected { .. })
+        ));
+        let mut s = ServerHandshake::new(None, NS);
+        s.on_msg(CtrlMsg::Hello {
+            auth: false,
+            nonce: NC,
+        })
+        .unwrap();
+        assert!(matches!(
+            s.on_msg(CtrlMsg::Hello {
+                auth: false,
+                nonce: NC
+            }),
+            Err(HandshakeError::Unexpected { .. })
+        ));
+    }
+
+    fn arb_msg() -> impl proptest::strategy::Strategy<Value = CtrlMsg> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (any::<bool>(), any::<[u8; NONCE_LEN]>())
+                .prop_map(|(auth, nonce)| CtrlMsg::Hello { auth, nonce }),
+            (any::<[u8; NONCE_LEN]>(), any::<[u8; 32]>())
+                .prop_map(|(nonce, proof)| CtrlMsg::Challenge { nonce, proof }),
+            any::<[u8; 32]>().prop_map(|proof| CtrlMsg::Proof { proof }),
+            any::<bool>().prop_map(|auth| CtrlMsg::Welcome { auth }),
+            (any::<u8>(), "[a-z ]{0,20}")
+                .prop_map(|(code, reason)| CtrlMsg::Abort { code, reason }),
+            Just(CtrlMsg::FinishConfirm),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever a peer without the secret sends, in any order, neither end of an
+        /// authenticated job completes the handshake, and a failed one accepts nothing more.
+        #[test]
+        fn no_session_without_the_secret(msgs in proptest::collection::vec(arb_msg(), 0..8)) {
+            let k = key(1);
+            let mut server = ServerHandshake::new(Some(&k), NS);
+            let (mut client, _) = ClientHandshake::new(Some(&k), NC);
+            let (mut s_over, mut c_over) = (false, false);
+            for m in msgs {
+                let r = server.on_msg(m.clone());
+                proptest::prop_assert!(!s_over || r.is_err(), "server accepted after the end");
+                match r {
+                    Ok(Step::Established { .. }) => {
+                        proptest::prop_assert!(false, "server established without a proof");
+                    }
+                    Ok(Step::Send(_)) => {}
+                    Err(_) => s_over = true,
+                }
+                let r = client.on_msg(m);
+                proptest::prop_assert!(!c_over || r.is_err(), "client accepted after the end");
+                match r {
+                    Ok(Step::Established { .. }) => {
+                        proptest::prop_assert!(false, "client established without a proof");
+                    }
+                    Ok(Step::Send(_)) => {}
+                    Err(_) => c_over = true,
+                }
+            }
+        }
+    }
+}
