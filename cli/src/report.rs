@@ -19,7 +19,8 @@ pub struct Xfer {
     pub retransmitted: Option<u64>,
     pub rate_halvings: Option<u64>,
     pub duplicates: Option<u64>,
-    pub rejected: Option<u64>,
+    /// Data datagrams the receiver refused, by reason (receiver side only).
+    pub rejected: Option<gradwire::flow::RejectCounts>,
     /// Every delivered byte equals the sender's byte (receiver side only).
     pub verified: Option<bool>,
 }
@@ -160,6 +161,13 @@ impl Summary {
                 None => "",
             }
         );
+        let mut refused = gradwire::flow::RejectCounts::default();
+        for r in self.transfers.iter().filter_map(|x| x.rejected.as_ref()) {
+            refused.add(r);
+        }
+        if refused.total() > 0 {
+            println!("refused data datagrams: {refused}");
+        }
         for (who, st) in [
             ("sender", &self.afxdp_sender),
             ("receiver", &self.afxdp_receiver),
@@ -205,7 +213,7 @@ mod tests {
             retransmitted: Some(1),
             rate_halvings: Some(0),
             duplicates: Some(0),
-            rejected: Some(0),
+            rejected: Some(gradwire::flow::RejectCounts::default()),
             verified: Some(true),
         };
         let s = Summary::new(

@@ -11,7 +11,7 @@ use gradwire::datapath::fault::{FaultConfig, FaultInjector};
 use gradwire::datapath::loopback::Loopback;
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::datapath::Datapath;
-use gradwire::flow::{fixed_priority, SenderConfig, Tag};
+use gradwire::flow::{fixed_priority, RejectCounts, SenderConfig, Tag};
 use gradwire::message::{LossBound, Stage};
 use gradwire::rate::RateConfig;
 use gradwire::tensor::Tensor;
@@ -234,7 +234,7 @@ fn xfer_from(i: u32, r: &RecvReport, s: Option<&SendReport>, verified: Option<bo
         retransmitted: s.map(|s| s.stats.retransmitted),
         rate_halvings: s.map(|s| s.stats.halvings),
         duplicates: Some(r.stats.duplicates),
-        rejected: Some(r.rejected.total()),
+        rejected: Some(r.rejected),
         verified,
     }
 }
@@ -532,7 +532,12 @@ pub fn send(a: &SendArgs) -> Res {
             rejected: None,
             verified: None,
         });
-        stats_file.write(round + 1, dp.stats(), AfXdpStats::of(&dp));
+        stats_file.write(
+            round + 1,
+            dp.stats(),
+            AfXdpStats::of(&dp),
+            RejectCounts::default(),
+        );
     }
     pb.finish_and_clear();
     let mut summary = Summary::new(
@@ -587,6 +592,7 @@ pub fn recv(a: &RecvArgs) -> Res {
     }
     let mut got = tensor(c)?;
     let mut expect = tensor(c)?;
+    let mut rejected = RejectCounts::default();
     let pb = progress(c);
     let start = Instant::now();
     let mut xfers = Vec::new();
@@ -598,7 +604,8 @@ pub fn recv(a: &RecvArgs) -> Res {
         delivered += r.stats.bytes;
         pb.inc(c.size);
         xfers.push(xfer_from(round, &r, None, Some(ok)));
-        stats_file.write(round + 1, dp.stats(), AfXdpStats::of(&dp));
+        rejected.add(&r.rejected);
+        stats_file.write(round + 1, dp.stats(), AfXdpStats::of(&dp), rejected);
     }
     pb.finish_and_clear();
     let mut summary = Summary::new(

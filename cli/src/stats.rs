@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use gradwire::afxdp::{AfXdpStats, BindMode};
 use gradwire::datapath::DatapathStats;
+use gradwire::flow::RejectCounts;
 use serde::{Deserialize, Serialize};
 
 use crate::args::StatsArgs;
@@ -39,6 +40,9 @@ pub struct ProcessStats {
     /// AF_XDP counters, for the AF_XDP datapath (`null` otherwise; the field must be there).
     #[serde(deserialize_with = "Option::deserialize")]
     pub afxdp: Option<AfXdpStats>,
+    /// Data datagrams a receiver refused, by reason, over all its transfers (zero for a
+    /// sender): foreign sources, bad tags, stale rounds, ...
+    pub rejected: RejectCounts,
 }
 
 /// A stats file of a live process that could not be read back.
@@ -86,7 +90,13 @@ impl StatsFile {
     }
 
     /// Replace the file's contents (atomically, by rename). Failures only cost visibility.
-    pub fn write(&self, transfers: u32, dp: DatapathStats, afxdp: Option<AfXdpStats>) {
+    pub fn write(
+        &self,
+        transfers: u32,
+        dp: DatapathStats,
+        afxdp: Option<AfXdpStats>,
+        rejected: RejectCounts,
+    ) {
         let Some(path) = &self.path else { return };
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -100,6 +110,7 @@ impl StatsFile {
             transfers,
             stats: dp,
             afxdp,
+            rejected,
         };
         let Ok(text) = serde_json::to_vec(&v) else {
             return;
@@ -258,6 +269,9 @@ pub fn run(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>
                     s.rx_bytes,
                     s.rx_dropped,
                 );
+                if v.rejected.total() > 0 {
+                    println!("  refused data datagrams: {}", v.rejected);
+                }
                 if let Some(x) = &v.afxdp {
                     print_afxdp("", x);
                 }

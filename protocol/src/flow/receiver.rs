@@ -83,7 +83,7 @@ impl From<PlaceError> for DataReject {
 }
 
 /// Packets refused by the receiver, by reason (none of them touched the tensor).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RejectCounts {
     /// From a source the flow's sender did not announce (peer binding): a third host, or a
     /// port the sender does not use.
@@ -139,20 +139,79 @@ impl RejectCounts {
         *c += 1;
     }
 
+    /// Adds `other`'s counts (a process's totals over its transfers).
+    pub fn add(&mut self, other: &RejectCounts) {
+        let RejectCounts {
+            foreign_source,
+            malformed,
+            unauthenticated,
+            bad_tag,
+            stale_pass,
+            unknown_job,
+            unknown_tensor,
+            stale_round,
+            out_of_bounds,
+            not_element_multiple,
+            too_long,
+            misaligned,
+        } = *other;
+        self.foreign_source += foreign_source;
+        self.malformed += malformed;
+        self.unauthenticated += unauthenticated;
+        self.bad_tag += bad_tag;
+        self.stale_pass += stale_pass;
+        self.unknown_job += unknown_job;
+        self.unknown_tensor += unknown_tensor;
+        self.stale_round += stale_round;
+        self.out_of_bounds += out_of_bounds;
+        self.not_element_multiple += not_element_multiple;
+        self.too_long += too_long;
+        self.misaligned += misaligned;
+    }
+
+    /// Every count by name (the names of the JSON fields).
+    pub fn by_name(&self) -> [(&'static str, u64); 12] {
+        [
+            ("foreign_source", self.foreign_source),
+            ("malformed", self.malformed),
+            ("unauthenticated", self.unauthenticated),
+            ("bad_tag", self.bad_tag),
+            ("stale_pass", self.stale_pass),
+            ("unknown_job", self.unknown_job),
+            ("unknown_tensor", self.unknown_tensor),
+            ("stale_round", self.stale_round),
+            ("out_of_bounds", self.out_of_bounds),
+            ("not_element_multiple", self.not_element_multiple),
+            ("too_long", self.too_long),
+            ("misaligned", self.misaligned),
+        ]
+    }
+
+    /// The non-zero counts by name, for one-line reports.
+    pub fn nonzero(&self) -> Vec<(&'static str, u64)> {
+        self.by_name().into_iter().filter(|&(_, n)| n > 0).collect()
+    }
+
     /// Total refusals.
     pub fn total(&self) -> u64 {
-        self.foreign_source
-            + self.malformed
-            + self.unauthenticated
-            + self.bad_tag
-            + self.stale_pass
-            + self.unknown_job
-            + self.unknown_tensor
-            + self.stale_round
-            + self.out_of_bounds
-            + self.not_element_multiple
-            + self.too_long
-            + self.misaligned
+        self.by_name().iter().map(|&(_, n)| n).sum()
+    }
+}
+
+/// The non-zero counts, `name count` separated by two spaces ("none" when all are zero).
+impl std::fmt::Display for RejectCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let nonzero = self.nonzero();
+        if nonzero.is_empty() {
+            return f.write_str("none");
+        }
+        for (i, (name, n)) in nonzero.iter().enumerate() {
+            if i > 0 {
+                f.write_str("  ")?;
+            }
+            write!(f, "{name} {n}")?;
+        }
+        Ok(())
     }
 }
 

@@ -1029,6 +1029,11 @@ fn only_announced_sources_write_the_tensor() {
     }
     assert_eq!(counts.foreign_source, 5);
     assert_eq!(counts.total(), 5);
+    assert_eq!(counts.to_string(), "foreign_source 5");
+    assert_eq!(RejectCounts::default().to_string(), "none");
+    let mut sum = counts;
+    sum.add(&counts);
+    assert_eq!((sum.foreign_source, sum.total()), (10, 10));
     assert!(
         dst.as_bytes().iter().all(|&b| b == 0),
         "a foreign datagram touched the tensor"
