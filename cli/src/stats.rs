@@ -302,6 +302,11 @@ mod tests {
                 ..DatapathStats::default()
             },
             afxdp: None,
+            rejected: RejectCounts {
+                foreign_source: 4,
+                bad_tag: 2,
+                ..RejectCounts::default()
+            },
         }
     }
 
@@ -333,8 +338,20 @@ mod tests {
         assert_eq!(got.len(), 1);
         let want = record(std::process::id());
         assert_eq!(
-            (got[0].pid, &got[0].role, got[0].transfers, got[0].stats),
-            (want.pid, &want.role, want.transfers, want.stats)
+            (
+                got[0].pid,
+                &got[0].role,
+                got[0].transfers,
+                got[0].stats,
+                got[0].rejected
+            ),
+            (
+                want.pid,
+                &want.role,
+                want.transfers,
+                want.stats,
+                want.rejected
+            )
         );
         assert!(!dir.join("2147483646.json").exists());
     }
