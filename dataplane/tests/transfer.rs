@@ -487,6 +487,9 @@ fn multipath_round_robin_transfer() {
         report.rounds >= 1,
         "2 % loss on one path needs a retransmission round"
     );
+    // Both paths' sources were announced: nothing from the second path was foreign.
+    assert_eq!(report.rejected.foreign_source, 0, "{}", report.rejected);
+    assert_eq!(tx.data_sources().len(), 2);
 }
 
 /// One transfer of a 4 MiB tensor over the loopback datapath with `drop` random loss at the
