@@ -9,12 +9,54 @@ mod report;
 mod run;
 mod stats;
 
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::Parser;
 
+/// Log records to stderr as `gradwire: <level>: <message>`: gradwire's own crates at level
+/// warn (or `GRADWIRE_LOG`: off, error, warn, info, debug, trace), other crates at error. A
+/// few lines of our own rather than env_logger: one format, one variable, no dependencies.
+struct StderrLog {
+    ours: log::LevelFilter,
+}
+
+impl log::Log for StderrLog {
+    fn enabled(&self, m: &log::Metadata<'_>) -> bool {
+        let limit = if m.target().starts_with("gradwire") {
+            self.ours
+        } else {
+            log::LevelFilter::Error
+        };
+        m.level() <= limit
+    }
+
+    fn log(&self, r: &log::Record<'_>) {
+        if self.enabled(r.metadata()) {
+            let level = r.level().as_str().to_ascii_lowercase();
+            // Nothing sensible to do if stderr is gone.
+            let _ = writeln!(std::io::stderr().lock(), "gradwire: {level}: {}", r.args());
+        }
+    }
+
+    fn flush(&self) {}
+}
+
+fn init_logging() {
+    let ours = std::env::var("GRADWIRE_LOG")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(log::LevelFilter::Warn);
+    // Installed once, for the life of the process.
+    let logger: &'static StderrLog = Box::leak(Box::new(StderrLog { ours }));
+    if log::set_logger(logger).is_ok() {
+        log::set_max_level(ours.max(log::LevelFilter::Error));
+    }
+}
+
 fn main() -> ExitCode {
     let cli = args::Cli::parse();
+    init_logging();
     let result = match cli.command {
         args::Command::Demo(a) => run::demo(&a),
         args::Command::Send(a) => run::send(&a),

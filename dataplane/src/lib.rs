@@ -12,7 +12,10 @@
 //!   emulated switch. Without the feature the crate builds with no clang and no libbpf.
 //! - [`grant_pool`]: one receiver downlink's grant allocator shared by its receiving
 //!   threads (receiver-driven incast congestion control).
-//! - [`ctrl_channel`]: the reliable control channel (kernel TCP, or in-memory for tests).
+//! - [`ctrl_channel`]: the reliable control channel (kernel TCP, or in-memory for tests),
+//!   opened by a handshake that authenticates both ends when the job has a secret;
+//!   [`ctrl_listener`]: a control listener that runs handshakes in the background and holds
+//!   nothing for clients that do not complete them.
 //! - [`transport`]: the drivers that run one transfer, and the `Sender`/`Receiver` API
 //!   (DLCP's `dlcp_send` / `dlcp_recv`).
 //! - [`job_secret`]: an authenticated job's secret, from a key file or the environment.
@@ -23,6 +26,7 @@ pub mod addr;
 #[cfg(feature = "afxdp")]
 pub mod afxdp;
 pub mod ctrl_channel;
+pub mod ctrl_listener;
 pub mod datapath;
 pub mod grant_pool;
 pub mod job_secret;
