@@ -235,6 +235,11 @@ impl DatapathKind {
 /// Options every command shares.
 #[derive(Debug, Clone, Args)]
 pub struct Common {
+    /// Authenticated job: the job secret's key file (mode 0600, at least 16 bytes; e.g.
+    /// `head -c 32 /dev/urandom > job.key`). Or set GRADWIRE_JOB_SECRET. Every rank needs the
+    /// same secret; the secret itself is never a command-line argument.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<std::path::PathBuf>,
     /// Datapath for data packets.
     #[arg(long, value_enum, default_value = "udp")]
     pub datapath: DatapathKind,

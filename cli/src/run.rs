@@ -1,7 +1,7 @@
 //! The commands: demo (both ends in one process), send and recv (two hosts).
 
 use std::error::Error;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use gradwire::afxdp::engine::{Engine, EngineConfig};
@@ -16,8 +16,8 @@ use gradwire::message::{LossBound, Stage};
 use gradwire::rate::RateConfig;
 use gradwire::tensor::Tensor;
 use gradwire::transport::{
-    accept_within, recv_tensor, send_tensor, MissingFill, RecvOptions, RecvReport, SendOptions,
-    SendReport, TransferConfig,
+    recv_tensor, send_tensor, MissingFill, RecvOptions, RecvReport, SendOptions, SendReport,
+    TransferConfig,
 };
 use gradwire_netns::{Testbed, TestbedConfig};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -345,13 +345,18 @@ pub fn demo(a: &DemoArgs) -> Res {
                 max_datagram: c.mtu.saturating_sub(28).max(64),
                 ..UdpConfig::default()
             };
-            let listener = TcpListener::bind(lo)?;
-            let ctrl_addr = listener.local_addr()?;
+            // The listener runs the server side of the handshake while we connect.
+            let listener = control_listener(c, &cfg, lo)?;
+            let ctrl_addr = listener.local_addr();
             let dpa = UdpDatapath::bind(lo, udp.clone())?;
             let dpb = FaultInjector::new(UdpDatapath::bind(lo, udp)?, faults(c))?;
-            let ca = TcpCtrl::connect(ctrl_addr, cfg.connect_timeout, cfg.control_dscp)?;
-            let (stream, _) = listener.accept()?;
-            let cb = TcpCtrl::new(stream, cfg.control_dscp)?;
+            let ca = TcpCtrl::connect_with(
+                ctrl_addr,
+                cfg.connect_timeout,
+                cfg.control_dscp,
+                job_key(c)?.as_ref(),
+            )?;
+            let cb = listener.accept(cfg.connect_timeout)?;
             run_pair(c, &cfg, dpa, ca, ctrl_addr.ip(), dpb, cb, "udp")?
         }
         DatapathKind::Afxdp => demo_afxdp(c, &cfg)?,
@@ -394,7 +399,7 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
     let (rc, rcfg, rif, rpb) = (c.clone(), cfg.clone(), ifname.clone(), pb.clone());
     let receiver = tb.spawn_in(1, move || -> Res<ReceiverOutcome> {
         pin(&rc, 1)?;
-        let listener = TcpListener::bind(ctrl_addr)?;
+        let listener = control_listener(&rc, &rcfg, ctrl_addr)?;
         let dp = open_afxdp(
             &rc,
             &rif,
@@ -424,9 +429,15 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
         t.fill_pattern(0x6772_6164);
         let dp = open_afxdp(&sc, &ifname, SocketAddr::new(tx_ip, data_port), 0.0, 1)?;
         // The receiver starts in parallel: retry the control connection for a while.
+        let key = job_key(&sc)?;
         let deadline = Instant::now() + Duration::from_secs(10);
         let ctrl = loop {
-            match TcpCtrl::connect(ctrl_addr, scfg.connect_timeout, scfg.control_dscp) {
+            match TcpCtrl::connect_with(
+                ctrl_addr,
+                scfg.connect_timeout,
+                scfg.control_dscp,
+                key.as_ref(),
+            ) {
                 Ok(c) => break c,
                 Err(_) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(20))
@@ -475,6 +486,28 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
     Ok(summary)
 }
 
+/// The job's key, from `--secret-file` or GRADWIRE_JOB_SECRET; `None`: a plain job.
+fn job_key(
+    c: &Common,
+) -> Result<Option<gradwire::auth::JobKey>, gradwire::job_secret::SecretError> {
+    gradwire::job_secret::load(c.secret_file.as_deref())
+}
+
+/// A control listener on `addr` that authenticates senders when the job has a secret.
+fn control_listener(
+    c: &Common,
+    cfg: &TransferConfig,
+    addr: SocketAddr,
+) -> Result<gradwire::ctrl_listener::CtrlListener, Box<dyn std::error::Error + Send + Sync>> {
+    let config = gradwire::ctrl_listener::ListenerConfig {
+        key: job_key(c)?,
+        dscp: cfg.control_dscp,
+        ..Default::default()
+    };
+    gradwire::ctrl_listener::CtrlListener::bind(addr, config)
+        .map_err(|e| format!("cannot listen on {addr}: {e}").into())
+}
+
 /// `gradwire send`: connect to a receiver and send `count` rounds of a pattern tensor.
 pub fn send(a: &SendArgs) -> Res {
     let c = &a.common;
@@ -490,7 +523,12 @@ pub fn send(a: &SendArgs) -> Res {
     });
     pin(c, 0)?;
     let mut dp = host_datapath(c, bind, 0.0, "send", a.spray_ports)?;
-    let mut ctrl = TcpCtrl::connect(a.to, cfg.connect_timeout, cfg.control_dscp)?;
+    let mut ctrl = TcpCtrl::connect_with(
+        a.to,
+        cfg.connect_timeout,
+        cfg.control_dscp,
+        job_key(c)?.as_ref(),
+    )?;
     let stats_file = crate::stats::StatsFile::new("send", c.datapath.name());
     let prio = fixed_priority(DATA_TAG);
     let pb = progress(c);
@@ -568,8 +606,7 @@ pub fn recv(a: &RecvArgs) -> Res {
     pin(c, 0)?;
     let mut dp = host_datapath(c, data, c.inject_loss, "recv", 1)?;
     let stats_file = crate::stats::StatsFile::new("recv", c.datapath.name());
-    let listener =
-        TcpListener::bind(a.listen).map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;
+    let listener = control_listener(c, &cfg, a.listen)?;
     if !c.json {
         eprintln!(
             "gradwire recv: control on {}, data on {}; waiting for a sender",
@@ -584,11 +621,15 @@ pub fn recv(a: &RecvArgs) -> Res {
         )
         .into());
     }
-    let stream = accept_within(&listener, Duration::from_secs_f64(a.accept_timeout))?;
-    let peer = stream.peer_addr()?;
-    let mut ctrl = TcpCtrl::new(stream, cfg.control_dscp)?;
+    let mut ctrl = listener.accept(Duration::from_secs_f64(a.accept_timeout))?;
+    let peer = ctrl.peer_addr();
     if !c.json {
-        eprintln!("gradwire recv: sender {peer} connected");
+        let how = if ctrl.is_authenticated() {
+            "authenticated with the job secret"
+        } else {
+            "plain job, not authenticated"
+        };
+        eprintln!("gradwire recv: sender {peer} connected ({how})");
     }
     let mut got = tensor(c)?;
     let mut expect = tensor(c)?;

@@ -4,8 +4,9 @@
 //! Run with `cargo run --release -p gradwire --example exchange`.
 
 use std::error::Error;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 
+use gradwire::ctrl_listener::{CtrlListener, ListenerConfig};
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::flow::{SegmentInfo, Tag};
 use gradwire::message::LossBound;
@@ -14,8 +15,10 @@ use gradwire::transport::{Receiver, RecvOptions, SendOptions, Sender, TransferCo
 
 fn main() -> Result<(), Box<dyn Error + Send + Sync>> {
     let lo: SocketAddr = "127.0.0.1:0".parse()?;
-    let listener = TcpListener::bind(lo)?;
-    let ctrl_addr = listener.local_addr()?;
+    // The control listener: handshakes every connection in the background (bounded time,
+    // bounded pending connections) and hands out the senders that completed it.
+    let listener = CtrlListener::bind(lo, ListenerConfig::default())?;
+    let ctrl_addr = listener.local_addr();
     let cfg = TransferConfig::default();
 
     // A 16 MiB gradient tensor (4 Mi f32 elements) from "layer 12".

@@ -38,8 +38,10 @@
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use crate::auth::JobKey;
 use crate::bitmap::SegmentBitmap;
 use crate::ctrl_channel::{ChannelError, CtrlChannel, TcpCtrl, DEFAULT_CONTROL_DSCP};
+use crate::ctrl_listener::CtrlListener;
 use crate::datapath::{Datapath, DatapathError, DatapathStats, RxMeta, TxMeta};
 use crate::flow::receiver::{ReceiverPhase, ReceiverStats};
 use crate::flow::sender::SenderPhase;
@@ -347,6 +349,8 @@ pub mod abort_code {
     pub const LOCAL: u8 = 4;
     /// The peer sent an undecodable control message.
     pub const MALFORMED: u8 = 5;
+    /// The handshake refused the peer (job secret missing, wrong or unexpected).
+    pub const AUTH: u8 = crate::handshake::ABORT_AUTH;
 }
 
 /// Tell the peer, best effort, why this end gives up; then return the error.
@@ -364,7 +368,10 @@ fn abort_peer<T, C: CtrlChannel + ?Sized>(
         | TransferError::Channel(
             ChannelError::Closed { .. }
             | ChannelError::Io { .. }
-            | ChannelError::WriteStalled { .. },
+            | ChannelError::WriteStalled { .. }
+            | ChannelError::Refused { .. }
+            | ChannelError::Handshake { .. }
+            | ChannelError::AcceptTimeout { .. },
         ) => return Err(e),
         TransferError::Protocol { .. } => abort_code::PROTOCOL,
         TransferError::Channel(ChannelError::Malformed { .. }) => abort_code::MALFORMED,
@@ -923,14 +930,25 @@ pub struct Sender<D> {
 }
 
 impl<D: Datapath> Sender<D> {
-    /// Connect to a receiver's control address.
+    /// Connect to a receiver's control address (a plain job).
     pub fn connect(
         ctrl_addr: SocketAddr,
         dp: D,
         cfg: TransferConfig,
     ) -> Result<Sender<D>, TransferError> {
+        Sender::connect_with(ctrl_addr, dp, cfg, None)
+    }
+
+    /// Connect to a receiver's control address, proving the job secret when `key` is given
+    /// (an authenticated job: every flow's data is then sealed).
+    pub fn connect_with(
+        ctrl_addr: SocketAddr,
+        dp: D,
+        cfg: TransferConfig,
+        key: Option<&JobKey>,
+    ) -> Result<Sender<D>, TransferError> {
         cfg.validate()?;
-        let ctrl = TcpCtrl::connect(ctrl_addr, cfg.connect_timeout, cfg.control_dscp)?;
+        let ctrl = TcpCtrl::connect_with(ctrl_addr, cfg.connect_timeout, cfg.control_dscp, key)?;
         Ok(Sender {
             dp,
             ctrl,
@@ -993,15 +1011,16 @@ pub struct Receiver<D> {
 }
 
 impl<D: Datapath> Receiver<D> {
-    /// Wait (at most `cfg.connect_timeout`) for one sender to connect on `listener`.
+    /// Wait (at most `cfg.connect_timeout`) for one sender to complete the handshake on
+    /// `listener` (which authenticates it if the listener has the job's key; clients that do
+    /// not speak or do not prove the secret never get this far).
     pub fn accept(
-        listener: &TcpListener,
+        listener: &CtrlListener,
         dp: D,
         cfg: TransferConfig,
     ) -> Result<Receiver<D>, TransferError> {
         cfg.validate()?;
-        let stream = accept_within(listener, cfg.connect_timeout)?;
-        let ctrl = TcpCtrl::new(stream, cfg.control_dscp)?;
+        let ctrl = listener.accept(cfg.connect_timeout)?;
         Ok(Receiver { dp, ctrl, cfg })
     }
 

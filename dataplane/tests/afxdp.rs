@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::net::{IpAddr, SocketAddr, TcpListener, UdpSocket};
+use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
 use gradwire::afxdp::engine::{Engine, EngineConfig};
@@ -126,7 +126,11 @@ fn transfer_with_stats(
     let tx_ip = IpAddr::V4(tb.host(0).ipv4);
     let receiver = tb
         .spawn_in(1, move || {
-            let listener = TcpListener::bind(SocketAddr::new(rx_ip, CTRL_PORT)).unwrap();
+            let listener = gradwire::ctrl_listener::CtrlListener::bind(
+                SocketAddr::new(rx_ip, CTRL_PORT),
+                gradwire::ctrl_listener::ListenerConfig::default(),
+            )
+            .unwrap();
             let dp = datapath(rx, rx_ip, loss);
             let mut r = Receiver::accept(&listener, dp, cfg()).unwrap();
             let mut got = Tensor::zeros(DType::F32, elems);
@@ -193,7 +197,8 @@ fn transfer_with_stats(
 /// receiver starts up).
 fn connect_retry(addr: SocketAddr) -> gradwire::ctrl_channel::TcpCtrl {
     let stream = gradwire_netns::connect_retry(addr, Duration::from_secs(10)).expect("connect");
-    gradwire::ctrl_channel::TcpCtrl::new(stream, None).expect("control channel")
+    gradwire::ctrl_channel::TcpCtrl::client_handshake(stream, None, None, Duration::from_secs(10))
+        .expect("control channel")
 }
 
 fn testbed() -> Option<Testbed> {
@@ -296,7 +301,11 @@ fn malformed_and_foreign_packets_are_dropped_counted_and_touch_nothing() {
     const ELEMS: usize = 3600; // 14400 bytes: 10 segments of 1440
     let receiver = tb
         .spawn_in(1, move || {
-            let listener = TcpListener::bind(SocketAddr::new(ip1, CTRL_PORT)).unwrap();
+            let listener = gradwire::ctrl_listener::CtrlListener::bind(
+                SocketAddr::new(ip1, CTRL_PORT),
+                gradwire::ctrl_listener::ListenerConfig::default(),
+            )
+            .unwrap();
             let mut c = AfXdpConfig::new("gw0", SocketAddr::new(ip1, DATA_PORT));
             c.socket.hugepages = false;
             c.allowlist = Some(vec![ip0]);

@@ -184,8 +184,12 @@ fn loopback_reliable_with_5pct_loss_delivers_everything() {
 /// The same over kernel UDP sockets on 127.0.0.1 with a real TCP control channel.
 fn udp_case(faults: FaultConfig, bound: f64) -> RecvReport {
     let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let listener = TcpListener::bind(lo).unwrap();
-    let ctrl_addr = listener.local_addr().unwrap();
+    let listener = gradwire::ctrl_listener::CtrlListener::bind(
+        lo,
+        gradwire::ctrl_listener::ListenerConfig::default(),
+    )
+    .unwrap();
+    let ctrl_addr = listener.local_addr();
     let cfg = TransferConfig {
         idle_timeout: Duration::from_secs(20),
         sender: gradwire::flow::SenderConfig::new(5_000_000_000),
@@ -371,12 +375,18 @@ fn receiver_that_disconnects_is_a_clear_error() {
         ..TransferConfig::default()
     };
     let h = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
+        let (s, _) = listener.accept().unwrap();
+        let mut s = gradwire::ctrl_channel::TcpCtrl::accept_handshake(
+            s,
+            None,
+            None,
+            Duration::from_secs(10),
+        )
+        .unwrap();
         // Disconnect once the sender has started the transfer (its FlowStart arrived), not
         // after some time: closing with the request unread resets the connection.
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut first = [0u8; 1];
-        std::io::Read::read_exact(&mut s, &mut first).unwrap();
+        use gradwire::ctrl_channel::CtrlChannel;
+        assert!(s.recv(Duration::from_secs(10)).unwrap().is_some());
         drop(s);
     });
     let dp = UdpDatapath::bind(lo, UdpConfig::default()).unwrap();

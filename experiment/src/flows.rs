@@ -15,6 +15,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use gradwire::ctrl_listener::{CtrlListener, ListenerConfig};
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::datapath::Datapath;
 use gradwire::flow::{fixed_priority, SenderConfig, Tag};
@@ -913,10 +914,11 @@ fn receive(
             ))
         })
     };
-    let listener = TcpListener::bind(SocketAddr::new(ip, ctrl_port(p.src)))
-        .map_err(|err| setup_failed(e("listen", &err)))?;
+    let ctrl = SocketAddr::new(ip, ctrl_port(p.src));
     match &v.kind {
         VariantKind::Gradwire { cc, .. } => {
+            let listener = CtrlListener::bind(ctrl, ListenerConfig::default())
+                .map_err(|err| setup_failed(e("listen", &err)))?;
             let dp = UdpDatapath::bind(SocketAddr::new(ip, data_port(p.src)), UdpConfig::default())
                 .map_err(|err| setup_failed(e("bind data socket", &err)))?;
             let _ = ready.send((index, true));
@@ -951,6 +953,8 @@ fn receive(
             }
         }
         VariantKind::Tcp { .. } => {
+            let listener =
+                TcpListener::bind(ctrl).map_err(|err| setup_failed(e("listen", &err)))?;
             if let Some(cc) = tcp_cc {
                 // Accepted sockets inherit the listener's congestion control (DCTCP's
                 // receiver half runs where the accepting socket uses it).

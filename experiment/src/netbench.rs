@@ -14,13 +14,14 @@
 //! - `transfer`: `--count` bounded-loss transfers of `--size` through the whole protocol
 //!   (rate control, control channel, placement into the tensor).
 
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use clap::Args;
 use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath, BusyPoll, PollMode};
+use gradwire::ctrl_listener::{CtrlListener, ListenerConfig};
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
 use gradwire::datapath::{tos, Datapath, RxMeta, TxMeta};
 use gradwire::flow::{fixed_priority, Tag};
@@ -199,6 +200,12 @@ fn afxdp_config(a: &BenchArgs, ip: IpAddr) -> AfXdpConfig {
     c.batch = a.batch;
     c.xdp_mode = a.xdp_mode;
     c.socket.frame_size = a.frame_size;
+    // The rx phase's generator is not a flow, so nothing would admit it to the classifier's
+    // allowlist: the bench's two hosts are each other's peers from the start.
+    c.allowlist = Some(vec![
+        gradwire_netns::testbed::host_ipv4(0).into(),
+        gradwire_netns::testbed::host_ipv4(1).into(),
+    ]);
     if a.busy_poll {
         c.poll = PollMode::BusyPoll;
         c.socket.busy_poll = Some(BusyPoll {
@@ -394,7 +401,8 @@ fn transfer_phase(tb: &Testbed, kind: Kind, a: &BenchArgs) -> Res<PhaseResult> {
     let (b1, a1, c1) = (barrier.clone(), a.clone(), cfg.clone());
     let receiver = tb.spawn_in(1, move || -> Res<u64> {
         pin(&a1.cores, 1);
-        let listener = TcpListener::bind(SocketAddr::new(ip1, CTRL_PORT))?;
+        let listener =
+            CtrlListener::bind(SocketAddr::new(ip1, CTRL_PORT), ListenerConfig::default())?;
         let dp = open(kind, &a1, ip1);
         b1.wait();
         let mut rx = Receiver::accept(&listener, dp?, c1)?;

@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use common::*;
@@ -73,7 +73,11 @@ fn transfer(net: &FabricNet, topo: &Topology, kind: Kind, from: usize, to: usize
     let rx_ip = IpAddr::V4(topo.hosts[to].ip);
     let tx_ip = IpAddr::V4(topo.hosts[from].ip);
     let receiver = spawn_in_netns(net.host_ns(to).unwrap(), move || {
-        let listener = TcpListener::bind(SocketAddr::new(rx_ip, CTRL_PORT)).unwrap();
+        let listener = gradwire::ctrl_listener::CtrlListener::bind(
+            SocketAddr::new(rx_ip, CTRL_PORT),
+            gradwire::ctrl_listener::ListenerConfig::default(),
+        )
+        .unwrap();
         let dp = datapath(kind, SocketAddr::new(rx_ip, DATA_PORT), 1);
         let mut r = Receiver::accept(&listener, dp, cfg()).unwrap();
         let mut got = Tensor::zeros(DType::F32, elems);

@@ -10,7 +10,7 @@
 
 mod common;
 
-use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use common::*;
@@ -80,7 +80,11 @@ fn tagged_transfer_shows_layer_dscp_and_magnitude_ecn_at_the_receiver() {
     let rx_ip = IpAddr::V4(topo.hosts[1].ip);
     let tx_ip = IpAddr::V4(topo.hosts[0].ip);
     let receiver = spawn_in_netns(net.host_ns(1).unwrap(), move || {
-        let listener = TcpListener::bind(SocketAddr::new(rx_ip, CTRL_PORT)).unwrap();
+        let listener = gradwire::ctrl_listener::CtrlListener::bind(
+            SocketAddr::new(rx_ip, CTRL_PORT),
+            gradwire::ctrl_listener::ListenerConfig::default(),
+        )
+        .unwrap();
         let mut c = AfXdpConfig::new("eth0", SocketAddr::new(rx_ip, DATA_PORT));
         c.socket.hugepages = false;
         c.xdp_mode = AttachMode::Generic;

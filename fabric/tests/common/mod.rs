@@ -42,7 +42,8 @@ pub fn leaf_spine_per_flow() -> Topology {
 /// 10 s while the receiver starts).
 pub fn connect_retry(addr: SocketAddr) -> gradwire::ctrl_channel::TcpCtrl {
     let stream = gradwire_netns::connect_retry(addr, Duration::from_secs(10)).unwrap();
-    gradwire::ctrl_channel::TcpCtrl::new(stream, None).unwrap()
+    gradwire::ctrl_channel::TcpCtrl::client_handshake(stream, None, None, Duration::from_secs(10))
+        .unwrap()
 }
 
 /// A receiver: the XDP classifier attached to `eth0` in `netns` (counting what arrives per
