@@ -300,3 +300,74 @@ fn demo_over_the_engine_uses_both_queues_and_pinned_workers() {
         );
     }
 }
+
+/// An authenticated job between two processes: the receiver has the secret in its
+/// environment; a sender without it and one with another secret are refused at the
+/// rendezvous with a clear error (and the receiver keeps waiting), one with the same secret in
+/// a key file gets through, and a key file other users can read is refused.
+#[test]
+fn authenticated_send_and_recv_refuse_a_sender_without_the_secret() {
+    const SECRET: &str = "0123456789abcdef-the-job-secret";
+    let dir = common::TempDir::new("gw-cli", "secret");
+    let key = dir.write("job.key", &format!("{SECRET}\n"));
+    let wrong = dir.write("wrong.key", "fedcba9876543210-another-secret\n");
+    let open = dir.write("open.key", &format!("{SECRET}\n"));
+    use std::os::unix::fs::PermissionsExt;
+    for (p, mode) in [(&key, 0o600), (&wrong, 0o600), (&open, 0o644)] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let listen = format!("127.0.0.1:{port}");
+    let common = [
+        "--size",
+        "1MiB",
+        "--count",
+        "2",
+        "--loss-bound",
+        "0",
+        "--json",
+    ];
+    let mut recv = ChildGuard::spawn(
+        Command::new(env!("CARGO_BIN_EXE_gradwire"))
+            .env("GRADWIRE_JOB_SECRET", SECRET)
+            .args(["recv", "--listen", &listen, "--accept-timeout", "30"])
+            .args(["--timeout", "20"])
+            .args(common)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    wait_listening(&mut recv, port);
+    let send = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_gradwire"))
+            .env_remove("GRADWIRE_JOB_SECRET")
+            .args(["send", "--to", &listen, "--timeout", "20"])
+            .args(common)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let plain = send(&[]);
+    assert_eq!(plain.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&plain.stderr);
+    assert!(err.contains("requires an authenticated job"), "{err}");
+
+    let mismatch = send(&["--secret-file", &wrong]);
+    assert_eq!(mismatch.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&mismatch.stderr);
+    assert!(err.contains("job secret"), "{err}");
+
+    let loose = send(&["--secret-file", &open]);
+    assert_eq!(loose.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&loose.stderr);
+    assert!(err.contains("chmod 600"), "{err}");
+
+    let s = json(&send(&["--secret-file", &key]));
+    let rout = recv.wait_with_output();
+    let r = json(&rout);
+    assert_eq!(s["count"], 2);
+    assert_eq!(r["verified"], true);
+    assert_eq!(r["delivered_fraction"], 1.0);
+}
