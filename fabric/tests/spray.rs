@@ -115,6 +115,8 @@ fn transfer(net: &FabricNet, topo: &Topology, kind: Kind, from: usize, to: usize
     sender.join().expect("sender panicked");
     let r = receiver.join().expect("receiver panicked");
     assert_eq!(r.delivered_fraction, 1.0);
+    // Every spray port was announced: peer binding refused none of the sender's datagrams.
+    assert_eq!(r.rejected.foreign_source, 0, "{kind:?}: {}", r.rejected);
 }
 
 /// Data packets each spine sent towards the leaves so far.

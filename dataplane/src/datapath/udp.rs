@@ -272,6 +272,16 @@ impl Datapath for UdpDatapath {
         self.local
     }
 
+    /// The bound address and port, and the spray ports after it.
+    fn data_sources(&self) -> Vec<super::DataSource> {
+        vec![super::DataSource {
+            addr: self.local.ip(),
+            port: self.local.port(),
+            // At most 65535 sockets: spray_ports is a u16 and the bound one is among them.
+            ports: u16::try_from(1 + self.spray.len()).unwrap_or(u16::MAX),
+        }]
+    }
+
     fn max_datagram(&self) -> usize {
         self.cfg.max_datagram
     }
