@@ -295,6 +295,18 @@ impl TcpCtrl {
         self.session.is_some()
     }
 
+    /// Whether the peer has closed or reset the connection (looked at without blocking or
+    /// reading): a connection that completed its handshake but whose client has gone since.
+    pub fn peer_gone(&self) -> bool {
+        // The stream is non-blocking: a peek that would block means the peer is there and
+        // quiet; 0 bytes means it closed; data pending means it is there.
+        match self.stream.peek(&mut [0u8; 1]) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted),
+        }
+    }
+
     fn wait(&self, flags: PollFlags, timeout: Duration) -> Result<bool, ChannelError> {
         wait_fd(self.stream.as_fd(), flags, timeout).map_err(|source| ChannelError::Io {
             peer: self.peer.to_string(),

@@ -217,8 +217,29 @@ impl CtrlListener {
     }
 
     /// The next connection that completed its handshake, waiting at most `timeout`.
+    /// Connections whose client has gone since they completed (closed or reset while nobody
+    /// accepted) are skipped, counted in `closed` and logged.
     pub fn accept(&self, timeout: Duration) -> Result<TcpCtrl, ChannelError> {
-        match self.ready.recv_timeout(timeout) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let c = self.accept_queued(left, timeout)?;
+            if !c.peer_gone() {
+                return Ok(c);
+            }
+            Counters::bump(&self.counters.closed);
+            warn!(
+                "control listener {}: dropped {}: the client closed the connection while it \
+                 waited for accept()",
+                self.local,
+                c.peer_addr()
+            );
+        }
+    }
+
+    /// The next queued connection, waiting at most `left` (of the caller's `timeout`).
+    fn accept_queued(&self, left: Duration, timeout: Duration) -> Result<TcpCtrl, ChannelError> {
+        match self.ready.recv_timeout(left) {
             Ok(c) => Ok(c),
             Err(RecvTimeoutError::Timeout) => Err(ChannelError::AcceptTimeout {
                 local: self.local.to_string(),
@@ -540,6 +561,21 @@ mod tests {
             "{e}"
         );
         wait_stats(&la, |s| s.refused == 1 && s.accepted == 1);
+    }
+
+    #[test]
+    fn a_client_gone_before_accept_is_skipped() {
+        let l = listener(None, T, 64);
+        let gone = TcpCtrl::connect(l.local_addr(), T, None).unwrap();
+        wait_stats(&l, |s| s.accepted == 1);
+        drop(gone);
+        let mut c = TcpCtrl::connect(l.local_addr(), T, None).unwrap();
+        wait_stats(&l, |s| s.accepted == 2);
+        // The first completed connection's client closed: accept hands out the second.
+        let mut s = l.accept(T).unwrap();
+        c.send(&CtrlMsg::FinishConfirm).unwrap();
+        assert_eq!(s.recv(T).unwrap(), Some(CtrlMsg::FinishConfirm));
+        assert_eq!(l.stats().closed, 1);
     }
 
     #[test]

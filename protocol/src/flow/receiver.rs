@@ -388,7 +388,8 @@ impl ReceiverFlow {
                 "FlowStart announces no data source".into(),
             ));
         }
-        if control_peer.is_unspecified() && start.sources.iter().any(|s| s.addr.is_unspecified()) {
+        let wildcard = |a: IpAddr| a.to_canonical().is_unspecified();
+        if control_peer.is_unspecified() && start.sources.iter().any(|s| wildcard(s.addr)) {
             return Err(reject(
                 RejectCode::Other,
                 "FlowStart announces a wildcard data source, but the control channel has no \
@@ -400,7 +401,8 @@ impl ReceiverFlow {
             .sources
             .iter()
             .map(|s| DataSource {
-                addr: if s.addr.is_unspecified() {
+                // `::ffff:0.0.0.0` is a wildcard too.
+                addr: if wildcard(s.addr) {
                     control_peer.to_canonical()
                 } else {
                     s.addr.to_canonical()
@@ -620,7 +622,10 @@ impl ReceiverFlow {
         Ok(self.on_data(repr, payload, tensor, tos, now_ns)?)
     }
 
-    /// Place one data packet into `tensor` (the registered buffer). `tos` is the packet's IP
+    /// Place one data packet into `tensor` (the registered buffer), given its parsed header.
+    /// This is the placement half of [`Self::on_datagram`] only: it does no peer binding and
+    /// no authentication, so drivers call `on_datagram`; tests, benches and fuzzers of the
+    /// placement checks call this. `tos` is the packet's IP
     /// TOS / traffic-class byte (DSCP and ECN as received). Returns whether the segment was
     /// new. Nothing is written unless every check passed.
     #[inline]
@@ -684,7 +689,12 @@ impl ReceiverFlow {
                 .as_ref()
                 .is_some_and(|(due, _)| now_ns >= *due)
             {
-                return self.delayed_request.take().map(|(_, m)| m);
+                let request = self.delayed_request.take().map(|(_, m)| m);
+                if let Some(CtrlMsg::RetransmitRequest { pass, .. }) = &request {
+                    // Sent now: the sender's next pass is current from here on.
+                    self.current_pass = pass.wrapping_add(1);
+                }
+                return request;
             }
         }
         if self.finish_pending {
@@ -757,8 +767,11 @@ impl ReceiverFlow {
                     self.stats.segments_requested +=
                         ranges.iter().map(|r| u64::from(r.len)).sum::<u64>();
                     let request = CtrlMsg::RetransmitRequest { pass, ranges };
-                    self.current_pass = pass.wrapping_add(1);
                     if self.futile_passes == 0 {
+                        // Answered now: data of the pass it asks for is current from here
+                        // on (a held-back request moves the pass when `poll` sends it, so
+                        // late packets of this pass still count while it waits).
+                        self.current_pass = pass.wrapping_add(1);
                         return Ok(Some(request));
                     }
                     // Nothing new got through: let the queue drain before asking again.
