@@ -42,7 +42,7 @@ use crate::auth::JobKey;
 use crate::bitmap::SegmentBitmap;
 use crate::ctrl_channel::{ChannelError, CtrlChannel, TcpCtrl, DEFAULT_CONTROL_DSCP};
 use crate::ctrl_listener::CtrlListener;
-use crate::datapath::{Datapath, DatapathError, DatapathStats, RxMeta, TxMeta};
+use crate::datapath::{DataSource, Datapath, DatapathError, DatapathStats, RxMeta, TxMeta};
 use crate::flow::receiver::{ReceiverPhase, ReceiverStats};
 use crate::flow::sender::SenderPhase;
 use crate::flow::{
@@ -611,16 +611,23 @@ pub fn recv_tensor<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     opts: &RecvOptions,
     cfg: &TransferConfig,
 ) -> Result<RecvReport, TransferError> {
-    let r = recv_tensor_inner(dp, ctrl, tensor, opts, cfg);
+    let mut admitted = Vec::new();
+    let r = recv_tensor_inner(dp, ctrl, tensor, opts, cfg, &mut admitted);
+    // The flow is over, however it ended: its sources leave the datapath's filter.
+    if let Err(e) = dp.release_peers(&admitted) {
+        log::warn!("{} datapath: {e}", dp.name());
+    }
     abort_peer(ctrl, r)
 }
 
+/// `admitted` gets the sources admitted to the datapath's filter, for the caller to release.
 fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     dp: &mut D,
     ctrl: &mut C,
     tensor: &mut Tensor,
     opts: &RecvOptions,
     cfg: &TransferConfig,
+    admitted: &mut Vec<DataSource>,
 ) -> Result<RecvReport, TransferError> {
     cfg.validate()?;
     let clock = Instant::now();
@@ -736,6 +743,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     }
     // Before FlowAccept: the sender sends nothing earlier, so its first packet gets through.
     dp.admit_peers(flow.peers()).map_err(dp_err(dp.name()))?;
+    admitted.extend_from_slice(flow.peers());
     // This flow's share of the downlink, announced right after FlowAccept (by `poll`).
     let pool = cfg.grant_pool();
     let remaining = |f: &ReceiverFlow| f.layout().size_bytes().saturating_sub(f.stats().bytes);

@@ -600,6 +600,20 @@ impl XdpProgram {
         }
     }
 
+    /// Whether `addr` is in the allowlist (whether or not the allowlist is enabled).
+    pub fn is_allowed(&self, addr: IpAddr) -> Result<bool, XdpError> {
+        let addr = config::canonical(addr);
+        self.maps
+            .allowlist
+            .lookup(&encode_addr_key(addr), MapFlags::ANY)
+            .map(|v| v.is_some())
+            .map_err(|source| XdpError::Map {
+                map: "allowlist",
+                op: format!("looking up {addr}"),
+                source,
+            })
+    }
+
     fn read_counter(map: &MapHandle, name: &'static str, idx: u32) -> Result<Counter, XdpError> {
         let per_cpu = map
             .lookup_percpu(&idx.to_ne_bytes(), MapFlags::ANY)

@@ -104,6 +104,8 @@ pub struct Engine {
     stop: Arc<AtomicBool>,
     failure: Arc<Mutex<Option<String>>>,
     xdp: XdpProgram,
+    /// The live flows' sources in the classifier's allowlist.
+    admitted: super::PeerAdmissions,
     src_mac: [u8; 6],
     neigh: neigh::Neighbors,
     ident: u16,
@@ -396,6 +398,7 @@ impl Engine {
             stop,
             failure,
             xdp,
+            admitted: super::PeerAdmissions::default(),
             src_mac,
             neigh: neigh_map,
             ident: 0,
@@ -646,6 +649,13 @@ impl Datapath for Engine {
     }
 
     fn admit_peers(&mut self, peers: &[crate::datapath::DataSource]) -> Result<(), DatapathError> {
-        self.cfg.admit_peers(&self.xdp, peers)
+        self.admitted.admit(&self.cfg, &self.xdp, peers)
+    }
+
+    fn release_peers(
+        &mut self,
+        peers: &[crate::datapath::DataSource],
+    ) -> Result<(), DatapathError> {
+        self.admitted.release(&self.cfg, &self.xdp, peers)
     }
 }

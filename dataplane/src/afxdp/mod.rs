@@ -293,6 +293,8 @@ pub struct AfXdpDatapath {
     // Sockets before the program: they are closed (and leave the XSKMAP) before it detaches.
     queues: Vec<Queue>,
     xdp: XdpProgram,
+    /// The live flows' sources in the classifier's allowlist.
+    admitted: PeerAdmissions,
     src_mac: [u8; 6],
     neigh: neigh::Neighbors,
     ident: u16,
@@ -385,24 +387,6 @@ impl AfXdpConfig {
         }]
     }
 
-    /// Adds the flow's `peers` to the classifier's allowlist, when the filter is on.
-    pub(crate) fn admit_peers(
-        &self,
-        xdp: &XdpProgram,
-        peers: &[DataSource],
-    ) -> Result<(), DatapathError> {
-        if self.allowlist.is_none() {
-            return Ok(());
-        }
-        for p in peers {
-            xdp.allow(p.addr).map_err(|e| DatapathError::AdmitPeer {
-                peer: p.addr,
-                reason: e.to_string(),
-            })?;
-        }
-        Ok(())
-    }
-
     /// Bind the socket of queue `q` and register it with the classifier.
     pub(crate) fn bind_queue(&self, a: &Attached, q: u32) -> Result<socket::XskSocket, AfXdpError> {
         bind_registered(&self.ifname, a.ifindex, &a.xdp, q, &self.socket)
@@ -428,6 +412,92 @@ impl AfXdpConfig {
             hop_limit: self.hop_limit,
             ident,
         }
+    }
+}
+
+/// The flows' sources admitted to the classifier's allowlist, counted per address: an address
+/// leaves the allowlist when the last flow from it ends, so the allowlist holds the live
+/// flows' peers (and the configured ones, which never leave) instead of every peer ever seen.
+#[derive(Debug, Default)]
+pub(crate) struct PeerAdmissions {
+    flows: std::collections::HashMap<IpAddr, u32>,
+}
+
+impl PeerAdmissions {
+    /// The distinct (canonical) addresses of `peers`.
+    fn addrs(peers: &[DataSource]) -> Vec<IpAddr> {
+        let mut v: Vec<IpAddr> = peers.iter().map(|p| p.addr.to_canonical()).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// One more flow from each of `peers`: the first one adds the address to the allowlist
+    /// (when the filter is on). All or nothing: on an error (a full allowlist) the addresses
+    /// admitted by this call are released again.
+    pub(crate) fn admit(
+        &mut self,
+        cfg: &AfXdpConfig,
+        xdp: &XdpProgram,
+        peers: &[DataSource],
+    ) -> Result<(), DatapathError> {
+        if cfg.allowlist.is_none() {
+            return Ok(());
+        }
+        let addrs = Self::addrs(peers);
+        for (i, &addr) in addrs.iter().enumerate() {
+            let n = self.flows.entry(addr).or_insert(0);
+            if *n == 0 {
+                if let Err(e) = xdp.allow(addr) {
+                    self.flows.remove(&addr);
+                    let done: Vec<DataSource> = addrs[..i]
+                        .iter()
+                        .map(|&a| DataSource {
+                            addr: a,
+                            port: 0,
+                            ports: 1,
+                        })
+                        .collect();
+                    // Best effort: the admission error is the one to report.
+                    let _ = self.release(cfg, xdp, &done);
+                    return Err(DatapathError::AdmitPeer {
+                        peer: addr,
+                        reason: e.to_string(),
+                    });
+                }
+            }
+            *n += 1;
+        }
+        Ok(())
+    }
+
+    /// One flow fewer from each of `peers`: the last one removes the address from the
+    /// allowlist, unless it is a configured one.
+    pub(crate) fn release(
+        &mut self,
+        cfg: &AfXdpConfig,
+        xdp: &XdpProgram,
+        peers: &[DataSource],
+    ) -> Result<(), DatapathError> {
+        let Some(configured) = &cfg.allowlist else {
+            return Ok(());
+        };
+        for addr in Self::addrs(peers) {
+            let Some(n) = self.flows.get_mut(&addr) else {
+                continue;
+            };
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.flows.remove(&addr);
+                if !configured.iter().any(|c| c.to_canonical() == addr) {
+                    xdp.disallow(addr).map_err(|e| DatapathError::AdmitPeer {
+                        peer: addr,
+                        reason: e.to_string(),
+                    })?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -462,6 +532,7 @@ impl AfXdpDatapath {
         Ok(AfXdpDatapath {
             queues,
             xdp,
+            admitted: PeerAdmissions::default(),
             src_mac,
             neigh: neigh_map,
             ident: 0,
@@ -732,6 +803,53 @@ impl Datapath for AfXdpDatapath {
     }
 
     fn admit_peers(&mut self, peers: &[DataSource]) -> Result<(), DatapathError> {
-        self.cfg.admit_peers(&self.xdp, peers)
+        self.admitted.admit(&self.cfg, &self.xdp, peers)
+    }
+
+    fn release_peers(&mut self, peers: &[DataSource]) -> Result<(), DatapathError> {
+        self.admitted.release(&self.cfg, &self.xdp, peers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The allowlist holds the live flows' peers: an address joins with its first flow,
+    /// stays while any flow from it lives, and leaves with its last one, unless configured.
+    #[test]
+    fn allowlist_holds_the_live_flows_peers() {
+        if !gradwire_netns::require_root("allowlist admissions") {
+            return;
+        }
+        let configured: IpAddr = [198, 18, 0, 9].into();
+        let mut cfg = AfXdpConfig::new("lo", "198.18.0.2:7000".parse().unwrap());
+        cfg.allowlist = Some(vec![configured]);
+        let xdp = XdpProgram::load_detached(&XdpConfig::new(vec![7000])).unwrap();
+        let src = |s: &str| DataSource::single(s.parse().unwrap());
+        let (a, b) = (src("198.18.0.1:7000"), src("[::ffff:198.18.0.3]:7000"));
+        let mut adm = PeerAdmissions::default();
+        let allowed = |ip: [u8; 4]| xdp.is_allowed(ip.into()).unwrap();
+        adm.admit(&cfg, &xdp, &[a, b]).unwrap();
+        adm.admit(&cfg, &xdp, &[a, src("198.18.0.1:7001")]).unwrap();
+        assert!(allowed([198, 18, 0, 1]) && allowed([198, 18, 0, 3]));
+        adm.release(&cfg, &xdp, &[a, b]).unwrap();
+        assert!(
+            allowed([198, 18, 0, 1]),
+            "a second flow from .1 still lives"
+        );
+        assert!(!allowed([198, 18, 0, 3]), "the last flow from .3 ended");
+        adm.release(&cfg, &xdp, &[a]).unwrap();
+        assert!(!allowed([198, 18, 0, 1]));
+        // A configured address never leaves; releasing an unknown one is harmless.
+        let c = DataSource::single(SocketAddr::new(configured, 1));
+        xdp.allow(configured).unwrap();
+        adm.admit(&cfg, &xdp, &[c]).unwrap();
+        adm.release(&cfg, &xdp, &[c, src("198.18.0.77:1")]).unwrap();
+        assert!(allowed([198, 18, 0, 9]));
+        // With the filter off nothing is admitted.
+        cfg.allowlist = None;
+        adm.admit(&cfg, &xdp, &[src("198.18.0.5:1")]).unwrap();
+        assert!(!allowed([198, 18, 0, 5]));
     }
 }

@@ -281,6 +281,10 @@ impl<D: Datapath> Datapath for FaultInjector<D> {
         self.inner.admit_peers(peers)
     }
 
+    fn release_peers(&mut self, peers: &[super::DataSource]) -> Result<(), DatapathError> {
+        self.inner.release_peers(peers)
+    }
+
     fn stats(&self) -> DatapathStats {
         let mut s = self.inner.stats();
         s.rx_dropped += self.fstats.dropped;

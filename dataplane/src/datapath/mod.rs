@@ -128,6 +128,13 @@ pub trait Datapath {
         Ok(())
     }
 
+    /// Undoes one [`Self::admit_peers`] when the flow ends (the AF_XDP allowlist keeps only
+    /// live flows' peers). Datapaths without a filter do nothing.
+    fn release_peers(&mut self, peers: &[DataSource]) -> Result<(), DatapathError> {
+        let _ = peers;
+        Ok(())
+    }
+
     /// Counters only one kind of datapath keeps (the AF_XDP datapath: per-socket and XDP
     /// classifier counters), as a snapshot for reports. Callers downcast to the type they know
     /// (`gradwire::afxdp::AfXdpStats::of`), so this trait names no backend. `None` where there
@@ -172,5 +179,8 @@ impl<D: Datapath + ?Sized> Datapath for Box<D> {
     }
     fn admit_peers(&mut self, peers: &[DataSource]) -> Result<(), DatapathError> {
         (**self).admit_peers(peers)
+    }
+    fn release_peers(&mut self, peers: &[DataSource]) -> Result<(), DatapathError> {
+        (**self).release_peers(peers)
     }
 }

@@ -82,6 +82,12 @@ impl Datapath for MultiPath {
         self.paths.iter_mut().try_for_each(|p| p.admit_peers(peers))
     }
 
+    fn release_peers(&mut self, peers: &[super::DataSource]) -> Result<(), DatapathError> {
+        self.paths
+            .iter_mut()
+            .try_for_each(|p| p.release_peers(peers))
+    }
+
     fn max_datagram(&self) -> usize {
         self.paths
             .iter()
