@@ -64,7 +64,9 @@ use std::hint::black_box;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use gradwire_proto::auth::{FlowKey, JobKey, JobSecret, DATA_TAG_LEN, NONCE_LEN};
+use gradwire_proto::auth::{
+    FlowKey, JobKey, JobSecret, Transcript, DATA_TAG_LEN, NONCE_LEN, PUBLIC_LEN,
+};
 use gradwire_proto::datagram::{RxMeta, TxMeta};
 use gradwire_proto::flow::{
     fixed_priority, DataOrigin, FlowId, PriorityFn, ReceiverFlow, RecvSpec, RejectCounts,
@@ -112,8 +114,15 @@ const SRC: &str = "198.18.0.1:40000";
 const DST: &str = "198.18.0.2:9000";
 /// The bench job's secret and handshake nonces (fixed: the keys are the same every run).
 const SECRET: [u8; 32] = [0x5a; 32];
-const CLIENT_NONCE: [u8; NONCE_LEN] = [0xc1; NONCE_LEN];
-const SERVER_NONCE: [u8; NONCE_LEN] = [0x5e; NONCE_LEN];
+/// The bench session's handshake transcript and X25519 shared secret (fixed: the per-packet
+/// paths only need some session's flow key).
+const TRANSCRIPT: Transcript = Transcript {
+    client_nonce: [0xc1; NONCE_LEN],
+    server_nonce: [0x5e; NONCE_LEN],
+    client_public: [0xc2; PUBLIC_LEN],
+    server_public: [0x5f; PUBLIC_LEN],
+};
+const SHARED: [u8; 32] = [0x77; 32];
 
 /// One per-packet operation over a fixture.
 pub trait PerPacket {
@@ -222,14 +231,12 @@ fn lap_nonce(lap: u64) -> [u8; FLOW_NONCE_LEN] {
 /// handshake (not timed).
 fn flow_key(start: &FlowStart) -> FlowKey {
     let secret = JobSecret::new(SECRET.to_vec()).expect("32-byte bench secret");
-    JobKey::new(&secret)
-        .session(&CLIENT_NONCE, &SERVER_NONCE)
-        .flow_key(
-            start.job_id,
-            start.tensor_id,
-            start.round,
-            &start.flow_nonce,
-        )
+    JobKey::new(&secret).session(&TRANSCRIPT, &SHARED).flow_key(
+        start.job_id,
+        start.tensor_id,
+        start.round,
+        &start.flow_nonce,
+    )
 }
 
 /// A receiver flow that accepted `start` into a tensor of `segments` segments.

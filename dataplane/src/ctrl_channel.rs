@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use gradwire_proto::auth::{
-    CtrlOpener, CtrlSealer, JobKey, Role, SessionKeys, CTRL_TAG_LEN, NONCE_LEN,
+    CtrlOpener, CtrlSealer, Ephemeral, JobKey, Role, SessionKeys, CTRL_TAG_LEN, NONCE_LEN,
 };
 use gradwire_proto::handshake::{
     ClientHandshake, HandshakeError, Refusal, ServerHandshake, Step, ABORT_AUTH,
@@ -207,6 +207,11 @@ pub(crate) fn random_nonce() -> Result<[u8; NONCE_LEN], HandshakeFailure> {
         .fill(&mut n)
         .map_err(|_| HandshakeFailure::Random)?;
     Ok(n)
+}
+
+/// A fresh ephemeral X25519 key from the OS's random source (one per handshake).
+pub(crate) fn random_ephemeral() -> Result<Ephemeral, HandshakeFailure> {
+    Ephemeral::generate(&ring::rand::SystemRandom::new()).map_err(|_| HandshakeFailure::Random)
 }
 
 impl TcpCtrl {
@@ -475,6 +480,7 @@ impl std::fmt::Display for HandshakeFailure {
                     "refused: the receiver's proof does not verify (wrong secret?)"
                 }
                 Refusal::Downgrade => "refused: the receiver offered no authentication",
+                Refusal::BadPublicKey => "refused: invalid ephemeral X25519 public key",
             }),
             HandshakeFailure::PeerRefused(reason) => write!(f, "refused by the peer: {reason}"),
             HandshakeFailure::Encode(e) => write!(f, "cannot encode a handshake message: {e}"),
@@ -550,7 +556,7 @@ impl<'k> Handshaking<'k> {
         peer: SocketAddr,
         key: Option<&'k JobKey>,
     ) -> Result<Handshaking<'k>, HandshakeFailure> {
-        let (hs, hello) = ClientHandshake::new(key, random_nonce()?);
+        let (hs, hello) = ClientHandshake::new(key, random_nonce()?, random_ephemeral()?);
         let mut h = Handshaking::with_side(stream, peer, Side::Client(hs));
         h.write_frame(&hello)?;
         Ok(h)
@@ -562,7 +568,7 @@ impl<'k> Handshaking<'k> {
         peer: SocketAddr,
         key: Option<&'k JobKey>,
     ) -> Result<Handshaking<'k>, HandshakeFailure> {
-        let hs = ServerHandshake::new(key, random_nonce()?);
+        let hs = ServerHandshake::new(key, random_nonce()?, random_ephemeral()?);
         Ok(Handshaking::with_side(stream, peer, Side::Server(hs)))
     }
 
@@ -899,6 +905,7 @@ mod tests {
         frame(&CtrlMsg::Hello {
             auth,
             nonce: [7; NONCE_LEN],
+            public: [0; 32],
         })
     }
 
@@ -1006,10 +1013,11 @@ mod tests {
         let (c, s) = handshake(Some(&k1), None);
         assert!(refused(c).contains("without a job secret"));
         assert!(refused(s).contains("without a job secret"));
+        // The client proves first: the server refuses it, and the client hears why.
         let (c, s) = handshake(Some(&k1), Some(&k2));
-        let c = refused(c);
-        assert!(c.contains("could not prove the job secret"), "{c}");
-        assert_eq!(refused(s), c, "the server hears the client's reason");
+        let s = refused(s);
+        assert!(s.contains("job secret mismatch"), "{s}");
+        assert_eq!(refused(c), s, "the client hears the server's reason");
     }
 
     #[test]
@@ -1139,9 +1147,13 @@ mod tests {
         let mut b = b.unwrap();
         assert_eq!(b.recv(T).unwrap(), Some(CtrlMsg::FinishConfirm));
         // The raw client got the Welcome.
-        let mut got = vec![0u8; frame(&CtrlMsg::Welcome { auth: false }).len()];
+        let welcome = CtrlMsg::Welcome {
+            auth: false,
+            proof: [0; 32],
+        };
+        let mut got = vec![0u8; frame(&welcome).len()];
         raw.read_exact(&mut got).unwrap();
-        assert_eq!(got, frame(&CtrlMsg::Welcome { auth: false }));
+        assert_eq!(got, frame(&welcome));
     }
 
     #[test]
@@ -1153,9 +1165,12 @@ mod tests {
         let mut raw = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         raw.set_read_timeout(Some(T)).unwrap();
         let nc = [3u8; NONCE_LEN];
+        let eph = random_ephemeral().unwrap();
+        let pc = *eph.public();
         raw.write_all(&frame(&CtrlMsg::Hello {
             auth: true,
             nonce: nc,
+            public: pc,
         }))
         .unwrap();
         std::thread::scope(|s| {
@@ -1165,16 +1180,22 @@ mod tests {
             });
             let mut dec = Decoder::new();
             let mut buf = [0u8; 256];
-            let ns = loop {
+            let (ns, ps) = loop {
                 let n = raw.read(&mut buf).unwrap();
                 assert!(n > 0);
                 dec.push(&buf[..n]);
-                if let Some(CtrlMsg::Challenge { nonce, .. }) = dec.next().unwrap() {
-                    break nonce;
+                if let Some(CtrlMsg::Challenge { nonce, public }) = dec.next().unwrap() {
+                    break (nonce, public);
                 }
             };
+            let t = gradwire_proto::auth::Transcript {
+                client_nonce: nc,
+                server_nonce: ns,
+                client_public: pc,
+                server_public: ps,
+            };
             raw.write_all(&frame(&CtrlMsg::Proof {
-                proof: k.client_proof(&nc, &ns),
+                proof: k.client_proof(&t),
             }))
             .unwrap();
             let mut b = server.join().unwrap().unwrap();

@@ -629,6 +629,7 @@ mod tests {
         let hello = CtrlMsg::Hello {
             auth: true,
             nonce: [1; 32],
+            public: *crate::ctrl_channel::random_ephemeral().unwrap().public(),
         };
         spoke.write_all(&hello.to_frame().unwrap()).unwrap();
         let mut challenge = [0u8; 70];

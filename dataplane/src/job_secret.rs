@@ -132,8 +132,13 @@ mod tests {
         let no_nl = temp_file("nonl", b"0123456789abcdef0123456789abcdef", 0o400);
         let b = read_file(&no_nl).unwrap();
         let (ka, kb) = (JobKey::new(&a), JobKey::new(&b));
-        let n = [5u8; 32];
-        assert_eq!(ka.server_proof(&n, &n), kb.server_proof(&n, &n));
+        let t = gradwire_proto::auth::Transcript {
+            client_nonce: [5; 32],
+            server_nonce: [6; 32],
+            client_public: [7; 32],
+            server_public: [8; 32],
+        };
+        assert_eq!(ka.server_proof(&t), kb.server_proof(&t));
 
         let open = temp_file("open", b"0123456789abcdef0123456789abcdef", 0o644);
         let e = read_file(&open).unwrap_err();

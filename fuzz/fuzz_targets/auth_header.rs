@@ -17,7 +17,9 @@
 
 use std::sync::OnceLock;
 
-use gradwire_proto::auth::{AuthError, FlowKey, JobKey, JobSecret, DATA_TAG_LEN, NONCE_LEN};
+use gradwire_proto::auth::{
+    AuthError, FlowKey, JobKey, JobSecret, Transcript, DATA_TAG_LEN, NONCE_LEN, PUBLIC_LEN,
+};
 use gradwire_proto::wire::header::{field, Kind, Packet, Repr, HEADER_LEN, VERSION};
 use libfuzzer_sys::fuzz_target;
 
@@ -26,7 +28,15 @@ fn key() -> &'static FlowKey {
     KEY.get_or_init(|| {
         let secret = JobSecret::new(vec![0x42; 32]).expect("32-byte secret");
         JobKey::new(&secret)
-            .session(&[1; NONCE_LEN], &[2; NONCE_LEN])
+            .session(
+                &Transcript {
+                    client_nonce: [1; NONCE_LEN],
+                    server_nonce: [2; NONCE_LEN],
+                    client_public: [3; PUBLIC_LEN],
+                    server_public: [4; PUBLIC_LEN],
+                },
+                &[5; 32],
+            )
             .flow_key(7, 42, 3, &[9; 16])
     })
 }

@@ -1,7 +1,8 @@
-//! Crypto of authenticated jobs: the key schedule from a job secret, the handshake proofs of
-//! the control channel, control-frame tags, and per-flow AES-128-GCM for data datagrams.
+//! Crypto of authenticated jobs: the key schedule from a job secret, the handshake proofs and
+//! ephemeral X25519 exchange of the control channel, control-frame tags, and per-flow
+//! AES-128-GCM for data datagrams.
 //!
-//! Everything comes from `ring` (HKDF-SHA256, HMAC-SHA256, AES-128-GCM); nothing here is
+//! Everything comes from `ring` (HKDF-SHA256, HMAC-SHA256, X25519, AES-128-GCM); nothing here is
 //! home-made beyond choosing labels and byte layouts. No I/O: nonces are arguments (the caller
 //! draws them from the OS's random source), and so are the ids a flow key is bound to.
 //!
@@ -14,12 +15,13 @@
 //!     v
 //!   K_job ---HKDF-Expand("gradwire handshake v2")---> K_hs
 //!     |                                                |
-//!     |        server proof = HMAC-SHA256(K_hs, "gradwire server proof v2" || Nc || Ns)
-//!     |        client proof = HMAC-SHA256(K_hs, "gradwire client proof v2" || Nc || Ns)
+//!     |        client proof = HMAC-SHA256(K_hs, "gradwire client proof v2" || T)
+//!     |        server proof = HMAC-SHA256(K_hs, "gradwire server proof v2" || T)
+//!     |        T = Nc || Ns || Pc || Ps (the transcript)
 //!     |
 //!     | HKDF-Expand("gradwire session v2") = S (32 bytes)
 //!     v
-//!   PRK_s = HKDF-Extract(salt = Nc || Ns, ikm = S)          one per control connection
+//!   PRK_s = HKDF-Extract(salt = T, ikm = S || X25519(eph, peer's P))   one per connection
 //!     |
 //!     +--HKDF-Expand("gradwire ctrl c2s v2")--> HMAC key, frames client -> server
 //!     +--HKDF-Expand("gradwire ctrl s2c v2")--> HMAC key, frames server -> client
@@ -28,13 +30,20 @@
 //! ```
 //!
 //! `Nc` and `Ns` are the client's and the server's [`NONCE_LEN`]-byte random handshake nonces,
+//! `Pc` and `Ps` their ephemeral X25519 public keys ([`Ephemeral`], one per handshake),
 //! `job`, `tensor` and `round` are u32 big-endian, the flow nonce is [`FLOW_NONCE_LEN`] random
 //! bytes the sender puts in its FlowStart. Why it is built this way:
 //!
 //! - **Proofs** use distinct labels per direction, so a server cannot pass a client's proof
-//!   back as its own (reflection), and both nonces, so a recorded proof is worthless in a
-//!   handshake with a fresh nonce. They are compared in constant time (`ring::hmac::verify`).
-//! - **Session keys** depend on both nonces: every control connection gets keys of its own,
+//!   back as its own (reflection), and cover the whole transcript, so a recorded proof is
+//!   worthless in a handshake with a fresh nonce or key. The client proves first and the
+//!   server only in its sealed `Welcome`, so a stranger at the control port never sees a
+//!   value it could test guesses of the secret against. They are compared in constant time
+//!   (`ring::hmac::verify`).
+//! - **Session keys** need the job secret *and* the X25519 shared secret of the connection's
+//!   two ephemeral keys: a job member that only watches another connection's handshake cannot
+//!   derive them, and they are gone when the ephemeral keys are (forward secrecy). They also
+//!   depend on both nonces: every control connection gets keys of its own,
 //!   so frames and data recorded from an earlier connection do not verify in a later one.
 //! - **Control frames** carry HMAC-SHA256(key of the direction, seq_be64 || frame) truncated
 //!   to [`CTRL_TAG_LEN`] bytes; `seq` counts frames per direction from 0 and is implicit
@@ -65,7 +74,7 @@
 
 use core::fmt;
 
-use ring::{aead, hkdf, hmac};
+use ring::{aead, agreement, hkdf, hmac};
 use subtle::ConstantTimeEq;
 use zeroize::Zeroizing;
 
@@ -146,6 +155,13 @@ pub enum AuthError {
     /// The datagram is not a well-formed gradwire datagram (see [`wire::Error`]).
     #[error("malformed authenticated datagram: {0}")]
     Malformed(wire::Error),
+    /// The random number generator failed while making an ephemeral key.
+    #[error("the system random number generator failed: check that getrandom(2) works")]
+    Random,
+    /// The peer's ephemeral public key is unusable (a low-order point: the shared secret would
+    /// be zero). Close the connection.
+    #[error("the peer's ephemeral X25519 public key is invalid (low-order point)")]
+    BadPublicKey,
 }
 
 /// A [`hkdf::KeyType`] for HKDF output of any length (only [`expand_bytes`] uses it).
@@ -227,19 +243,97 @@ impl fmt::Debug for JobKey {
     }
 }
 
-/// The message a handshake proof is the HMAC of: label || client nonce || server nonce.
+/// Bytes of an X25519 public key (`Hello`, `Challenge`).
+pub const PUBLIC_LEN: usize = 32;
+
+/// What both ends of one handshake said in the clear: the two nonces and the two ephemeral
+/// X25519 public keys. Proofs and session keys are bound to all of it, so neither a proof
+/// nor a key of one handshake is worth anything in another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transcript {
+    /// The client's `Hello` nonce.
+    pub client_nonce: [u8; NONCE_LEN],
+    /// The server's `Challenge` nonce.
+    pub server_nonce: [u8; NONCE_LEN],
+    /// The client's ephemeral public key (`Hello`).
+    pub client_public: [u8; PUBLIC_LEN],
+    /// The server's ephemeral public key (`Challenge`).
+    pub server_public: [u8; PUBLIC_LEN],
+}
+
+impl Transcript {
+    /// Nc || Ns || Pc || Ps.
+    fn bytes(&self) -> [u8; 2 * NONCE_LEN + 2 * PUBLIC_LEN] {
+        let mut b = [0u8; 2 * NONCE_LEN + 2 * PUBLIC_LEN];
+        let parts: [&[u8]; 4] = [
+            &self.client_nonce,
+            &self.server_nonce,
+            &self.client_public,
+            &self.server_public,
+        ];
+        let mut at = 0;
+        for part in parts {
+            b[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
+        b
+    }
+}
+
+/// The message a handshake proof is the HMAC of: label || transcript.
 fn proof_msg(
     label: &[u8; label::PROOF_LABEL_LEN],
-    client_nonce: &[u8; NONCE_LEN],
-    server_nonce: &[u8; NONCE_LEN],
-) -> [u8; label::PROOF_LABEL_LEN + 2 * NONCE_LEN] {
-    let mut m = [0u8; label::PROOF_LABEL_LEN + 2 * NONCE_LEN];
-    let (l, nonces) = m.split_at_mut(label::PROOF_LABEL_LEN);
-    let (c, s) = nonces.split_at_mut(NONCE_LEN);
+    t: &Transcript,
+) -> [u8; label::PROOF_LABEL_LEN + 2 * NONCE_LEN + 2 * PUBLIC_LEN] {
+    let mut m = [0u8; label::PROOF_LABEL_LEN + 2 * NONCE_LEN + 2 * PUBLIC_LEN];
+    let (l, rest) = m.split_at_mut(label::PROOF_LABEL_LEN);
     l.copy_from_slice(label);
-    c.copy_from_slice(client_nonce);
-    s.copy_from_slice(server_nonce);
+    rest.copy_from_slice(&t.bytes());
     m
+}
+
+/// One end's ephemeral X25519 key for one handshake: its public half goes in `Hello` or
+/// `Challenge`, the private half is used once, to agree on the connection's shared secret,
+/// and is gone after that (forward secrecy; and a job member that only watches another
+/// connection's handshake cannot derive its keys).
+pub struct Ephemeral {
+    key: agreement::EphemeralPrivateKey,
+    public: [u8; PUBLIC_LEN],
+}
+
+impl fmt::Debug for Ephemeral {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Ephemeral(<redacted>)")
+    }
+}
+
+impl Ephemeral {
+    /// A fresh key from `rng` (the caller's: `ring::rand::SystemRandom` in the drivers).
+    pub fn generate(rng: &dyn ring::rand::SecureRandom) -> Result<Ephemeral, AuthError> {
+        let key = agreement::EphemeralPrivateKey::generate(&agreement::X25519, rng)
+            .map_err(|_| AuthError::Random)?;
+        let pk = key.compute_public_key().map_err(|_| AuthError::Random)?;
+        let mut public = [0u8; PUBLIC_LEN];
+        public.copy_from_slice(pk.as_ref());
+        Ok(Ephemeral { key, public })
+    }
+
+    /// The public key to send.
+    pub fn public(&self) -> &[u8; PUBLIC_LEN] {
+        &self.public
+    }
+
+    /// X25519 with the peer's public key: the shared secret (wiped on drop). Refuses a peer
+    /// key that makes the result all zeros (a low-order point).
+    pub fn agree(self, peer: &[u8; PUBLIC_LEN]) -> Result<Zeroizing<[u8; 32]>, AuthError> {
+        let peer = agreement::UnparsedPublicKey::new(&agreement::X25519, peer);
+        agreement::agree_ephemeral(self.key, &peer, |shared| {
+            let mut out = Zeroizing::new([0u8; 32]);
+            out.copy_from_slice(shared);
+            out
+        })
+        .map_err(|_| AuthError::BadPublicKey)
+    }
 }
 
 impl JobKey {
@@ -251,81 +345,48 @@ impl JobKey {
         JobKey { job, handshake }
     }
 
-    fn proof(
-        &self,
-        label: &[u8; label::PROOF_LABEL_LEN],
-        client_nonce: &[u8; NONCE_LEN],
-        server_nonce: &[u8; NONCE_LEN],
-    ) -> [u8; PROOF_LEN] {
-        let tag = hmac::sign(
-            &self.handshake,
-            &proof_msg(label, client_nonce, server_nonce),
-        );
+    fn proof(&self, label: &[u8; label::PROOF_LABEL_LEN], t: &Transcript) -> [u8; PROOF_LEN] {
+        let tag = hmac::sign(&self.handshake, &proof_msg(label, t));
         let mut out = [0u8; PROOF_LEN];
         out.copy_from_slice(tag.as_ref());
         out
     }
 
-    /// The server's proof that it holds the job secret, for the handshake with these nonces:
-    /// HMAC-SHA256(K_hs, "gradwire server proof v2" || client_nonce || server_nonce).
-    pub fn server_proof(
-        &self,
-        client_nonce: &[u8; NONCE_LEN],
-        server_nonce: &[u8; NONCE_LEN],
-    ) -> [u8; PROOF_LEN] {
-        self.proof(label::SERVER_PROOF, client_nonce, server_nonce)
+    /// The server's proof that it holds the job secret, for this handshake:
+    /// HMAC-SHA256(K_hs, "gradwire server proof v2" || transcript).
+    pub fn server_proof(&self, t: &Transcript) -> [u8; PROOF_LEN] {
+        self.proof(label::SERVER_PROOF, t)
     }
 
-    /// The client's proof that it holds the job secret, for the handshake with these nonces:
-    /// HMAC-SHA256(K_hs, "gradwire client proof v2" || client_nonce || server_nonce).
-    pub fn client_proof(
-        &self,
-        client_nonce: &[u8; NONCE_LEN],
-        server_nonce: &[u8; NONCE_LEN],
-    ) -> [u8; PROOF_LEN] {
-        self.proof(label::CLIENT_PROOF, client_nonce, server_nonce)
+    /// The client's proof that it holds the job secret, for this handshake:
+    /// HMAC-SHA256(K_hs, "gradwire client proof v2" || transcript).
+    pub fn client_proof(&self, t: &Transcript) -> [u8; PROOF_LEN] {
+        self.proof(label::CLIENT_PROOF, t)
     }
 
-    /// Whether `proof` (as received, any length) is the server's proof for these nonces.
+    /// Whether `proof` (as received, any length) is the server's proof for this handshake.
     /// Constant time in the proof's contents (`ring::hmac::verify`).
-    pub fn verify_server_proof(
-        &self,
-        client_nonce: &[u8; NONCE_LEN],
-        server_nonce: &[u8; NONCE_LEN],
-        proof: &[u8],
-    ) -> bool {
-        let msg = proof_msg(label::SERVER_PROOF, client_nonce, server_nonce);
-        hmac::verify(&self.handshake, &msg, proof).is_ok()
+    pub fn verify_server_proof(&self, t: &Transcript, proof: &[u8]) -> bool {
+        hmac::verify(&self.handshake, &proof_msg(label::SERVER_PROOF, t), proof).is_ok()
     }
 
-    /// Whether `proof` (as received, any length) is the client's proof for these nonces.
+    /// Whether `proof` (as received, any length) is the client's proof for this handshake.
     /// Constant time in the proof's contents (`ring::hmac::verify`).
-    pub fn verify_client_proof(
-        &self,
-        client_nonce: &[u8; NONCE_LEN],
-        server_nonce: &[u8; NONCE_LEN],
-        proof: &[u8],
-    ) -> bool {
-        let msg = proof_msg(label::CLIENT_PROOF, client_nonce, server_nonce);
-        hmac::verify(&self.handshake, &msg, proof).is_ok()
+    pub fn verify_client_proof(&self, t: &Transcript, proof: &[u8]) -> bool {
+        hmac::verify(&self.handshake, &proof_msg(label::CLIENT_PROOF, t), proof).is_ok()
     }
 
-    /// The keys of one control connection, after a handshake with these nonces:
-    /// `PRK_s = HKDF-Extract(salt = client_nonce || server_nonce,
-    /// ikm = HKDF-Expand(K_job, "gradwire session v2"))`. Derive it only once both proofs
-    /// verified.
-    pub fn session(
-        &self,
-        client_nonce: &[u8; NONCE_LEN],
-        server_nonce: &[u8; NONCE_LEN],
-    ) -> SessionKeys {
-        let mut s = Zeroizing::new([0u8; 32]);
-        expand_bytes(&self.job, &[label::SESSION], &mut s[..]);
-        let mut salt = [0u8; 2 * NONCE_LEN];
-        salt[..NONCE_LEN].copy_from_slice(client_nonce);
-        salt[NONCE_LEN..].copy_from_slice(server_nonce);
+    /// The keys of one control connection, after a handshake with this transcript and X25519
+    /// shared secret `shared`: `PRK_s = HKDF-Extract(salt = transcript, ikm =
+    /// HKDF-Expand(K_job, "gradwire session v2") || shared)`. Both halves are needed: the job
+    /// secret (so only job members) and the ephemeral exchange (so only these two ends).
+    /// Derive it only once the peer's proof verified.
+    pub fn session(&self, t: &Transcript, shared: &[u8; 32]) -> SessionKeys {
+        let mut ikm = Zeroizing::new([0u8; 64]);
+        expand_bytes(&self.job, &[label::SESSION], &mut ikm[..32]);
+        ikm[32..].copy_from_slice(shared);
         SessionKeys {
-            prk: extract(&salt, &s[..]),
+            prk: extract(&t.bytes(), &ikm[..]),
         }
     }
 }
@@ -567,6 +628,15 @@ mod tests {
 
     const NC: [u8; NONCE_LEN] = [0x11; NONCE_LEN];
     const NS: [u8; NONCE_LEN] = [0x22; NONCE_LEN];
+    /// A handshake's transcript and X25519 shared secret (fixed: the schedule is what is
+    /// tested here; the handshake tests run real key exchanges).
+    const T: Transcript = Transcript {
+        client_nonce: NC,
+        server_nonce: NS,
+        client_public: [0x44; PUBLIC_LEN],
+        server_public: [0x55; PUBLIC_LEN],
+    };
+    const SHARED: [u8; 32] = [0x66; 32];
     const FLOW_NONCE: [u8; FLOW_NONCE_LEN] = [0x33; FLOW_NONCE_LEN];
 
     fn repr(kind: Kind, seq: u32, pass: u8, length: u16) -> Repr {
@@ -596,7 +666,7 @@ mod tests {
 
     fn flow_key() -> FlowKey {
         JobKey::new(&secret(1))
-            .session(&NC, &NS)
+            .session(&T, &SHARED)
             .flow_key(7, 42, 3, &FLOW_NONCE)
     }
 
@@ -642,7 +712,8 @@ mod tests {
 
     /// The whole schedule against values computed independently with Python's `cryptography`
     /// 48 (HMAC, HKDFExpand, AESGCM) from the labels and layouts in the module doc:
-    /// secret = 00..1f, Nc = (c0..cf)x2, Ns = (50..5f)x2, frame "hello control", flow
+    /// secret = 00..1f, Nc = (c0..cf)x2, Ns = (50..5f)x2, Pc = (90..9f)x2, Ps = (60..6f)x2,
+    /// X25519 shared secret (e0..ef)x2, frame "hello control", flow
     /// (7, 42, 3) with flow nonce a0..af, header (1, 2, flags 6, pass 2, job 7, tensor 42,
     /// round 3, offset 0x1122334455667788, seq 0x01020304, length 5, layer 9), payload "grads".
     /// It pins the wire format: a change of label or layout must fail here.
@@ -651,29 +722,36 @@ mod tests {
         let secret = JobSecret::new((0u8..32).collect()).expect("secret");
         let nc: [u8; NONCE_LEN] = core::array::from_fn(|i| 0xc0 + (i % 16) as u8);
         let ns: [u8; NONCE_LEN] = core::array::from_fn(|i| 0x50 + (i % 16) as u8);
+        let t = Transcript {
+            client_nonce: nc,
+            server_nonce: ns,
+            client_public: core::array::from_fn(|i| 0x90 + (i % 16) as u8),
+            server_public: core::array::from_fn(|i| 0x60 + (i % 16) as u8),
+        };
+        let shared: [u8; 32] = core::array::from_fn(|i| 0xe0 + (i % 16) as u8);
         let jk = JobKey::new(&secret);
         assert_eq!(
-            jk.server_proof(&nc, &ns).to_vec(),
-            hex("3e628a75c1939e9563a0f2c9ff4c153812e9cb3fccf0b9c153ba82f50152e2c0")
+            jk.server_proof(&t).to_vec(),
+            hex("13a69a179ea10d83d3ccff43dd5058191395ab4ecbeeb59c0c9abfc3f29eb768")
         );
         assert_eq!(
-            jk.client_proof(&nc, &ns).to_vec(),
-            hex("b01bdb4e37fa65198d9d2e1e8aa0830e86fa3f862f6559f19716332401c6da1e")
+            jk.client_proof(&t).to_vec(),
+            hex("c2a8bf9004ff9f4e6d7a829c13f666976c9411a6e3609abe52524533704b272f")
         );
-        let session = jk.session(&nc, &ns);
+        let session = jk.session(&t, &shared);
         let (mut c2s, _) = session.control(Role::Client);
         let (mut s2c, _) = session.control(Role::Server);
         assert_eq!(
             c2s.seal(b"hello control").to_vec(),
-            hex("30701b862d9f1983293309e1095ce14a")
+            hex("385b96ea9b6ace30f1c63cdb182d3285")
         );
         assert_eq!(
             c2s.seal(b"hello control").to_vec(),
-            hex("382118700c08e022454e96abd963a0e4")
+            hex("87a47a50104ff16bd9d51d28c8c01e58")
         );
         assert_eq!(
             s2c.seal(b"hello control").to_vec(),
-            hex("4d0ebdce9aac248642bfcaa285b2e61c")
+            hex("84bda7a4081997f1dc0813be9a60f876")
         );
         let fnonce: [u8; FLOW_NONCE_LEN] = core::array::from_fn(|i| 0xa0 + i as u8);
         let key = session.flow_key(7, 42, 3, &fnonce);
@@ -695,8 +773,8 @@ mod tests {
         d[HEADER_LEN..HEADER_LEN + 5].copy_from_slice(b"grads");
         key.seal(&mut d).expect("seal");
         let want = hex(
-            "01020602000000070000002a00000003112233445566778801020304000500099b1cd22c0a34e1a95070fe\
-             0d7d521eb3e6d22cf3ef",
+            "01020602000000070000002a0000000311223344556677880102030400050009421642cf3cae8d935498a1\
+             f1dae80251b7d0f793b0",
         );
         assert_eq!(d, want);
         let mut scratch = Vec::new();
@@ -724,7 +802,7 @@ mod tests {
         // Exact bytes: a trailing newline is part of the secret, so it changes the key.
         let a = JobKey::new(&JobSecret::new(b"0123456789abcdef".to_vec()).expect("16"));
         let b = JobKey::new(&JobSecret::new(b"0123456789abcdef\n".to_vec()).expect("17"));
-        assert_ne!(a.server_proof(&NC, &NS), b.server_proof(&NC, &NS));
+        assert_ne!(a.server_proof(&T), b.server_proof(&T));
     }
 
     #[test]
@@ -732,7 +810,7 @@ mod tests {
         let s = JobSecret::new(vec![0xab; 20]).expect("secret");
         assert_eq!(format!("{s:?}"), "JobSecret(<redacted>, 20 bytes)");
         let jk = JobKey::new(&s);
-        let session = jk.session(&NC, &NS);
+        let session = jk.session(&T, &SHARED);
         let (sealer, opener) = session.control(Role::Client);
         for text in [
             format!("{jk:?}"),
@@ -759,34 +837,76 @@ mod tests {
     #[test]
     fn proofs_verify_and_do_not_cross() {
         let jk = JobKey::new(&secret(1));
-        let sp = jk.server_proof(&NC, &NS);
-        let cp = jk.client_proof(&NC, &NS);
+        let sp = jk.server_proof(&T);
+        let cp = jk.client_proof(&T);
         assert_ne!(sp, cp);
-        assert!(jk.verify_server_proof(&NC, &NS, &sp));
-        assert!(jk.verify_client_proof(&NC, &NS, &cp));
+        assert!(jk.verify_server_proof(&T, &sp));
+        assert!(jk.verify_client_proof(&T, &cp));
         // No reflection: one side's proof is not the other's.
-        assert!(!jk.verify_client_proof(&NC, &NS, &sp));
-        assert!(!jk.verify_server_proof(&NC, &NS, &cp));
-        // Bound to both nonces, in their roles.
-        assert!(!jk.verify_server_proof(&NS, &NC, &sp));
-        assert!(!jk.verify_server_proof(&[0x12; NONCE_LEN], &NS, &sp));
-        assert!(!jk.verify_server_proof(&NC, &[0x23; NONCE_LEN], &sp));
+        assert!(!jk.verify_client_proof(&T, &sp));
+        assert!(!jk.verify_server_proof(&T, &cp));
+        // Bound to every part of the transcript, in its role.
+        let swapped = Transcript {
+            client_nonce: NS,
+            server_nonce: NC,
+            ..T
+        };
+        assert!(!jk.verify_server_proof(&swapped, &sp));
+        for other in [
+            Transcript {
+                client_nonce: [0x12; NONCE_LEN],
+                ..T
+            },
+            Transcript {
+                server_nonce: [0x23; NONCE_LEN],
+                ..T
+            },
+            Transcript {
+                client_public: [0x45; PUBLIC_LEN],
+                ..T
+            },
+            Transcript {
+                server_public: [0x56; PUBLIC_LEN],
+                ..T
+            },
+        ] {
+            assert!(!jk.verify_server_proof(&other, &sp));
+            assert!(!jk.verify_client_proof(&other, &cp));
+        }
         // Another secret, a truncated, extended or empty proof.
         let other = JobKey::new(&secret(2));
-        assert!(!other.verify_server_proof(&NC, &NS, &sp));
-        assert_ne!(other.server_proof(&NC, &NS), sp);
-        assert!(!jk.verify_server_proof(&NC, &NS, &sp[..16]));
-        assert!(!jk.verify_server_proof(&NC, &NS, &[sp.as_slice(), &[0]].concat()));
-        assert!(!jk.verify_server_proof(&NC, &NS, &[]));
+        assert!(!other.verify_server_proof(&T, &sp));
+        assert_ne!(other.server_proof(&T), sp);
+        assert!(!jk.verify_server_proof(&T, &sp[..16]));
+        assert!(!jk.verify_server_proof(&T, &[sp.as_slice(), &[0]].concat()));
+        assert!(!jk.verify_server_proof(&T, &[]));
         // Deterministic: the peer computes the same.
-        assert_eq!(JobKey::new(&secret(1)).server_proof(&NC, &NS), sp);
+        assert_eq!(JobKey::new(&secret(1)).server_proof(&T), sp);
+    }
+
+    #[test]
+    fn x25519_agreement_is_symmetric_and_refuses_low_order_points() {
+        let rng = ring::rand::SystemRandom::new();
+        let (a, b) = (
+            Ephemeral::generate(&rng).expect("a"),
+            Ephemeral::generate(&rng).expect("b"),
+        );
+        let (pa, pb) = (*a.public(), *b.public());
+        assert_ne!(pa, pb);
+        assert_eq!(*a.agree(&pb).expect("a"), *b.agree(&pa).expect("b"));
+        let c = Ephemeral::generate(&rng).expect("c");
+        assert!(format!("{c:?}").contains("<redacted>"));
+        assert_eq!(
+            c.agree(&[0; PUBLIC_LEN]).unwrap_err(),
+            AuthError::BadPublicKey
+        );
     }
 
     #[test]
     fn control_frames_in_sequence() {
         let jk = JobKey::new(&secret(1));
-        let (mut client_tx, mut client_rx) = jk.session(&NC, &NS).control(Role::Client);
-        let (mut server_tx, mut server_rx) = jk.session(&NC, &NS).control(Role::Server);
+        let (mut client_tx, mut client_rx) = jk.session(&T, &SHARED).control(Role::Client);
+        let (mut server_tx, mut server_rx) = jk.session(&T, &SHARED).control(Role::Server);
         let t0 = client_tx.seal(b"frame 0");
         let t1 = client_tx.seal(b"frame 1");
         let t2 = client_tx.seal(b"frame 2");
@@ -814,7 +934,7 @@ mod tests {
         assert!(!client_rx.open(b"frame 0", &t0));
         assert!(client_rx.open(b"frame 0", &s0));
         // Another session (other nonces) does not accept this session's frames.
-        let (_, mut other_rx) = jk.session(&NS, &NC).control(Role::Server);
+        let (_, mut other_rx) = jk.session(&T, &[0x67; 32]).control(Role::Server);
         assert!(!other_rx.open(b"frame 0", &t0));
     }
 
@@ -822,18 +942,33 @@ mod tests {
     fn different_inputs_different_keys() {
         let jk = JobKey::new(&secret(1));
         let base = sealed(&flow_key(), 1, b"the same payload");
-        let session = jk.session(&NC, &NS);
+        let session = jk.session(&T, &SHARED);
         let variants = [
             session.flow_key(8, 42, 3, &FLOW_NONCE),
             session.flow_key(7, 43, 3, &FLOW_NONCE),
             session.flow_key(7, 42, 4, &FLOW_NONCE),
             session.flow_key(7, 42, 3, &[0x34; FLOW_NONCE_LEN]),
-            jk.session(&[0x12; NONCE_LEN], &NS)
-                .flow_key(7, 42, 3, &FLOW_NONCE),
-            jk.session(&NC, &[0x23; NONCE_LEN])
-                .flow_key(7, 42, 3, &FLOW_NONCE),
+            jk.session(
+                &Transcript {
+                    client_nonce: [0x12; NONCE_LEN],
+                    ..T
+                },
+                &SHARED,
+            )
+            .flow_key(7, 42, 3, &FLOW_NONCE),
+            jk.session(
+                &Transcript {
+                    server_public: [0x56; PUBLIC_LEN],
+                    ..T
+                },
+                &SHARED,
+            )
+            .flow_key(7, 42, 3, &FLOW_NONCE),
+            // Same job and transcript, another X25519 secret: a job member that saw the
+            // handshake but not the private keys derives another key.
+            jk.session(&T, &[0x67; 32]).flow_key(7, 42, 3, &FLOW_NONCE),
             JobKey::new(&secret(2))
-                .session(&NC, &NS)
+                .session(&T, &SHARED)
                 .flow_key(7, 42, 3, &FLOW_NONCE),
         ];
         let mut scratch = Vec::new();

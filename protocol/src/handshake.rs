@@ -7,26 +7,32 @@
 //! ```text
 //!  plain job                          authenticated job (both ends hold the job secret)
 //!  client            server           client                              server
-//!  Hello{auth:false,Nc} ->            Hello{auth:true,Nc} ->
-//!                 <- Welcome{false}                  <- Challenge{Ns, server_proof(Nc,Ns)}
-//!                                     (verify)  Proof{client_proof(Nc,Ns)} ->
-//!                                                                     (verify)
+//!  Hello{false,Nc,0} ->               Hello{true,Nc,Pc} ->
+//!         <- Welcome{false,0}                        <- Challenge{Ns,Ps}
+//!                                     (X25519, session keys)
+//!                                     Proof{client_proof(T)} ->
+//!                                                                 (verify; X25519, keys)
 //!                                     =========== every later frame is sealed ===========
-//!                                                    <- Welcome{true}  (first sealed frame)
+//!                                                    <- Welcome{true, server_proof(T)}
+//!                                     (verify)
 //! ```
 //!
-//! The client proves itself only after the server did, so a client never answers a server
-//! that does not hold the secret; the proofs use distinct labels per direction
-//! ([`crate::auth`]), so a server's proof replayed as a client's fails. A refusal is sent to
-//! the peer as [`CtrlMsg::Abort`] with code [`ABORT_AUTH`] and the reason, unsealed, and the
-//! connection is closed. Any message out of place is an error that names it.
+//! `T` is the transcript (both nonces, both ephemeral X25519 public keys,
+//! [`crate::auth::Transcript`]); the session keys need the job secret and the X25519 shared
+//! secret, so only the two ends of this connection have them. The client proves the secret
+//! first and the server only then: a stranger at the control port gets no value it could test
+//! guesses of the secret against (only someone who impersonates the receiver gets the
+//! client's proof). The proofs use distinct labels per direction, so a server's proof
+//! replayed as a client's fails. A refusal is sent to the peer as [`CtrlMsg::Abort`] with code
+//! [`ABORT_AUTH`] and the reason, unsealed, and the connection is closed. Any message out of
+//! place is an error that names it.
 //!
-//! The caller does the I/O: it sends what each [`Step`] says, and once the client has sent its
-//! `Proof` it seals every frame it sends and verifies every frame it receives (with
-//! [`ClientHandshake::session`]'s control keys) before handing it to
-//! [`ClientHandshake::on_msg`]; the server seals from its `Welcome` on.
+//! The caller does the I/O and draws the randomness (nonces, ephemeral keys): it sends what
+//! each [`Step`] says, and once the client has sent its `Proof` it seals every frame it sends
+//! and verifies every frame it receives (with [`ClientHandshake::session`]'s control keys)
+//! before handing it to [`ClientHandshake::on_msg`]; the server seals from its `Welcome` on.
 
-use crate::auth::{JobKey, SessionKeys, NONCE_LEN};
+use crate::auth::{Ephemeral, JobKey, SessionKeys, Transcript, NONCE_LEN, PUBLIC_LEN};
 use crate::message::CtrlMsg;
 
 /// `Abort` code of a refusal at the handshake (authentication mode or secret mismatch).
@@ -43,11 +49,13 @@ pub enum Refusal {
     /// The client's proof does not verify: the client holds another secret (or replayed a
     /// proof from elsewhere).
     SecretMismatch,
-    /// Client: the server's proof does not verify.
+    /// Client: the server's proof (in its sealed `Welcome`) does not verify.
     ServerNotProven,
     /// Client with a secret: the server offered an unauthenticated connection instead of a
     /// challenge.
     Downgrade,
+    /// The peer's ephemeral X25519 public key is unusable (a low-order point).
+    BadPublicKey,
 }
 
 impl Refusal {
@@ -74,6 +82,10 @@ impl Refusal {
             Refusal::Downgrade => {
                 "the receiver offered an unauthenticated connection to a sender that holds a \
                  job secret: start the receiver with the job's secret too"
+            }
+            Refusal::BadPublicKey => {
+                "the peer's ephemeral X25519 public key is invalid (a low-order point): not a \
+                 gradwire peer, or a broken one"
             }
         }
     }
@@ -159,8 +171,8 @@ pub fn msg_name(msg: &CtrlMsg) -> &'static str {
         CtrlMsg::Hello { auth: true, .. } => "Hello (authenticated)",
         CtrlMsg::Challenge { .. } => "Challenge",
         CtrlMsg::Proof { .. } => "Proof",
-        CtrlMsg::Welcome { auth: false } => "Welcome (unauthenticated)",
-        CtrlMsg::Welcome { auth: true } => "Welcome (authenticated)",
+        CtrlMsg::Welcome { auth: false, .. } => "Welcome (unauthenticated)",
+        CtrlMsg::Welcome { auth: true, .. } => "Welcome (authenticated)",
     }
 }
 
@@ -179,9 +191,9 @@ fn unexpected(expected: &'static str, got: CtrlMsg) -> HandshakeError {
 #[derive(Debug)]
 enum ClientState {
     /// Hello sent, waiting for `Welcome` (plain) or `Challenge` (authenticated).
-    AwaitAnswer,
-    /// Proof sent; waiting for the sealed `Welcome{auth: true}`.
-    AwaitWelcome(SessionKeys),
+    AwaitAnswer(Option<Ephemeral>),
+    /// Proof sent; waiting for the sealed `Welcome{auth: true}` with the server's proof.
+    AwaitWelcome(SessionKeys, Box<Transcript>),
     /// Established or failed: nothing more is accepted.
     Finished,
 }
@@ -191,22 +203,34 @@ enum ClientState {
 pub struct ClientHandshake<'k> {
     key: Option<&'k JobKey>,
     nonce: [u8; NONCE_LEN],
+    public: [u8; PUBLIC_LEN],
     state: ClientState,
 }
 
 impl<'k> ClientHandshake<'k> {
-    /// A client that holds `key` (authenticated) or none (plain), with a fresh random
-    /// `nonce` (drawn by the caller from the OS), and the `Hello` to send first.
-    pub fn new(key: Option<&'k JobKey>, nonce: [u8; NONCE_LEN]) -> (ClientHandshake<'k>, CtrlMsg) {
+    /// A client that holds `key` (authenticated) or none (plain), with a fresh random `nonce`
+    /// and ephemeral key (both drawn by the caller from the OS; the ephemeral is used only
+    /// with a key), and the `Hello` to send first.
+    pub fn new(
+        key: Option<&'k JobKey>,
+        nonce: [u8; NONCE_LEN],
+        ephemeral: Ephemeral,
+    ) -> (ClientHandshake<'k>, CtrlMsg) {
+        let (public, ephemeral) = match key {
+            Some(_) => (*ephemeral.public(), Some(ephemeral)),
+            None => ([0; PUBLIC_LEN], None),
+        };
         let hello = CtrlMsg::Hello {
             auth: key.is_some(),
             nonce,
+            public,
         };
         (
             ClientHandshake {
                 key,
                 nonce,
-                state: ClientState::AwaitAnswer,
+                public,
+                state: ClientState::AwaitAnswer(ephemeral),
             },
             hello,
         )
@@ -217,7 +241,7 @@ impl<'k> ClientHandshake<'k> {
     /// with `session.control(Role::Client)` once, and verify each frame before `on_msg`.
     pub fn session(&self) -> Option<&SessionKeys> {
         match &self.state {
-            ClientState::AwaitWelcome(s) => Some(s),
+            ClientState::AwaitWelcome(s, _) => Some(s),
             _ => None,
         }
     }
@@ -226,32 +250,49 @@ impl<'k> ClientHandshake<'k> {
     pub fn on_msg(&mut self, msg: CtrlMsg) -> Result<Step, HandshakeError> {
         let state = std::mem::replace(&mut self.state, ClientState::Finished);
         match (state, self.key, msg) {
-            (ClientState::AwaitAnswer, None, CtrlMsg::Welcome { auth: false }) => {
+            (ClientState::AwaitAnswer(_), None, CtrlMsg::Welcome { auth: false, .. }) => {
                 Ok(Step::Established {
                     send: None,
                     session: None,
                 })
             }
-            (ClientState::AwaitAnswer, Some(key), CtrlMsg::Challenge { nonce, proof }) => {
-                if !key.verify_server_proof(&self.nonce, &nonce, &proof) {
-                    return Err(HandshakeError::Refused(Refusal::ServerNotProven));
-                }
-                let proof = key.client_proof(&self.nonce, &nonce);
-                self.state = ClientState::AwaitWelcome(key.session(&self.nonce, &nonce));
+            (
+                ClientState::AwaitAnswer(Some(ephemeral)),
+                Some(key),
+                CtrlMsg::Challenge { nonce, public },
+            ) => {
+                let t = Transcript {
+                    client_nonce: self.nonce,
+                    server_nonce: nonce,
+                    client_public: self.public,
+                    server_public: public,
+                };
+                let shared = ephemeral
+                    .agree(&public)
+                    .map_err(|_| HandshakeError::Refused(Refusal::BadPublicKey))?;
+                let proof = key.client_proof(&t);
+                self.state = ClientState::AwaitWelcome(key.session(&t, &shared), Box::new(t));
                 Ok(Step::Send(CtrlMsg::Proof { proof }))
             }
-            (ClientState::AwaitAnswer, Some(_), CtrlMsg::Welcome { auth: false }) => {
+            (ClientState::AwaitAnswer(_), Some(_), CtrlMsg::Welcome { auth: false, .. }) => {
                 Err(HandshakeError::Refused(Refusal::Downgrade))
             }
-            (ClientState::AwaitAnswer, None, msg) => Err(unexpected("Welcome", msg)),
-            (ClientState::AwaitAnswer, Some(_), msg) => Err(unexpected("Challenge", msg)),
-            (ClientState::AwaitWelcome(session), _, CtrlMsg::Welcome { auth: true }) => {
+            (ClientState::AwaitAnswer(_), None, msg) => Err(unexpected("Welcome", msg)),
+            (ClientState::AwaitAnswer(_), Some(_), msg) => Err(unexpected("Challenge", msg)),
+            (
+                ClientState::AwaitWelcome(session, t),
+                Some(key),
+                CtrlMsg::Welcome { auth: true, proof },
+            ) => {
+                if !key.verify_server_proof(&t, &proof) {
+                    return Err(HandshakeError::Refused(Refusal::ServerNotProven));
+                }
                 Ok(Step::Established {
                     send: None,
                     session: Some(session),
                 })
             }
-            (ClientState::AwaitWelcome(_), _, msg) => Err(unexpected("sealed Welcome", msg)),
+            (ClientState::AwaitWelcome(..), _, msg) => Err(unexpected("sealed Welcome", msg)),
             (ClientState::Finished, _, msg) => Err(unexpected("nothing (handshake over)", msg)),
         }
     }
@@ -261,12 +302,9 @@ impl<'k> ClientHandshake<'k> {
 #[derive(Debug)]
 enum ServerState {
     /// Waiting for the client's `Hello`.
-    AwaitHello,
+    AwaitHello(Ephemeral),
     /// Challenge sent; waiting for the client's `Proof`.
-    AwaitProof {
-        /// The client's nonce from its `Hello`.
-        client_nonce: [u8; NONCE_LEN],
-    },
+    AwaitProof(Ephemeral, Transcript),
     /// Established or failed.
     Finished,
 }
@@ -281,12 +319,17 @@ pub struct ServerHandshake<'k> {
 
 impl<'k> ServerHandshake<'k> {
     /// A server that requires `key` (authenticated) or runs without one (plain), with a fresh
-    /// random `nonce` (drawn by the caller from the OS). It waits for the client's `Hello`.
-    pub fn new(key: Option<&'k JobKey>, nonce: [u8; NONCE_LEN]) -> ServerHandshake<'k> {
+    /// random `nonce` and ephemeral key (drawn by the caller from the OS; the ephemeral is
+    /// used only with a key). It waits for the client's `Hello`.
+    pub fn new(
+        key: Option<&'k JobKey>,
+        nonce: [u8; NONCE_LEN],
+        ephemeral: Ephemeral,
+    ) -> ServerHandshake<'k> {
         ServerHandshake {
             key,
             nonce,
-            state: ServerState::AwaitHello,
+            state: ServerState::AwaitHello(ephemeral),
         }
     }
 
@@ -294,39 +337,59 @@ impl<'k> ServerHandshake<'k> {
     pub fn on_msg(&mut self, msg: CtrlMsg) -> Result<Step, HandshakeError> {
         let state = std::mem::replace(&mut self.state, ServerState::Finished);
         match (state, self.key, msg) {
-            (ServerState::AwaitHello, None, CtrlMsg::Hello { auth: false, .. }) => {
+            (ServerState::AwaitHello(_), None, CtrlMsg::Hello { auth: false, .. }) => {
                 Ok(Step::Established {
-                    send: Some(CtrlMsg::Welcome { auth: false }),
+                    send: Some(CtrlMsg::Welcome {
+                        auth: false,
+                        proof: [0; crate::auth::PROOF_LEN],
+                    }),
                     session: None,
                 })
             }
-            (ServerState::AwaitHello, None, CtrlMsg::Hello { auth: true, .. }) => {
+            (ServerState::AwaitHello(_), None, CtrlMsg::Hello { auth: true, .. }) => {
                 Err(HandshakeError::Refused(Refusal::AuthenticationUnavailable))
             }
-            (ServerState::AwaitHello, Some(_), CtrlMsg::Hello { auth: false, .. }) => {
+            (ServerState::AwaitHello(_), Some(_), CtrlMsg::Hello { auth: false, .. }) => {
                 Err(HandshakeError::Refused(Refusal::UnauthenticatedPeer))
             }
-            (ServerState::AwaitHello, Some(key), CtrlMsg::Hello { auth: true, nonce }) => {
-                let proof = key.server_proof(&nonce, &self.nonce);
-                self.state = ServerState::AwaitProof {
+            (
+                ServerState::AwaitHello(ephemeral),
+                Some(_),
+                CtrlMsg::Hello {
+                    auth: true,
+                    nonce,
+                    public,
+                },
+            ) => {
+                let t = Transcript {
                     client_nonce: nonce,
+                    server_nonce: self.nonce,
+                    client_public: public,
+                    server_public: *ephemeral.public(),
                 };
+                self.state = ServerState::AwaitProof(ephemeral, t);
                 Ok(Step::Send(CtrlMsg::Challenge {
                     nonce: self.nonce,
-                    proof,
+                    public: t.server_public,
                 }))
             }
-            (ServerState::AwaitHello, _, msg) => Err(unexpected("Hello", msg)),
-            (ServerState::AwaitProof { client_nonce }, Some(key), CtrlMsg::Proof { proof }) => {
-                if !key.verify_client_proof(&client_nonce, &self.nonce, &proof) {
+            (ServerState::AwaitHello(_), _, msg) => Err(unexpected("Hello", msg)),
+            (ServerState::AwaitProof(ephemeral, t), Some(key), CtrlMsg::Proof { proof }) => {
+                if !key.verify_client_proof(&t, &proof) {
                     return Err(HandshakeError::Refused(Refusal::SecretMismatch));
                 }
+                let shared = ephemeral
+                    .agree(&t.client_public)
+                    .map_err(|_| HandshakeError::Refused(Refusal::BadPublicKey))?;
                 Ok(Step::Established {
-                    send: Some(CtrlMsg::Welcome { auth: true }),
-                    session: Some(key.session(&client_nonce, &self.nonce)),
+                    send: Some(CtrlMsg::Welcome {
+                        auth: true,
+                        proof: key.server_proof(&t),
+                    }),
+                    session: Some(key.session(&t, &shared)),
                 })
             }
-            (ServerState::AwaitProof { .. }, _, msg) => Err(unexpected("Proof", msg)),
+            (ServerState::AwaitProof(..), _, msg) => Err(unexpected("Proof", msg)),
             (ServerState::Finished, _, msg) => Err(unexpected("nothing (handshake over)", msg)),
         }
     }
@@ -337,13 +400,18 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use crate::auth::{CtrlOpener, CtrlSealer, JobSecret, Role};
+    use crate::auth::{JobSecret, Role, PROOF_LEN};
 
     const NC: [u8; NONCE_LEN] = [0xC1; NONCE_LEN];
     const NS: [u8; NONCE_LEN] = [0x5E; NONCE_LEN];
+    const ZERO: [u8; 32] = [0; 32];
 
     fn key(fill: u8) -> JobKey {
         JobKey::new(&JobSecret::new(vec![fill; 32]).unwrap())
+    }
+
+    fn eph() -> Ephemeral {
+        Ephemeral::generate(&ring::rand::SystemRandom::new()).unwrap()
     }
 
     /// One side's end of a handshake: its session (None: plain), or its error.
@@ -352,8 +420,8 @@ mod tests {
     /// Feeds each message of one side to the other until both are established or one fails.
     /// Returns (client outcome, server outcome, messages exchanged in order).
     fn run(ck: Option<&JobKey>, sk: Option<&JobKey>) -> (Outcome, Outcome, Vec<CtrlMsg>) {
-        let (mut client, hello) = ClientHandshake::new(ck, NC);
-        let mut server = ServerHandshake::new(sk, NS);
+        let (mut client, hello) = ClientHandshake::new(ck, NC, eph());
+        let mut server = ServerHandshake::new(sk, NS, eph());
         let mut wire = vec![hello.clone()];
         let mut to_server = Some(hello);
         let mut to_client = None;
@@ -396,8 +464,24 @@ mod tests {
         )
     }
 
-    fn control(s: &SessionKeys, role: Role) -> (CtrlSealer, CtrlOpener) {
-        s.control(role)
+    /// Whether a frame sealed by the client opens at the server and the reverse.
+    fn same_session(c: &SessionKeys, s: &SessionKeys) -> bool {
+        let (mut ctx, mut crx) = c.control(Role::Client);
+        let (mut stx, mut srx) = s.control(Role::Server);
+        let t = stx.seal(b"welcome");
+        let down = crx.open(b"welcome", &t);
+        let t = ctx.seal(b"flow start");
+        down && srx.open(b"flow start", &t)
+    }
+
+    /// The transcript of a server with nonce NS and public `ps` answering `Hello{NC, pc}`.
+    fn transcript(pc: [u8; 32], ps: [u8; 32]) -> Transcript {
+        Transcript {
+            client_nonce: NC,
+            server_nonce: NS,
+            client_public: pc,
+            server_public: ps,
+        }
     }
 
     #[test]
@@ -410,31 +494,66 @@ mod tests {
             vec![
                 CtrlMsg::Hello {
                     auth: false,
-                    nonce: NC
+                    nonce: NC,
+                    public: ZERO
                 },
-                CtrlMsg::Welcome { auth: false }
+                CtrlMsg::Welcome {
+                    auth: false,
+                    proof: ZERO
+                }
             ]
         );
     }
 
     #[test]
-    fn authenticated_both_ends_share_session_keys() {
+    fn authenticated_both_ends_share_session_keys_and_prove_in_order() {
         let k = key(1);
         let k2 = key(1);
         let (c, s, wire) = run(Some(&k), Some(&k2));
         let (cs, ss) = (c.unwrap().unwrap(), s.unwrap().unwrap());
         assert_eq!(wire.len(), 4);
-        assert!(matches!(wire[0], CtrlMsg::Hello { auth: true, nonce } if nonce == NC));
-        assert!(matches!(wire[1], CtrlMsg::Challenge { nonce, .. } if nonce == NS));
-        assert!(matches!(wire[2], CtrlMsg::Proof { .. }));
-        assert_eq!(wire[3], CtrlMsg::Welcome { auth: true });
-        // Same session on both ends: what the server seals the client opens, both ways.
-        let (mut ctx, mut crx) = control(&cs, Role::Client);
-        let (mut stx, mut srx) = control(&ss, Role::Server);
-        let t = stx.seal(b"welcome");
-        assert!(crx.open(b"welcome", &t));
-        let t = ctx.seal(b"flow start");
-        assert!(srx.open(b"flow start", &t));
+        let CtrlMsg::Hello {
+            auth: true,
+            nonce: NC,
+            public: pc,
+        } = wire[0]
+        else {
+            panic!("{:?}", wire[0])
+        };
+        let CtrlMsg::Challenge {
+            nonce: NS,
+            public: ps,
+        } = wire[1]
+        else {
+            panic!("{:?}", wire[1])
+        };
+        assert_ne!(pc, ZERO);
+        assert_ne!(ps, ZERO);
+        let t = transcript(pc, ps);
+        // The client proves first; the server's proof comes only in its (sealed) Welcome.
+        assert!(matches!(wire[2], CtrlMsg::Proof { proof } if k.verify_client_proof(&t, &proof)));
+        assert!(
+            matches!(wire[3], CtrlMsg::Welcome { auth: true, proof } if k.verify_server_proof(&t, &proof))
+        );
+        assert!(same_session(&cs, &ss));
+    }
+
+    #[test]
+    fn every_connection_has_keys_of_its_own() {
+        // Same job, same nonces: the ephemeral exchange alone makes the sessions differ, so a
+        // job member that watched one handshake cannot derive its keys.
+        let k = key(1);
+        let (c1, s1, _) = run(Some(&k), Some(&k));
+        let (c2, s2, _) = run(Some(&k), Some(&k));
+        let (c1, s1, c2, s2) = (
+            c1.unwrap().unwrap(),
+            s1.unwrap().unwrap(),
+            c2.unwrap().unwrap(),
+            s2.unwrap().unwrap(),
+        );
+        assert!(same_session(&c1, &s1) && same_session(&c2, &s2));
+        assert!(!same_session(&c1, &s2));
+        assert!(!same_session(&c2, &s1));
     }
 
     #[test]
@@ -483,99 +602,129 @@ mod tests {
     }
 
     #[test]
-    fn wrong_secret_fails_at_the_client_which_never_proves_itself() {
+    fn wrong_secret_is_refused_and_the_server_never_proves_itself() {
         let (ck, sk) = (key(1), key(2));
         let (c, s, wire) = run(Some(&ck), Some(&sk));
-        let c = c.unwrap_err();
-        assert_eq!(c, HandshakeError::Refused(Refusal::ServerNotProven));
-        assert!(c.to_string().contains("could not prove the job secret"));
+        let s = s.unwrap_err();
+        assert_eq!(s, HandshakeError::Refused(Refusal::SecretMismatch));
+        assert!(s.to_string().contains("job secret mismatch"));
         assert!(matches!(
-            s.unwrap_err(),
-            HandshakeError::PeerAborted {
-                code: ABORT_AUTH,
-                ..
-            }
+            c.unwrap_err(),
+            HandshakeError::PeerAborted { code: ABORT_AUTH, reason } if reason.contains("mismatch")
         ));
-        // No Proof was ever sent.
-        assert!(!wire.iter().any(|m| matches!(m, CtrlMsg::Proof { .. })));
+        // A client without the right secret got nothing it could test guesses against: no
+        // server proof was ever sent (the Challenge has none, and no Welcome followed).
+        assert!(!wire.iter().any(|m| matches!(m, CtrlMsg::Welcome { .. })));
     }
 
     #[test]
-    fn wrong_client_proof_is_a_secret_mismatch() {
+    fn a_welcome_whose_proof_fails_is_refused_by_the_client() {
         let k = key(1);
-        let mut server = ServerHandshake::new(Some(&k), NS);
+        let (mut client, _) = ClientHandshake::new(Some(&k), NC, eph());
+        let server_eph = eph();
+        client
+            .on_msg(CtrlMsg::Challenge {
+                nonce: NS,
+                public: *server_eph.public(),
+            })
+            .unwrap();
+        let e = client
+            .on_msg(CtrlMsg::Welcome {
+                auth: true,
+                proof: [7; PROOF_LEN],
+            })
+            .unwrap_err();
+        assert_eq!(e, HandshakeError::Refused(Refusal::ServerNotProven));
+        assert!(e.to_string().contains("could not prove the job secret"));
+    }
+
+    #[test]
+    fn proofs_are_bound_to_their_direction_and_handshake() {
+        let k = key(1);
+        let server_eph = eph();
+        let ps = *server_eph.public();
+        let mut server = ServerHandshake::new(Some(&k), NS, server_eph);
+        let pc = *eph().public();
         server
             .on_msg(CtrlMsg::Hello {
                 auth: true,
                 nonce: NC,
+                public: pc,
             })
             .unwrap();
-        // A client with another secret that skips checking the server's proof.
-        let proof = key(2).client_proof(&NC, &NS);
-        let e = server.on_msg(CtrlMsg::Proof { proof }).unwrap_err();
-        assert_eq!(e, HandshakeError::Refused(Refusal::SecretMismatch));
-        assert!(e.to_string().contains("job secret mismatch"));
+        let t = transcript(pc, ps);
+        // A server's proof replayed as the client's (reflection), and a client proof of
+        // another handshake (another server nonce or key), are refused.
+        assert!(!k.verify_client_proof(&t, &k.server_proof(&t)));
+        let other = Transcript {
+            server_nonce: [0x77; NONCE_LEN],
+            ..t
+        };
+        assert!(!k.verify_client_proof(&t, &k.client_proof(&other)));
+        let other_key = Transcript {
+            server_public: [9; 32],
+            ..t
+        };
         assert_eq!(
-            e.abort(),
-            Some(CtrlMsg::Abort {
-                code: ABORT_AUTH,
-                reason: e.to_string()
-            })
+            server
+                .on_msg(CtrlMsg::Proof {
+                    proof: k.client_proof(&other_key)
+                })
+                .unwrap_err(),
+            HandshakeError::Refused(Refusal::SecretMismatch)
         );
-        // The server is finished: nothing more is accepted.
+        // The server is finished: nothing more is accepted, not even the right proof.
         assert!(matches!(
             server.on_msg(CtrlMsg::Proof {
-                proof: k.client_proof(&NC, &NS)
+                proof: k.client_proof(&t)
             }),
             Err(HandshakeError::Unexpected { .. })
         ));
     }
 
     #[test]
-    fn reflected_server_proof_is_refused() {
+    fn a_low_order_public_key_is_refused() {
         let k = key(1);
-        let mut server = ServerHandshake::new(Some(&k), NS);
-        let Step::Send(CtrlMsg::Challenge { nonce, proof }) = server
-            .on_msg(CtrlMsg::Hello {
-                auth: true,
-                nonce: NC,
-            })
-            .unwrap()
-        else {
-            panic!("expected a challenge")
-        };
-        assert_eq!(nonce, NS);
-        // An attacker without the secret replays the server's own proof as its proof.
+        // Client side: a Challenge with the all-zero point.
+        let (mut client, _) = ClientHandshake::new(Some(&k), NC, eph());
         assert_eq!(
-            server.on_msg(CtrlMsg::Proof { proof }).unwrap_err(),
-            HandshakeError::Refused(Refusal::SecretMismatch)
+            client
+                .on_msg(CtrlMsg::Challenge {
+                    nonce: NS,
+                    public: ZERO
+                })
+                .unwrap_err(),
+            HandshakeError::Refused(Refusal::BadPublicKey)
         );
-        // Nor does a client proof pass as the server's (the labels differ per direction).
-        assert!(!k.verify_server_proof(&NC, &NS, &k.client_proof(&NC, &NS)));
-    }
-
-    #[test]
-    fn proof_from_another_handshake_is_refused() {
-        let k = key(1);
-        let old = k.client_proof(&NC, &[0x77; NONCE_LEN]);
-        let mut server = ServerHandshake::new(Some(&k), NS);
+        // Server side: a Hello with it, then a valid proof over that transcript (a job
+        // member trying to force a known shared secret).
+        let server_eph = eph();
+        let ps = *server_eph.public();
+        let mut server = ServerHandshake::new(Some(&k), NS, server_eph);
         server
             .on_msg(CtrlMsg::Hello {
                 auth: true,
                 nonce: NC,
+                public: ZERO,
             })
             .unwrap();
+        let proof = k.client_proof(&transcript(ZERO, ps));
         assert_eq!(
-            server.on_msg(CtrlMsg::Proof { proof: old }).unwrap_err(),
-            HandshakeError::Refused(Refusal::SecretMismatch)
+            server.on_msg(CtrlMsg::Proof { proof }).unwrap_err(),
+            HandshakeError::Refused(Refusal::BadPublicKey)
         );
     }
 
     #[test]
     fn plain_welcome_to_an_authenticated_client_is_a_downgrade() {
         let k = key(1);
-        let (mut client, _) = ClientHandshake::new(Some(&k), NC);
-        let e = client.on_msg(CtrlMsg::Welcome { auth: false }).unwrap_err();
+        let (mut client, _) = ClientHandshake::new(Some(&k), NC, eph());
+        let e = client
+            .on_msg(CtrlMsg::Welcome {
+                auth: false,
+                proof: ZERO,
+            })
+            .unwrap_err();
         assert_eq!(e, HandshakeError::Refused(Refusal::Downgrade));
         assert!(e.abort().is_some());
         assert!(client.session().is_none());
@@ -583,12 +732,12 @@ mod tests {
 
     #[test]
     fn challenge_to_a_plain_client_is_unexpected() {
-        let (mut client, _) = ClientHandshake::new(None, NC);
+        let (mut client, _) = ClientHandshake::new(None, NC, eph());
         assert_eq!(
             client
                 .on_msg(CtrlMsg::Challenge {
                     nonce: NS,
-                    proof: [0; 32]
+                    public: [1; 32]
                 })
                 .unwrap_err(),
             HandshakeError::Unexpected {
@@ -601,31 +750,47 @@ mod tests {
     #[test]
     fn session_is_exposed_only_between_proof_and_welcome() {
         let k = key(1);
-        let (mut client, _) = ClientHandshake::new(Some(&k), NC);
+        let (mut client, hello) = ClientHandshake::new(Some(&k), NC, eph());
+        let CtrlMsg::Hello { public: pc, .. } = hello else {
+            panic!("{hello:?}")
+        };
         assert!(client.session().is_none());
+        let server_eph = eph();
+        let ps = *server_eph.public();
         let ch = CtrlMsg::Challenge {
             nonce: NS,
-            proof: k.server_proof(&NC, &NS),
+            public: ps,
         };
+        let t = transcript(pc, ps);
         assert!(
-            matches!(client.on_msg(ch).unwrap(), Step::Send(CtrlMsg::Proof { proof }) if k.verify_client_proof(&NC, &NS, &proof))
+            matches!(client.on_msg(ch).unwrap(), Step::Send(CtrlMsg::Proof { proof }) if k.verify_client_proof(&t, &proof))
         );
         assert!(client.session().is_some());
         // An authenticated Welcome is the only way on; a plain one after the proof is not.
-        let (mut c2, _) = ClientHandshake::new(Some(&k), NC);
+        let (mut c2, _) = ClientHandshake::new(Some(&k), NC, eph());
         c2.on_msg(CtrlMsg::Challenge {
             nonce: NS,
-            proof: k.server_proof(&NC, &NS),
+            public: ps,
         })
         .unwrap();
         assert_eq!(
-            c2.on_msg(CtrlMsg::Welcome { auth: false }).unwrap_err(),
+            c2.on_msg(CtrlMsg::Welcome {
+                auth: false,
+                proof: ZERO
+            })
+            .unwrap_err(),
             HandshakeError::Unexpected {
                 expected: "sealed Welcome",
                 got: "Welcome (unauthenticated)"
             }
         );
-        match client.on_msg(CtrlMsg::Welcome { auth: true }).unwrap() {
+        match client
+            .on_msg(CtrlMsg::Welcome {
+                auth: true,
+                proof: k.server_proof(&t),
+            })
+            .unwrap()
+        {
             Step::Established {
                 send: None,
                 session: Some(_),
@@ -649,24 +814,32 @@ mod tests {
                 CtrlMsg::Hello {
                     auth: true,
                     nonce: NC,
+                    public: [3; 32],
                 },
                 CtrlMsg::Hello {
                     auth: false,
                     nonce: NC,
+                    public: ZERO,
                 },
                 CtrlMsg::Challenge {
                     nonce: NS,
-                    proof: [1; 32],
+                    public: [1; 32],
                 },
                 CtrlMsg::Proof { proof: [2; 32] },
-                CtrlMsg::Welcome { auth: true },
-                CtrlMsg::Welcome { auth: false },
+                CtrlMsg::Welcome {
+                    auth: true,
+                    proof: [4; 32],
+                },
+                CtrlMsg::Welcome {
+                    auth: false,
+                    proof: ZERO,
+                },
             ]
         };
         // Server waiting for Hello: everything but a Hello is unexpected.
         for m in every() {
             for sk in [None, Some(&k)] {
-                let mut s = ServerHandshake::new(sk, NS);
+                let mut s = ServerHandshake::new(sk, NS, eph());
                 let name = msg_name(&m);
                 match s.on_msg(m.clone()) {
                     Err(HandshakeError::Unexpected { expected, got }) => {
@@ -681,10 +854,11 @@ mod tests {
         }
         // Server waiting for the Proof: only a Proof.
         for m in every() {
-            let mut s = ServerHandshake::new(Some(&k), NS);
+            let mut s = ServerHandshake::new(Some(&k), NS, eph());
             s.on_msg(CtrlMsg::Hello {
                 auth: true,
                 nonce: NC,
+                public: *eph().public(),
             })
             .unwrap();
             let name = msg_name(&m);
@@ -701,7 +875,7 @@ mod tests {
         // Client waiting for the answer to Hello.
         for m in every() {
             for ck in [None, Some(&k)] {
-                let (mut c, _) = ClientHandshake::new(ck, NC);
+                let (mut c, _) = ClientHandshake::new(ck, NC, eph());
                 let name = msg_name(&m);
                 let r = c.on_msg(m.clone());
                 match (&r, ck.is_some(), name) {
@@ -711,9 +885,9 @@ mod tests {
                         true,
                         "Welcome (unauthenticated)",
                     ) => {}
-                    // A forged challenge (proof [1; 32]) fails like a wrong secret.
-                    (Err(HandshakeError::Refused(Refusal::ServerNotProven)), true, "Challenge") => {
-                    }
+                    // Any valid-looking challenge is answered with a proof (the client proves
+                    // first); it is the server's Welcome that must then prove itself.
+                    (Ok(Step::Send(CtrlMsg::Proof { .. })), true, "Challenge") => {}
                     (Err(HandshakeError::Unexpected { expected, got }), _, _) => {
                         assert_eq!(*got, name);
                         assert_eq!(
@@ -734,7 +908,7 @@ mod tests {
             reason: "going away".into(),
         };
         let k = key(1);
-        let (mut c, _) = ClientHandshake::new(Some(&k), NC);
+        let (mut c, _) = ClientHandshake::new(Some(&k), NC, eph());
         assert_eq!(
             c.on_msg(abort.clone()).unwrap_err(),
             HandshakeError::PeerAborted {
@@ -742,7 +916,7 @@ mod tests {
                 reason: "going away".into()
             }
         );
-        let mut s = ServerHandshake::new(None, NS);
+        let mut s = ServerHandshake::new(None, NS, eph());
         let e = s.on_msg(abort).unwrap_err();
         assert!(e.to_string().contains("going away"), "{e}");
         assert_eq!(e.abort(), None, "an abort is not answered");
@@ -750,23 +924,25 @@ mod tests {
 
     #[test]
     fn finished_machines_accept_nothing() {
-        let (mut c, _) = ClientHandshake::new(None, NC);
-        c.on_msg(CtrlMsg::Welcome { auth: false }).unwrap();
+        let plain_welcome = CtrlMsg::Welcome {
+            auth: false,
+            proof: ZERO,
+        };
+        let (mut c, _) = ClientHandshake::new(None, NC, eph());
+        c.on_msg(plain_welcome.clone()).unwrap();
         assert!(matches!(
-            c.on_msg(CtrlMsg::Welcome { auth: false }),
+            c.on_msg(plain_welcome),
             Err(HandshakeError::Unexpected { .. })
         ));
-        let mut s = ServerHandshake::new(None, NS);
-        s.on_msg(CtrlMsg::Hello {
+        let plain_hello = CtrlMsg::Hello {
             auth: false,
             nonce: NC,
-        })
-        .unwrap();
+            public: ZERO,
+        };
+        let mut s = ServerHandshake::new(None, NS, eph());
+        s.on_msg(plain_hello.clone()).unwrap();
         assert!(matches!(
-            s.on_msg(CtrlMsg::Hello {
-                auth: false,
-                nonce: NC
-            }),
+            s.on_msg(plain_hello),
             Err(HandshakeError::Unexpected { .. })
         ));
     }
@@ -774,12 +950,18 @@ mod tests {
     fn arb_msg() -> impl proptest::strategy::Strategy<Value = CtrlMsg> {
         use proptest::prelude::*;
         prop_oneof![
-            (any::<bool>(), any::<[u8; NONCE_LEN]>())
-                .prop_map(|(auth, nonce)| CtrlMsg::Hello { auth, nonce }),
+            (any::<bool>(), any::<[u8; NONCE_LEN]>(), any::<[u8; 32]>()).prop_map(
+                |(auth, nonce, public)| CtrlMsg::Hello {
+                    auth,
+                    nonce,
+                    public
+                }
+            ),
             (any::<[u8; NONCE_LEN]>(), any::<[u8; 32]>())
-                .prop_map(|(nonce, proof)| CtrlMsg::Challenge { nonce, proof }),
+                .prop_map(|(nonce, public)| CtrlMsg::Challenge { nonce, public }),
             any::<[u8; 32]>().prop_map(|proof| CtrlMsg::Proof { proof }),
-            any::<bool>().prop_map(|auth| CtrlMsg::Welcome { auth }),
+            (any::<bool>(), any::<[u8; 32]>())
+                .prop_map(|(auth, proof)| CtrlMsg::Welcome { auth, proof }),
             (any::<u8>(), "[a-z ]{0,20}")
                 .prop_map(|(code, reason)| CtrlMsg::Abort { code, reason }),
             Just(CtrlMsg::FinishConfirm),
@@ -792,8 +974,8 @@ mod tests {
         #[test]
         fn no_session_without_the_secret(msgs in proptest::collection::vec(arb_msg(), 0..8)) {
             let k = key(1);
-            let mut server = ServerHandshake::new(Some(&k), NS);
-            let (mut client, _) = ClientHandshake::new(Some(&k), NC);
+            let mut server = ServerHandshake::new(Some(&k), NS, eph());
+            let (mut client, _) = ClientHandshake::new(Some(&k), NC, eph());
             let (mut s_over, mut c_over) = (false, false);
             for m in msgs {
                 let r = server.on_msg(m.clone());

@@ -27,8 +27,10 @@ pub const MAX_REASON: usize = 1024;
 pub const MAX_SOURCES: usize = 64;
 /// Bytes of a handshake nonce (`Hello`, `Challenge`).
 pub const HANDSHAKE_NONCE_LEN: usize = 32;
-/// Bytes of a handshake proof (`Challenge`, `Proof`): an HMAC-SHA256.
+/// Bytes of a handshake proof (`Proof`, `Welcome`): an HMAC-SHA256.
 pub const HANDSHAKE_PROOF_LEN: usize = 32;
+/// Bytes of an ephemeral X25519 public key (`Hello`, `Challenge`).
+pub const HANDSHAKE_PUBLIC_LEN: usize = 32;
 /// Bytes of the per-flow nonce in `FlowStart` (keys an authenticated flow's data).
 pub const FLOW_NONCE_LEN: usize = 16;
 /// Most ranges one `RetransmitRequest` can carry without its body exceeding [`MAX_BODY`].
@@ -481,25 +483,30 @@ pub enum CtrlMsg {
         auth: bool,
         /// Fresh random nonce of the client.
         nonce: [u8; HANDSHAKE_NONCE_LEN],
+        /// The client's ephemeral X25519 public key (all zeros in a plain `Hello`).
+        public: [u8; HANDSHAKE_PUBLIC_LEN],
     },
-    /// Server -> client, authenticated jobs only (kind 13): the server's nonce and its proof
-    /// of the job secret over both nonces.
+    /// Server -> client, authenticated jobs only (kind 13): the server's nonce and ephemeral
+    /// public key. No proof yet: the server proves the secret only to a client that did, so
+    /// a stranger at the control port learns nothing to test guesses of the secret against.
     Challenge {
         /// Fresh random nonce of the server.
         nonce: [u8; HANDSHAKE_NONCE_LEN],
-        /// `JobKey::server_proof(client nonce, server nonce)`.
-        proof: [u8; HANDSHAKE_PROOF_LEN],
+        /// The server's ephemeral X25519 public key.
+        public: [u8; HANDSHAKE_PUBLIC_LEN],
     },
     /// Client -> server, authenticated jobs only (kind 14): the client's proof of the secret.
     Proof {
-        /// `JobKey::client_proof(client nonce, server nonce)`.
+        /// `JobKey::client_proof(transcript)`.
         proof: [u8; HANDSHAKE_PROOF_LEN],
     },
     /// Server -> client: the handshake is complete (kind 15); from here on flows may start.
-    /// With `auth`, this is the first sealed frame.
+    /// With `auth`, this is the first sealed frame and carries the server's proof.
     Welcome {
         /// The connection is authenticated (every later frame is sealed).
         auth: bool,
+        /// `JobKey::server_proof(transcript)` (all zeros in a plain `Welcome`).
+        proof: [u8; HANDSHAKE_PROOF_LEN],
     },
     /// Either side gives up on the flow (kind 9).
     Abort {
@@ -572,10 +579,10 @@ impl CtrlMsg {
                 CtrlMsg::Abort { reason, .. } => 1 + 2 + reason.len(),
                 CtrlMsg::EcnReport { .. } => ECN_QUEUES * 8,
                 CtrlMsg::RateGrant { .. } => 8,
-                CtrlMsg::Hello { .. } => 1 + HANDSHAKE_NONCE_LEN,
-                CtrlMsg::Challenge { .. } => HANDSHAKE_NONCE_LEN + HANDSHAKE_PROOF_LEN,
+                CtrlMsg::Hello { .. } => 1 + HANDSHAKE_NONCE_LEN + HANDSHAKE_PUBLIC_LEN,
+                CtrlMsg::Challenge { .. } => HANDSHAKE_NONCE_LEN + HANDSHAKE_PUBLIC_LEN,
                 CtrlMsg::Proof { .. } => HANDSHAKE_PROOF_LEN,
-                CtrlMsg::Welcome { .. } => 1,
+                CtrlMsg::Welcome { .. } => 1 + HANDSHAKE_PROOF_LEN,
             }
     }
 
@@ -696,16 +703,24 @@ impl CtrlMsg {
                 put_str(out, reason);
             }
             CtrlMsg::RateGrant { rate_bps } => out.extend_from_slice(&rate_bps.to_be_bytes()),
-            CtrlMsg::Hello { auth, nonce } => {
+            CtrlMsg::Hello {
+                auth,
+                nonce,
+                public,
+            } => {
                 out.push(u8::from(*auth));
                 out.extend_from_slice(nonce);
+                out.extend_from_slice(public);
             }
-            CtrlMsg::Challenge { nonce, proof } => {
+            CtrlMsg::Challenge { nonce, public } => {
                 out.extend_from_slice(nonce);
-                out.extend_from_slice(proof);
+                out.extend_from_slice(public);
             }
             CtrlMsg::Proof { proof } => out.extend_from_slice(proof),
-            CtrlMsg::Welcome { auth } => out.push(u8::from(*auth)),
+            CtrlMsg::Welcome { auth, proof } => {
+                out.push(u8::from(*auth));
+                out.extend_from_slice(proof);
+            }
         }
         Ok(())
     }
@@ -855,13 +870,17 @@ impl CtrlMsg {
             kind::HELLO => CtrlMsg::Hello {
                 auth: r.flag()?,
                 nonce: r.array()?,
+                public: r.array()?,
             },
             kind::CHALLENGE => CtrlMsg::Challenge {
                 nonce: r.array()?,
-                proof: r.array()?,
+                public: r.array()?,
             },
             kind::PROOF => CtrlMsg::Proof { proof: r.array()? },
-            kind::WELCOME => CtrlMsg::Welcome { auth: r.flag()? },
+            kind::WELCOME => CtrlMsg::Welcome {
+                auth: r.flag()?,
+                proof: r.array()?,
+            },
             other => return Err(CtrlError::UnknownKind(other)),
         };
         if !r.rest.is_empty() {
@@ -1128,15 +1147,19 @@ mod tests {
             CtrlMsg::Hello {
                 auth: true,
                 nonce: [7; HANDSHAKE_NONCE_LEN],
+                public: [8; HANDSHAKE_PUBLIC_LEN],
             },
             CtrlMsg::Challenge {
                 nonce: [1; HANDSHAKE_NONCE_LEN],
-                proof: [2; HANDSHAKE_PROOF_LEN],
+                public: [2; HANDSHAKE_PUBLIC_LEN],
             },
             CtrlMsg::Proof {
                 proof: [3; HANDSHAKE_PROOF_LEN],
             },
-            CtrlMsg::Welcome { auth: false },
+            CtrlMsg::Welcome {
+                auth: false,
+                proof: [0; HANDSHAKE_PROOF_LEN],
+            },
         ]
     }
 
@@ -1220,10 +1243,10 @@ mod tests {
                 5,
                 66,
                 10,
-                35,
+                67,
                 66,
                 34,
-                3
+                35
             ]
         );
     }
@@ -1288,6 +1311,7 @@ mod tests {
         let mut h = body_of(&CtrlMsg::Hello {
             auth: false,
             nonce: [0; HANDSHAKE_NONCE_LEN],
+            public: [0; HANDSHAKE_PUBLIC_LEN],
         });
         h[2] = 2;
         assert_eq!(CtrlMsg::decode_body(&h), Err(CtrlError::BadFlags(2)));
@@ -1747,15 +1771,24 @@ mod tests {
                 }
             }),
             (1..=u64::MAX).prop_map(|rate_bps| CtrlMsg::RateGrant { rate_bps }),
-            (any::<bool>(), any::<[u8; HANDSHAKE_NONCE_LEN]>())
-                .prop_map(|(auth, nonce)| CtrlMsg::Hello { auth, nonce }),
+            (
+                any::<bool>(),
+                any::<[u8; HANDSHAKE_NONCE_LEN]>(),
+                any::<[u8; HANDSHAKE_PUBLIC_LEN]>()
+            )
+                .prop_map(|(auth, nonce, public)| CtrlMsg::Hello {
+                    auth,
+                    nonce,
+                    public
+                }),
             (
                 any::<[u8; HANDSHAKE_NONCE_LEN]>(),
-                any::<[u8; HANDSHAKE_PROOF_LEN]>()
+                any::<[u8; HANDSHAKE_PUBLIC_LEN]>()
             )
-                .prop_map(|(nonce, proof)| CtrlMsg::Challenge { nonce, proof }),
+                .prop_map(|(nonce, public)| CtrlMsg::Challenge { nonce, public }),
             any::<[u8; HANDSHAKE_PROOF_LEN]>().prop_map(|proof| CtrlMsg::Proof { proof }),
-            any::<bool>().prop_map(|auth| CtrlMsg::Welcome { auth }),
+            (any::<bool>(), any::<[u8; HANDSHAKE_PROOF_LEN]>())
+                .prop_map(|(auth, proof)| CtrlMsg::Welcome { auth, proof }),
         ]
     }
 

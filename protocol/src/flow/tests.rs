@@ -1068,6 +1068,16 @@ fn only_announced_sources_write_the_tensor() {
     );
 }
 
+/// A handshake transcript whose every byte is `fill` (the flows only need some session).
+fn transcript(fill: u8) -> crate::auth::Transcript {
+    crate::auth::Transcript {
+        client_nonce: [fill; 32],
+        server_nonce: [fill; 32],
+        client_public: [fill; 32],
+        server_public: [fill; 32],
+    }
+}
+
 /// Authenticated flows: the sender's datagrams are sealed with the flow key; the receiver
 /// places only datagrams of the current pass whose tag verifies, decrypted. A datagram with
 /// the flow's ids but a wrong key (a host without the secret, or a spoofed source), a plain
@@ -1078,7 +1088,7 @@ fn authenticated_flow_places_only_sealed_datagrams_of_the_current_pass() {
     use crate::auth::{JobKey, JobSecret};
     let elems = 3600; // 10 segments of 1424 B (1440 minus the tag) + a short one
     let job = JobKey::new(&JobSecret::new(b"a job secret of 32 bytes, really".to_vec()).unwrap());
-    let session = job.session(&[1; 32], &[2; 32]);
+    let session = job.session(&transcript(1), &[2; 32]);
     let nonce = [7u8; 16];
     let layout = SegmentLayout::new(elems as u64 * 4, 4, 1424).unwrap();
     let mut src = Tensor::zeros(DType::F32, elems);
@@ -1140,7 +1150,7 @@ fn authenticated_flow_places_only_sealed_datagrams_of_the_current_pass() {
     // A host without the secret: the flow's ids, a tag under another key (here: another
     // session of the same job), from the sender's own (spoofed) address.
     let other = job
-        .session(&[3; 32], &[4; 32])
+        .session(&transcript(3), &[4; 32])
         .flow_key(ID.job, ID.tensor, ID.round, &nonce);
     let mut forged = sealed[0].clone();
     forged[header::HEADER_LEN..header::HEADER_LEN + 1424].fill(0xa5);
@@ -1255,7 +1265,9 @@ fn authenticated_flow_places_only_sealed_datagrams_of_the_current_pass() {
 fn authenticated_sender_refuses_to_wrap_its_sequence_number() {
     use crate::auth::{JobKey, JobSecret};
     let job = JobKey::new(&JobSecret::new(vec![9; 16]).unwrap());
-    let key = job.session(&[0; 32], &[0; 32]).flow_key(1, 2, 3, &[0; 16]);
+    let key = job
+        .session(&transcript(0), &[0; 32])
+        .flow_key(1, 2, 3, &[0; 16]);
     let mut p = Pair::new(3600, 0.0);
     p.s.authenticate(key);
     p.s.set_seq_for_test(u32::MAX);
