@@ -45,6 +45,12 @@ fn wait_listening(child: &mut ChildGuard, port: u16) {
     }
 }
 
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
 fn json(out: &Output) -> serde_json::Value {
     assert!(
         out.status.success(),
@@ -117,10 +123,7 @@ fn demo_table_and_f16_reliable() {
 
 #[test]
 fn send_and_recv_between_two_processes() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let common = [
         "--size",
@@ -179,10 +182,7 @@ fn bad_input_gets_a_clear_error() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("mtu"));
 
     // Nobody listens on this port: a clear connection error, quickly.
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = free_port();
     let out = gradwire(&[
         "send",
         "--to",
@@ -319,10 +319,7 @@ fn authenticated_send_and_recv_refuse_a_sender_without_the_secret() {
     for (p, mode) in [(&key, 0o600), (&wrong, 0o600), (&open, 0o644)] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
     }
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let common = [
         "--size",

@@ -14,6 +14,10 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
+use common::{Recorder, Sent};
+
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,7 +28,7 @@ use gradwire::auth::{JobKey, JobSecret};
 use gradwire::ctrl_channel::TcpCtrl;
 use gradwire::ctrl_listener::{CtrlListener, ListenerConfig};
 use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
-use gradwire::datapath::{DataSource, Datapath, DatapathError, DatapathStats, Deliver, Fill};
+use gradwire::datapath::Datapath;
 use gradwire::flow::{fixed_priority, RejectCounts, Tag};
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
@@ -77,50 +81,6 @@ fn datapath(kind: Kind, ip: IpAddr) -> Box<dyn Datapath + Send> {
     }
 }
 
-/// A datapath that keeps a copy of every datagram it sends until `done` (the attacker's
-/// capture of round 0).
-struct Recorder {
-    inner: Box<dyn Datapath + Send>,
-    sent: Arc<Mutex<Vec<Vec<u8>>>>,
-    done: Arc<AtomicBool>,
-}
-
-impl Datapath for Recorder {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn local_addr(&self) -> SocketAddr {
-        self.inner.local_addr()
-    }
-    fn max_datagram(&self) -> usize {
-        self.inner.max_datagram()
-    }
-    fn send(&mut self, max: usize, fill: &mut Fill<'_>) -> Result<usize, DatapathError> {
-        let (sent, done) = (&self.sent, self.done.load(Ordering::Acquire));
-        self.inner.send(max, &mut |buf: &mut [u8]| {
-            let r = fill(buf);
-            if let (Some((len, _)), false) = (r, done) {
-                sent.lock().unwrap().push(buf[..len].to_vec());
-            }
-            r
-        })
-    }
-    fn recv(
-        &mut self,
-        max: usize,
-        timeout: Duration,
-        deliver: &mut Deliver<'_>,
-    ) -> Result<usize, DatapathError> {
-        self.inner.recv(max, timeout, deliver)
-    }
-    fn stats(&self) -> DatapathStats {
-        self.inner.stats()
-    }
-    fn data_sources(&self) -> Vec<DataSource> {
-        self.inner.data_sources()
-    }
-}
-
 /// A data datagram with the live flow's ids for full segment `index` (f32 at MTU 1500:
 /// 1440 bytes, or 1424 beside the tag), junk payload; `AuthData` with a tag of junk when
 /// `auth`. Only peer binding or the tag tells it from the sender's.
@@ -156,8 +116,9 @@ enum Attack {
     /// Forged authenticated datagrams, then replays of the captured datagrams of round 0
     /// once the sender has finished it.
     ForgeAndReplay {
-        captured: Arc<Mutex<Vec<Vec<u8>>>>,
-        round0_done: Arc<AtomicBool>,
+        captured: Arc<Mutex<Vec<Sent>>>,
+        /// Cleared when round 0 is over: the capture is complete.
+        recording: Arc<AtomicBool>,
     },
 }
 
@@ -183,13 +144,13 @@ fn attack(
                 Attack::Forge { auth } => (0..ROUNDS).map(|r| forged(r, i % 64, *auth)).collect(),
                 Attack::ForgeAndReplay {
                     captured,
-                    round0_done,
+                    recording,
                 } => {
                     let mut b = vec![forged(1, i % 64, true), forged(2, i % 64, true)];
-                    if round0_done.load(Ordering::Acquire) {
+                    if !recording.load(Ordering::Acquire) {
                         let c = captured.lock().unwrap();
                         if !c.is_empty() {
-                            let replay = c[i as usize % c.len()].clone();
+                            let replay = c[i as usize % c.len()].0.clone();
                             // As captured, and with the round field rewritten to the
                             // rounds being received now (the header is authenticated).
                             for round in [1u32, 2] {
@@ -235,7 +196,7 @@ fn run(
     kind: Kind,
     secret: Option<&'static [u8]>,
     from: SocketAddr,
-    what: impl FnOnce(Arc<Mutex<Vec<Vec<u8>>>>, Arc<AtomicBool>) -> Attack,
+    what: impl FnOnce(Arc<Mutex<Vec<Sent>>>, Arc<AtomicBool>) -> Attack,
 ) -> Outcome {
     let rx_ip = IpAddr::V4(tb.host(1).ipv4);
     let tx_ip = IpAddr::V4(tb.host(0).ipv4);
@@ -277,21 +238,22 @@ fn run(
         .recv_timeout(Duration::from_secs(20))
         .expect("receiver never got ready");
     let captured = Arc::new(Mutex::new(Vec::new()));
-    let round0_done = Arc::new(AtomicBool::new(false));
+    let recording = Arc::new(AtomicBool::new(true));
     let stop = Arc::new(AtomicBool::new(false));
     let attacker = attack(
         tb,
         from,
         SocketAddr::new(rx_ip, DATA_PORT),
-        what(captured.clone(), round0_done.clone()),
+        what(captured.clone(), recording.clone()),
         stop.clone(),
     );
     let sender = tb
         .spawn_in(0, move || {
+            // The attacker's capture: the sender's own datagrams of round 0.
             let dp = Recorder {
-                inner: datapath(kind, tx_ip),
-                sent: captured,
-                done: round0_done.clone(),
+                recorded: captured,
+                recording: recording.clone(),
+                ..Recorder::new(datapath(kind, tx_ip))
             };
             let k = key(secret);
             let ctrl = TcpCtrl::connect_with(
@@ -313,7 +275,7 @@ fn run(
                     ..SendOptions::new(JOB, TENSOR)
                 };
                 s.send(&pattern(round), &opts, &prio).unwrap();
-                round0_done.store(true, Ordering::Release);
+                recording.store(false, Ordering::Release);
             }
         })
         .unwrap();
@@ -406,9 +368,9 @@ fn an_authenticated_job_refuses_spoofed_sources_and_replays() {
         Kind::Udp,
         Some(b"the job secret: 32 random bytes!"),
         spoofed,
-        |captured, round0_done| Attack::ForgeAndReplay {
+        |captured, recording| Attack::ForgeAndReplay {
             captured,
-            round0_done,
+            recording,
         },
     );
     eprintln!(

@@ -4,6 +4,10 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::Recorder;
+
 use std::net::{SocketAddr, TcpListener};
 use std::time::Duration;
 
@@ -567,70 +571,6 @@ fn transfers_without_a_bound_use_the_documented_stage_defaults() {
     );
 }
 
-/// The sender's datapath, wrapped: records a copy of every datagram it sends, and can play
-/// earlier ones back ahead of its next batch (late packets of an earlier flow).
-struct Recorder<D> {
-    inner: D,
-    recorded: Vec<(Vec<u8>, gradwire::datapath::TxMeta)>,
-    replay: Vec<(Vec<u8>, gradwire::datapath::TxMeta)>,
-}
-
-impl<D: Datapath> Recorder<D> {
-    /// Sends `late` now, through the wrapped datapath.
-    fn send_raw(&mut self, late: Vec<(Vec<u8>, gradwire::datapath::TxMeta)>) {
-        let n = late.len();
-        let mut it = late.into_iter();
-        let sent = self
-            .inner
-            .send(n, &mut |buf: &mut [u8]| {
-                let (d, m) = it.next()?;
-                buf[..d.len()].copy_from_slice(&d);
-                Some((d.len(), m))
-            })
-            .unwrap();
-        assert_eq!(sent, n);
-    }
-}
-
-impl<D: Datapath> Datapath for Recorder<D> {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn local_addr(&self) -> SocketAddr {
-        self.inner.local_addr()
-    }
-    fn max_datagram(&self) -> usize {
-        self.inner.max_datagram()
-    }
-    fn send(
-        &mut self,
-        max: usize,
-        fill: &mut gradwire::datapath::Fill<'_>,
-    ) -> Result<usize, gradwire::datapath::DatapathError> {
-        let late = std::mem::take(&mut self.replay);
-        if !late.is_empty() {
-            self.send_raw(late);
-        }
-        let rec = &mut self.recorded;
-        self.inner.send(max, &mut |buf: &mut [u8]| {
-            let (len, meta) = fill(buf)?;
-            rec.push((buf[..len].to_vec(), meta));
-            Some((len, meta))
-        })
-    }
-    fn recv(
-        &mut self,
-        max: usize,
-        timeout: Duration,
-        deliver: &mut gradwire::datapath::Deliver<'_>,
-    ) -> Result<usize, gradwire::datapath::DatapathError> {
-        self.inner.recv(max, timeout, deliver)
-    }
-    fn stats(&self) -> gradwire::datapath::DatapathStats {
-        self.inner.stats()
-    }
-}
-
 /// The receiver's datapath, wrapped: tells `drained` (once) when a receive call comes back
 /// empty after at least `expect` datagrams went through, i.e. the receiver has read every
 /// datagram that was waiting.
@@ -686,11 +626,7 @@ fn late_packets_of_the_previous_flow_are_dropped_as_stale() {
     const LATE: usize = 100;
     let (a, b) = addrs();
     let (tx, rx) = Loopback::pair(a, b, 1472, 1 << 16);
-    let mut tx = Recorder {
-        inner: tx,
-        recorded: Vec::new(),
-        replay: Vec::new(),
-    };
+    let mut tx = Recorder::new(tx);
     let mut rx = DrainProbe {
         inner: rx,
         seen: 0,
@@ -739,11 +675,11 @@ fn late_packets_of_the_previous_flow_are_dropped_as_stale() {
     });
     assert_eq!(r0.rejected.stale_round, 0);
     assert!(got.as_bytes() == first.as_bytes());
-    assert!(tx.recorded.len() >= 2 * LATE);
+    assert!(tx.recorded.lock().unwrap().len() >= 2 * LATE);
 
     // Late packets of flow N: LATE queued before flow N+1 starts, LATE more arriving in the
     // middle of it (played back ahead of the sender's first batch of data, so after FlowStart).
-    let mut late = std::mem::take(&mut tx.recorded);
+    let mut late = tx.take_recorded();
     late.truncate(2 * LATE);
     tx.replay = late.split_off(LATE);
     tx.send_raw(late);

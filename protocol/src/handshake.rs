@@ -153,26 +153,15 @@ pub enum Step {
     },
 }
 
-/// Name of a message's kind, for errors.
+/// Name of a message's kind, for errors: the flow names, with the handshake's messages told
+/// apart by whether they are authenticated.
 pub fn msg_name(msg: &CtrlMsg) -> &'static str {
     match msg {
-        CtrlMsg::FlowStart(_) => "FlowStart",
-        CtrlMsg::FlowAccept { .. } => "FlowAccept",
-        CtrlMsg::FlowReject { .. } => "FlowReject",
-        CtrlMsg::FlowStop { .. } => "FlowStop",
-        CtrlMsg::RetransmitRequest { .. } => "RetransmitRequest",
-        CtrlMsg::FlowFinish { .. } => "FlowFinish",
-        CtrlMsg::FinishConfirm => "FinishConfirm",
-        CtrlMsg::RateReport { .. } => "RateReport",
-        CtrlMsg::Abort { .. } => "Abort",
-        CtrlMsg::EcnReport { .. } => "EcnReport",
-        CtrlMsg::RateGrant { .. } => "RateGrant",
         CtrlMsg::Hello { auth: false, .. } => "Hello (unauthenticated)",
         CtrlMsg::Hello { auth: true, .. } => "Hello (authenticated)",
-        CtrlMsg::Challenge { .. } => "Challenge",
-        CtrlMsg::Proof { .. } => "Proof",
         CtrlMsg::Welcome { auth: false, .. } => "Welcome (unauthenticated)",
         CtrlMsg::Welcome { auth: true, .. } => "Welcome (authenticated)",
+        other => crate::flow::msg_name(other),
     }
 }
 

@@ -1068,6 +1068,24 @@ fn only_announced_sources_write_the_tensor() {
     );
 }
 
+/// A reliable f32 sender of flow `id` from [`SENDER`], with flow nonce `nonce`.
+fn reliable_sender(id: FlowId, layout: SegmentLayout, nonce: [u8; 16]) -> (SenderFlow, CtrlMsg) {
+    SenderFlow::new(
+        id,
+        layout,
+        DType::F32,
+        2,
+        bound(0.0),
+        Stage::Push,
+        DataOrigin {
+            sources: vec![DataSource::single(SENDER)],
+            flow_nonce: nonce,
+        },
+        &SenderConfig::new(10_000_000_000),
+        0,
+    )
+}
+
 /// A handshake transcript whose every byte is `fill` (the flows only need some session).
 fn transcript(fill: u8) -> crate::auth::Transcript {
     crate::auth::Transcript {
@@ -1093,20 +1111,7 @@ fn authenticated_flow_places_only_sealed_datagrams_of_the_current_pass() {
     let layout = SegmentLayout::new(elems as u64 * 4, 4, 1424).unwrap();
     let mut src = Tensor::zeros(DType::F32, elems);
     src.fill_pattern(5);
-    let (mut s, start) = SenderFlow::new(
-        ID,
-        layout,
-        DType::F32,
-        2,
-        bound(0.0),
-        Stage::Push,
-        DataOrigin {
-            sources: vec![DataSource::single(SENDER)],
-            flow_nonce: nonce,
-        },
-        &SenderConfig::new(10_000_000_000),
-        0,
-    );
+    let (mut s, start) = reliable_sender(ID, layout, nonce);
     s.authenticate(session.flow_key(ID.job, ID.tensor, ID.round, &nonce));
     let CtrlMsg::FlowStart(fs) = start else {
         panic!("not a FlowStart")
@@ -1218,20 +1223,7 @@ fn authenticated_flow_places_only_sealed_datagrams_of_the_current_pass() {
         round: ID.round + 1,
         ..ID
     };
-    let (_, start2) = SenderFlow::new(
-        next,
-        layout,
-        DType::F32,
-        2,
-        bound(0.0),
-        Stage::Push,
-        DataOrigin {
-            sources: vec![DataSource::single(SENDER)],
-            flow_nonce: [8; 16],
-        },
-        &SenderConfig::new(10_000_000_000),
-        0,
-    );
+    let (_, start2) = reliable_sender(next, layout, [8; 16]);
     let CtrlMsg::FlowStart(fs2) = start2 else {
         panic!("not a FlowStart")
     };
