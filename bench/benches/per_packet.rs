@@ -72,6 +72,9 @@ fn per_packet(c: &mut Criterion) {
     bench_op(&mut g, "send_build_frame_auth", || {
         SendFixture::authenticated(true, SEGMENTS)
     });
+    bench_op(&mut g, "recv_place_unbound", || {
+        RecvFixture::unbound(SEGMENTS)
+    });
     g.finish();
 }
 

@@ -31,11 +31,14 @@
 //!   UDP bytes), then the same as `recv_place` on the datagram, with the source from the IP
 //!   and UDP headers and CE from the IP header: the AF_XDP receive path.
 //! - `recv_place_auth`, `recv_frame_place_auth` ([`RecvFixture::authenticated`]): the same
-//!   for an authenticated flow: peer binding (`ReceiverFlow::is_peer`), then
-//!   `auth::FlowKey::open` (copy of the 1440-byte ciphertext and tag into a reused scratch
-//!   buffer, AES-128-GCM verify and decrypt in place there), `new_checked` + `Repr::parse` of
-//!   the datagram, and `on_data` with the plaintext. The packets are AuthData datagrams
-//!   (1488 bytes; frames 1530 bytes) sealed by the send path.
+//!   for an authenticated flow, through the same `on_datagram`: peer binding, parse, the kind,
+//!   ids and pass checks, `auth::FlowKey::open` (copy of the 1440-byte ciphertext and tag into
+//!   the flow's reused scratch buffer, AES-128-GCM verify and decrypt in place there), and
+//!   `on_data` with the plaintext. The packets are AuthData datagrams (1488 bytes; frames 1530
+//!   bytes) sealed by the send path.
+//! - `recv_place_unbound` ([`RecvFixture::unbound`]): `recv_place` without the peer check
+//!   (`new_checked` + `Repr::parse` + `on_data`, the place closure from before peer binding):
+//!   `recv_place / recv_place_unbound` is what peer binding costs.
 //! - `send_build` ([`SendFixture`] without frames): what `transport::send_tensor`'s `fill`
 //!   closure does for one datagram: `SenderFlow::next_segment`, the priority function call,
 //!   `Repr::emit` of the 32-byte header and the 1440-byte copy of the segment from the tensor
@@ -240,7 +243,8 @@ fn flow_key(start: &FlowStart) -> FlowKey {
 }
 
 /// A receiver flow that accepted `start` into a tensor of `segments` segments.
-fn receiver_flow(start: &FlowStart, segments: u32) -> ReceiverFlow {
+/// The receiver of the bench flow `start`; keyed like the transport's when `auth`.
+fn receiver_flow(start: &FlowStart, segments: u32, auth: bool) -> ReceiverFlow {
     let spec = RecvSpec {
         job: JOB,
         tensor: TENSOR_ID,
@@ -250,9 +254,12 @@ fn receiver_flow(start: &FlowStart, segments: u32) -> ReceiverFlow {
         max_payload: PAYLOAD,
         loss_bound: None,
     };
-    let (flow, _accept) =
+    let (mut flow, _accept) =
         ReceiverFlow::accept(start, &spec, addr(SRC).ip(), addr(DST).port(), 100_000, 0)
             .expect("receiver accepts the bench flow");
+    if auth {
+        flow.authenticate(flow_key(start));
+    }
     flow
 }
 
@@ -495,8 +502,11 @@ const fn packet_len(frames: bool, auth: bool) -> usize {
 #[derive(Debug)]
 pub struct RecvFixture {
     frames: bool,
-    /// Authenticated: the flow's key and the reused scratch buffer `open` decrypts into.
-    auth: Option<(FlowKey, Vec<u8>)>,
+    /// Authenticated flow: sealed packets, the flow keyed like the transport's.
+    auth: bool,
+    /// Placement without the peer check (parse + `on_data`): the receive path as it was
+    /// before peer binding, the other half of the comparison that measures what binding costs.
+    unbound: bool,
     segments: u32,
     packets: Vec<u8>,
     tensor: Tensor,
@@ -520,13 +530,22 @@ impl RecvFixture {
         Self::build(frames, true, segments)
     }
 
+    /// The plain datagram receive path without the peer check (`recv_place_unbound`): what
+    /// `recv_place` costs beyond it is the price of peer binding.
+    pub fn unbound(segments: u32) -> RecvFixture {
+        RecvFixture {
+            unbound: true,
+            ..Self::build(false, false, segments)
+        }
+    }
+
     fn build(frames: bool, auth: bool, segments: u32) -> RecvFixture {
         let (packets, start) = prebuilt_packets(frames, auth, segments);
-        let flow = receiver_flow(&start, segments);
-        let auth = auth.then(|| (flow_key(&start), Vec::with_capacity(SLOT)));
+        let flow = receiver_flow(&start, segments, auth);
         RecvFixture {
             frames,
             auth,
+            unbound: false,
             segments,
             packets,
             tensor: zero_tensor(segments),
@@ -554,11 +573,12 @@ impl RecvFixture {
 
 impl PerPacket for RecvFixture {
     fn name(&self) -> &'static str {
-        match (self.frames, self.auth.is_some()) {
-            (true, true) => "recv_frame_place_auth",
-            (false, true) => "recv_place_auth",
-            (true, false) => "recv_frame_place",
-            (false, false) => "recv_place",
+        match (self.frames, self.auth, self.unbound) {
+            (_, _, true) => "recv_place_unbound",
+            (true, true, _) => "recv_frame_place_auth",
+            (false, true, _) => "recv_place_auth",
+            (true, false, _) => "recv_frame_place",
+            (false, false, _) => "recv_place",
         }
     }
 
@@ -570,7 +590,7 @@ impl PerPacket for RecvFixture {
     fn op(&mut self) {
         let at = self.next as usize * SLOT;
         self.next += 1;
-        let len = packet_len(self.frames, self.auth.is_some());
+        let len = packet_len(self.frames, self.auth);
         let (src, d, tos) = if self.frames {
             let Ok(f) = frame::parse(&self.packets[at..at + len]) else {
                 self.rejected.malformed += 1;
@@ -581,28 +601,24 @@ impl PerPacket for RecvFixture {
             (self.meta.src, &self.packets[at..at + len], self.meta.tos)
         };
         let buf = self.tensor.as_bytes_mut();
-        let Some((key, scratch)) = &mut self.auth else {
-            // --- recv_tensor's place closure ---
-            if let Err(e) = self.flow.on_datagram(src, d, buf, tos, NOW_NS) {
-                self.rejected.count_datagram(e);
+        if self.unbound {
+            // The place closure as it was before peer binding.
+            let Ok(pkt) = header::Packet::new_checked(d) else {
+                self.rejected.malformed += 1;
+                return;
+            };
+            let Ok(repr) = header::Repr::parse(&pkt) else {
+                self.rejected.malformed += 1;
+                return;
+            };
+            if let Err(e) = self.flow.on_data(&repr, pkt.payload(), buf, tos, NOW_NS) {
+                self.rejected.count(e);
             }
             return;
-        };
-        // The authenticated receive path: peer binding, open, parse, place the plaintext.
-        if !self.flow.is_peer(src) {
-            self.rejected.foreign_source += 1;
-            return;
         }
-        let Ok(payload) = key.open(d, scratch) else {
-            self.rejected.malformed += 1;
-            return;
-        };
-        let Ok(repr) = header::Packet::new_checked(d).and_then(|p| header::Repr::parse(&p)) else {
-            self.rejected.malformed += 1;
-            return;
-        };
-        if let Err(e) = self.flow.on_data(&repr, payload, buf, tos, NOW_NS) {
-            self.rejected.count(e);
+        // --- recv_tensor's place closure: peer binding, parse, (open), place ---
+        if let Err(e) = self.flow.on_datagram(src, d, buf, tos, NOW_NS) {
+            self.rejected.count_datagram(e);
         }
     }
 
@@ -621,7 +637,7 @@ impl PerPacket for RecvFixture {
             "{}: every packet of the lap was a first copy",
             self.name()
         );
-        self.flow = receiver_flow(&self.start, self.segments);
+        self.flow = receiver_flow(&self.start, self.segments, self.auth);
         self.next = 0;
     }
 }
@@ -677,8 +693,8 @@ impl PerPacket for MemcpyFixture {
     }
 }
 
-/// The ten operations, in report order.
-pub const OPS: [&str; 10] = [
+/// The eleven operations, in report order.
+pub const OPS: [&str; 11] = [
     "memcpy_1440",
     "recv_place",
     "recv_frame_place",
@@ -689,7 +705,12 @@ pub const OPS: [&str; 10] = [
     "recv_frame_place_auth",
     "send_build_auth",
     "send_build_frame_auth",
+    "recv_place_unbound",
 ];
+
+/// The plain receive path and the same without peer binding: their ratio is what binding
+/// costs.
+pub const PEER_BINDING_PAIR: (&str, &str) = ("recv_place", "recv_place_unbound");
 
 /// Each authenticated operation and the plain one it is compared with.
 pub const AUTH_PAIRS: [(&str, &str); 4] = [
@@ -732,8 +753,9 @@ mod tests {
     #[test]
     fn receive_paths_reproduce_the_tensor() {
         let want = SendFixture::new(false, SMALL).tensor().as_bytes().to_vec();
-        for (frames, auth) in [(false, false), (true, false), (false, true), (true, true)] {
-            let mut r = RecvFixture::build(frames, auth, SMALL);
+        let fixtures = [(false, false), (true, false), (false, true), (true, true)]
+            .map(|(frames, auth)| RecvFixture::build(frames, auth, SMALL));
+        for mut r in fixtures.into_iter().chain([RecvFixture::unbound(SMALL)]) {
             for _ in 0..2 {
                 assert!(time_packets(&mut r, u64::from(SMALL)) > Duration::ZERO);
                 assert_eq!(r.placed(), u64::from(SMALL));

@@ -582,6 +582,25 @@ impl FlowKey {
     ) -> Result<&'s [u8], AuthError> {
         scratch.clear();
         let repr = parse_auth(datagram)?;
+        self.open_parsed(&repr, datagram, scratch)
+    }
+
+    /// [`Self::open`] for a datagram whose header the caller has already parsed into
+    /// `repr` (the receive path parses once). `datagram` must still be exactly that
+    /// datagram: the lengths are checked again (cheaply), the header bytes are the AAD.
+    pub fn open_parsed<'s>(
+        &self,
+        repr: &header::Repr,
+        datagram: &[u8],
+        scratch: &'s mut Vec<u8>,
+    ) -> Result<&'s [u8], AuthError> {
+        scratch.clear();
+        if repr.kind != header::Kind::AuthData {
+            return Err(AuthError::Unauthenticated);
+        }
+        if datagram.len() != header::HEADER_LEN + usize::from(repr.length) + header::TAG_LEN {
+            return Err(AuthError::Malformed(wire::Error::LengthMismatch));
+        }
         let (hdr, sealed) = datagram.split_at(header::HEADER_LEN);
         scratch.extend_from_slice(sealed);
         let nonce = gcm_nonce(repr.seq, repr.pass);

@@ -1,9 +1,9 @@
 //! `gradwire-perpacket`: per-packet CPU cost of the gradwire data path, and its ratio to a
 //! bare 1440-byte memcpy measured in the same process on the same memory.
 //!
-//! Measures the ten operations of `gradwire_bench::OPS` (`memcpy_1440`, the plain receive
-//! and send paths, `send_build_tagged`, and the authenticated receive and send paths
-//! `*_auth`; see that crate's docs for what each includes) with its own loop: every fixture is
+//! Measures the eleven operations of `gradwire_bench::OPS` (`memcpy_1440`, the plain receive
+//! and send paths, `send_build_tagged`, the authenticated receive and send paths `*_auth`, and
+//! the plain receive path without peer binding; see that crate's docs for what each includes) with its own loop: every fixture is
 //! built and warmed up over one whole lap of the 64 MiB tensor, then `--runs` rounds each time
 //! `--packets` packets of every operation in turn (interleaved, so a noisy neighbour hits all
 //! of them alike), and the best round of each operation is reported. Flow resets between laps
@@ -21,8 +21,8 @@ use std::process::ExitCode;
 
 use gradwire_bench::{
     cores_needed, threshold_estimate_time, time_packets, warm_up, MemcpyFixture, PerPacket,
-    RecvFixture, SendFixture, AUTH_PAIRS, NS_PER_PACKET_100G, OPS, PAYLOAD, PPS_100G, PPS_25G,
-    SEGMENTS,
+    RecvFixture, SendFixture, AUTH_PAIRS, NS_PER_PACKET_100G, OPS, PAYLOAD, PEER_BINDING_PAIR,
+    PPS_100G, PPS_25G, SEGMENTS,
 };
 
 struct Args {
@@ -89,6 +89,7 @@ fn main() -> ExitCode {
     let mut recv_frame_auth = RecvFixture::authenticated(true, SEGMENTS);
     let mut send_auth = SendFixture::authenticated(false, SEGMENTS);
     let mut send_frame_auth = SendFixture::authenticated(true, SEGMENTS);
+    let mut recv_unbound = RecvFixture::unbound(SEGMENTS);
     let names = [
         memcpy.name(),
         recv.name(),
@@ -100,6 +101,7 @@ fn main() -> ExitCode {
         recv_frame_auth.name(),
         send_auth.name(),
         send_frame_auth.name(),
+        recv_unbound.name(),
     ];
     assert_eq!(names, OPS, "fixtures in OPS order");
     warm_up(&mut send_tagged);
@@ -112,6 +114,7 @@ fn main() -> ExitCode {
     warm_up(&mut recv_frame_auth);
     warm_up(&mut send_auth);
     warm_up(&mut send_frame_auth);
+    warm_up(&mut recv_unbound);
 
     let mut best = [f64::INFINITY; OPS.len()];
     for _ in 0..args.runs {
@@ -127,6 +130,7 @@ fn main() -> ExitCode {
             round(&mut recv_frame_auth, args.packets),
             round(&mut send_auth, args.packets),
             round(&mut send_frame_auth, args.packets),
+            round(&mut recv_unbound, args.packets),
         ];
         for (b, n) in best.iter_mut().zip(ns) {
             *b = b.min(n);
@@ -141,6 +145,8 @@ fn main() -> ExitCode {
     .as_nanos() as f64;
     let tensor_send_ns = best_of(&best, "send_build_tagged") * f64::from(SEGMENTS);
     let estimate_share = estimate_ns / tensor_send_ns;
+    let (bound, unbound) = PEER_BINDING_PAIR;
+    let binding_ratio = best_of(&best, bound) / best_of(&best, unbound);
     // (auth op, plain op, auth ns, auth / plain, cores at 25G, cores at 100G)
     let auth: Vec<(&str, &str, f64, f64, f64, f64)> = AUTH_PAIRS
         .iter()
@@ -179,6 +185,7 @@ fn main() -> ExitCode {
             o.insert(format!("{a}_cores_25g"), c25.into());
             o.insert(format!("{a}_cores_100g"), c100.into());
         }
+        o.insert("peer_binding_ratio".into(), binding_ratio.into());
         o.insert("pps_25g".into(), PPS_25G.into());
         o.insert("pps_100g".into(), PPS_100G.into());
         println!("{}", serde_json::Value::Object(o));
@@ -211,6 +218,10 @@ fn main() -> ExitCode {
         }
         println!(
             "(100 Gbit/s line rate with 1500-byte packets leaves {NS_PER_PACKET_100G:.0} ns per packet)"
+        );
+        println!(
+            "peer binding: {bound} / {unbound} = {binding_ratio:.3} (the plain receive path with \
+             and without the source check)"
         );
         println!(
             "magnitude threshold (0.1 % sample median) of the 64 MiB tensor: {:.1} us = {:.2} % of \

@@ -617,7 +617,7 @@ impl ReceiverFlow {
         }
         let (key, scratch) = auth;
         let payload = key
-            .open(datagram, scratch)
+            .open_parsed(repr, datagram, scratch)
             .map_err(|_| DataReject::BadTag)?;
         Ok(self.on_data(repr, payload, tensor, tos, now_ns)?)
     }
