@@ -303,6 +303,11 @@ impl TcpCtrl {
     /// Whether the peer has closed or reset the connection (looked at without blocking or
     /// reading): a connection that completed its handshake but whose client has gone since.
     pub fn peer_gone(&self) -> bool {
+        // Bytes that came right behind the handshake (a FlowStart, say) are a message to
+        // read, whatever the socket says now.
+        if self.dec.buffered() > 0 {
+            return false;
+        }
         // The stream is non-blocking: a peek that would block means the peer is there and
         // quiet; 0 bytes means it closed; data pending means it is there.
         match self.stream.peek(&mut [0u8; 1]) {
@@ -687,7 +692,9 @@ impl<'k> Handshaking<'k> {
                     return Ok(None);
                 }
                 if !opener.open(&self.buf[..frame_len], &self.buf[frame_len..end]) {
-                    return Err(HandshakeFailure::Garbage(CtrlError::BadSeal));
+                    // Only a client has an opener during the handshake, waiting for the
+                    // sealed Welcome: a server that cannot seal it does not hold the secret.
+                    return Err(HandshakeFailure::Refused(Refusal::ServerNotProven));
                 }
                 end
             }

@@ -90,7 +90,8 @@ impl Default for ListenerConfig {
 /// What a listener did with the connections it accepted so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ListenerStats {
-    /// Handshakes completed and queued for [`CtrlListener::accept`].
+    /// Handshakes completed and queued for [`CtrlListener::accept`] (a queued connection whose
+    /// client has gone by the time it is taken is counted here and in `closed`).
     pub accepted: u64,
     /// Dropped: the handshake did not complete in time.
     pub timed_out: u64,

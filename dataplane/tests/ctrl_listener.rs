@@ -435,9 +435,15 @@ fn transfer_under_flood(auth: bool) {
     assert_eq!(logged, dropped, "one log line per dropped connection");
     let samples = LOGGER.samples.lock().unwrap();
     // A handshake that timed out says what it waited for: the Hello (idle, slow) or, on an
-    // authenticated listener, the Proof (Hello then silence); which ones time out rather than
-    // being evicted depends on timing, so either wording counts.
-    for want in ["within 2s", "garbage: ", "evicted: 64 handshakes pending"] {
+    // authenticated listener, the Proof (Hello then silence); which of those time out rather
+    // than being evicted depends on timing, so on an authenticated listener either counts.
+    let timed_out =
+        |l: &str| l.contains("no Hello within 2s") || (auth && l.contains("no Proof within 2s"));
+    assert!(
+        samples.iter().any(|l| timed_out(l)),
+        "no log line of a handshake that timed out"
+    );
+    for want in ["garbage: ", "evicted: 64 handshakes pending"] {
         assert!(
             samples.iter().any(|l| l.contains(want)),
             "no log line with {want:?}"

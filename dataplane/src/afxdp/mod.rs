@@ -482,6 +482,9 @@ impl PeerAdmissions {
         let Some(configured) = &cfg.allowlist else {
             return Ok(());
         };
+        // Every address is counted down even if removing one fails; the first error is
+        // reported.
+        let mut first = Ok(());
         for addr in Self::addrs(peers) {
             let Some(n) = self.flows.get_mut(&addr) else {
                 continue;
@@ -490,14 +493,16 @@ impl PeerAdmissions {
             if *n == 0 {
                 self.flows.remove(&addr);
                 if !configured.iter().any(|c| c.to_canonical() == addr) {
-                    xdp.disallow(addr).map_err(|e| DatapathError::AdmitPeer {
-                        peer: addr,
-                        reason: e.to_string(),
-                    })?;
+                    if let Err(e) = xdp.disallow(addr) {
+                        first = first.and(Err(DatapathError::ReleasePeer {
+                            peer: addr,
+                            reason: e.to_string(),
+                        }));
+                    }
                 }
             }
         }
-        Ok(())
+        first
     }
 }
 

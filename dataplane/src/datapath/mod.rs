@@ -74,6 +74,15 @@ pub enum DatapathError {
         /// Why (the map error, which says whether the allowlist is full).
         reason: String,
     },
+    /// A finished flow's peer could not be removed from the XDP classifier's allowlist (it
+    /// stays allowed; the receiver's own peer binding still applies).
+    #[error("cannot remove data source {peer} from the XDP classifier's allowlist: {reason}")]
+    ReleasePeer {
+        /// The peer address.
+        peer: std::net::IpAddr,
+        /// Why (the map error).
+        reason: String,
+    },
 }
 
 /// Filler for one transmit slot: write a datagram into the buffer, return its length and

@@ -78,14 +78,29 @@ impl Datapath for MultiPath {
         all
     }
 
+    /// All paths or none: a path that refuses undoes the admissions of those before it.
     fn admit_peers(&mut self, peers: &[super::DataSource]) -> Result<(), DatapathError> {
-        self.paths.iter_mut().try_for_each(|p| p.admit_peers(peers))
+        for i in 0..self.paths.len() {
+            if let Err(e) = self.paths[i].admit_peers(peers) {
+                for done in &mut self.paths[..i] {
+                    // Best effort: the admission error is the one to report.
+                    let _ = done.release_peers(peers);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
+    /// Every path, even after one fails; the first error is reported.
     fn release_peers(&mut self, peers: &[super::DataSource]) -> Result<(), DatapathError> {
-        self.paths
-            .iter_mut()
-            .try_for_each(|p| p.release_peers(peers))
+        let mut first = Ok(());
+        for p in &mut self.paths {
+            if let Err(e) = p.release_peers(peers) {
+                first = first.and(Err(e));
+            }
+        }
+        first
     }
 
     fn max_datagram(&self) -> usize {

@@ -1267,3 +1267,62 @@ fn authenticated_sender_refuses_to_wrap_its_sequence_number() {
     assert!(p.s.nonces_exhausted());
     assert!(p.s.next_segment().is_none());
 }
+
+/// An authenticated flow's current pass moves when the retransmission request is sent, not
+/// when it is decided: a request held back by the backoff (the pass delivered nothing new)
+/// still lets late packets of that pass in, and refuses them as stale once it is sent.
+#[test]
+fn a_held_back_request_keeps_its_pass_current_until_sent() {
+    use crate::auth::{JobKey, JobSecret};
+    let elems = 3600;
+    let layout = SegmentLayout::new(elems as u64 * 4, 4, 1424).unwrap();
+    let session =
+        JobKey::new(&JobSecret::new(vec![4; 32]).unwrap()).session(&transcript(5), &[6; 32]);
+    let nonce = [1u8; 16];
+    let (mut s, start) = reliable_sender(ID, layout, nonce);
+    s.authenticate(session.flow_key(ID.job, ID.tensor, ID.round, &nonce));
+    let CtrlMsg::FlowStart(fs) = start else {
+        panic!("not a FlowStart")
+    };
+    let (mut r, accept) =
+        ReceiverFlow::accept(&fs, &spec(elems, None), SENDER.ip(), 1, 200_000, 0).unwrap();
+    r.authenticate(session.flow_key(ID.job, ID.tensor, ID.round, &nonce));
+    s.on_ctrl(accept, 0).unwrap();
+    let mut src = Tensor::zeros(DType::F32, elems);
+    src.fill_pattern(9);
+    let mut sealed = Vec::new();
+    while let Some((_, repr)) = s.next_segment() {
+        let len = usize::from(repr.length);
+        let mut buf = vec![0u8; header::HEADER_LEN + len + header::TAG_LEN];
+        repr.emit(&mut header::Packet::new_unchecked(&mut buf[..]))
+            .unwrap();
+        let off = repr.offset as usize;
+        buf[header::HEADER_LEN..header::HEADER_LEN + len]
+            .copy_from_slice(&src.as_bytes()[off..off + len]);
+        s.data_key().unwrap().seal(&mut buf).unwrap();
+        sealed.push(buf);
+    }
+    // Pass 0 delivered nothing: its request is held back (1 ms at the first futile pass).
+    let stop = s.poll_pass_end().unwrap();
+    assert_eq!(r.on_ctrl(stop, 10).unwrap(), None);
+    assert_eq!(r.stats().backoffs, 1);
+    let mut dst = Tensor::zeros(DType::F32, elems);
+    // A late packet of pass 0 during the backoff is still current: placed.
+    assert_eq!(
+        r.on_datagram(SENDER, &sealed[0], dst.as_bytes_mut(), 0, 20),
+        Ok(true)
+    );
+    // The request goes out when due; from then on pass 0 is stale.
+    let due = 10 + MS;
+    let request = std::iter::from_fn(|| r.poll(due))
+        .find(|m| matches!(m, CtrlMsg::RetransmitRequest { .. }))
+        .expect("the held-back request");
+    assert!(matches!(
+        request,
+        CtrlMsg::RetransmitRequest { pass: 0, .. }
+    ));
+    assert_eq!(
+        r.on_datagram(SENDER, &sealed[1], dst.as_bytes_mut(), 0, due),
+        Err(DataReject::StalePass)
+    );
+}
