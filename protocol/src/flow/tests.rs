@@ -1086,6 +1086,19 @@ fn reliable_sender(id: FlowId, layout: SegmentLayout, nonce: [u8; 16]) -> (Sende
     )
 }
 
+/// The authenticated sender's next datagram of `src`, sealed as the driver seals it.
+fn seal_next(s: &mut SenderFlow, src: &Tensor) -> Option<(header::Repr, Vec<u8>)> {
+    let (_, repr) = s.next_segment()?;
+    let (off, len) = (repr.offset as usize, usize::from(repr.length));
+    let mut buf = vec![0u8; header::HEADER_LEN + len + s.tag_len()];
+    repr.emit(&mut header::Packet::new_unchecked(&mut buf[..]))
+        .unwrap();
+    buf[header::HEADER_LEN..header::HEADER_LEN + len]
+        .copy_from_slice(&src.as_bytes()[off..off + len]);
+    s.data_key()?.seal(&mut buf).unwrap();
+    Some((repr, buf))
+}
+
 /// A handshake transcript whose every byte is `fill` (the flows only need some session).
 fn transcript(fill: u8) -> crate::auth::Transcript {
     crate::auth::Transcript {
@@ -1124,16 +1137,9 @@ fn authenticated_flow_places_only_sealed_datagrams_of_the_current_pass() {
 
     // Every datagram of pass 0, sealed as the driver does.
     let mut sealed = Vec::new();
-    while let Some((_, repr)) = s.next_segment() {
+    while let Some((repr, buf)) = seal_next(&mut s, &src) {
         assert_eq!(repr.kind, header::Kind::AuthData);
-        let len = usize::from(repr.length);
-        let mut buf = vec![0u8; header::HEADER_LEN + len + s.tag_len()];
-        repr.emit(&mut header::Packet::new_unchecked(&mut buf[..]))
-            .unwrap();
-        let off = repr.offset as usize;
-        buf[header::HEADER_LEN..header::HEADER_LEN + len]
-            .copy_from_slice(&src.as_bytes()[off..off + len]);
-        s.data_key().unwrap().seal(&mut buf).unwrap();
+        let (off, len) = (repr.offset as usize, usize::from(repr.length));
         // Encrypted on the wire.
         assert_ne!(
             &buf[header::HEADER_LEN..header::HEADER_LEN + len],
@@ -1201,16 +1207,8 @@ fn authenticated_flow_places_only_sealed_datagrams_of_the_current_pass() {
     );
     s.on_ctrl(request, 20).unwrap();
     let mut pass1 = 0;
-    while let Some((_, repr)) = s.next_segment() {
+    while let Some((repr, buf)) = seal_next(&mut s, &src) {
         assert_eq!(repr.pass, 1);
-        let len = usize::from(repr.length);
-        let mut buf = vec![0u8; header::HEADER_LEN + len + header::TAG_LEN];
-        repr.emit(&mut header::Packet::new_unchecked(&mut buf[..]))
-            .unwrap();
-        let off = repr.offset as usize;
-        buf[header::HEADER_LEN..header::HEADER_LEN + len]
-            .copy_from_slice(&src.as_bytes()[off..off + len]);
-        s.data_key().unwrap().seal(&mut buf).unwrap();
         assert_eq!(try_place(&mut r, &buf, &mut dst), Ok(true));
         pass1 += 1;
     }
@@ -1290,18 +1288,9 @@ fn a_held_back_request_keeps_its_pass_current_until_sent() {
     s.on_ctrl(accept, 0).unwrap();
     let mut src = Tensor::zeros(DType::F32, elems);
     src.fill_pattern(9);
-    let mut sealed = Vec::new();
-    while let Some((_, repr)) = s.next_segment() {
-        let len = usize::from(repr.length);
-        let mut buf = vec![0u8; header::HEADER_LEN + len + header::TAG_LEN];
-        repr.emit(&mut header::Packet::new_unchecked(&mut buf[..]))
-            .unwrap();
-        let off = repr.offset as usize;
-        buf[header::HEADER_LEN..header::HEADER_LEN + len]
-            .copy_from_slice(&src.as_bytes()[off..off + len]);
-        s.data_key().unwrap().seal(&mut buf).unwrap();
-        sealed.push(buf);
-    }
+    let sealed: Vec<Vec<u8>> = std::iter::from_fn(|| seal_next(&mut s, &src))
+        .map(|(_, buf)| buf)
+        .collect();
     // Pass 0 delivered nothing: its request is held back (1 ms at the first futile pass).
     let stop = s.poll_pass_end().unwrap();
     assert_eq!(r.on_ctrl(stop, 10).unwrap(), None);
