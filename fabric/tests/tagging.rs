@@ -166,9 +166,26 @@ fn tagged_transfer_shows_layer_dscp_and_magnitude_ecn_at_the_receiver() {
     assert_eq!(xdp.classes_total().packets + q.dropped_threshold, packets);
     assert_eq!(xdp.class(dscp, 3).packets, q.marked, "CE = switch marks");
     let half = SEGMENTS as u64 / 2;
-    // Important segments are never dropped, so each was sent, and arrived, once.
-    assert_eq!(ect, half, "exactly the large-gradient segments are ECT");
-    assert!(not_ect >= half, "every small-gradient segment arrived");
+    // Important segments are never dropped, so each was sent, and arrived, once, ECT. A
+    // small-gradient segment the switch dropped (not-ECT above the threshold) is sent again,
+    // and retransmissions are ECN-capable in grant mode (`retransmit_ect`): so ECT is exactly
+    // the large-gradient segments plus the retransmissions, and not-ECT exactly the
+    // small-gradient segments that got through the first time.
+    let retransmitted = sent.stats.retransmitted;
+    assert_eq!(
+        retransmitted, q.dropped_threshold,
+        "each drop sent again once"
+    );
+    assert_eq!(
+        ect,
+        half + retransmitted,
+        "exactly the large-gradient segments and the retransmissions are ECT"
+    );
+    assert_eq!(
+        not_ect,
+        half - q.dropped_threshold,
+        "every small-gradient segment the switch did not drop arrived, not-ECT"
+    );
     assert_eq!(
         xdp.class(CONTROL_DSCP, 0).packets + xdp.class(CONTROL_DSCP, 2).packets,
         0
