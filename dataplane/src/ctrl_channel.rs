@@ -199,14 +199,18 @@ fn wait_fd(fd: BorrowedFd<'_>, flags: PollFlags, timeout: Duration) -> std::io::
     }
 }
 
-/// A fresh handshake nonce from the OS's random source.
-pub(crate) fn random_nonce() -> Result<[u8; NONCE_LEN], HandshakeFailure> {
+/// `N` fresh bytes from the OS's random source: the handshake's and the flows' nonces (they
+/// key authenticated sessions and flows, so they must neither be predictable nor repeat).
+pub(crate) fn random_bytes<const N: usize>() -> Result<[u8; N], ring::error::Unspecified> {
     use ring::rand::SecureRandom;
-    let mut n = [0u8; NONCE_LEN];
-    ring::rand::SystemRandom::new()
-        .fill(&mut n)
-        .map_err(|_| HandshakeFailure::Random)?;
-    Ok(n)
+    let mut b = [0u8; N];
+    ring::rand::SystemRandom::new().fill(&mut b)?;
+    Ok(b)
+}
+
+/// A fresh handshake nonce.
+fn handshake_nonce() -> Result<[u8; NONCE_LEN], HandshakeFailure> {
+    random_bytes().map_err(|_| HandshakeFailure::Random)
 }
 
 /// A fresh ephemeral X25519 key from the OS's random source (one per handshake).
@@ -561,7 +565,7 @@ impl<'k> Handshaking<'k> {
         peer: SocketAddr,
         key: Option<&'k JobKey>,
     ) -> Result<Handshaking<'k>, HandshakeFailure> {
-        let (hs, hello) = ClientHandshake::new(key, random_nonce()?, random_ephemeral()?);
+        let (hs, hello) = ClientHandshake::new(key, handshake_nonce()?, random_ephemeral()?);
         let mut h = Handshaking::with_side(stream, peer, Side::Client(hs));
         h.write_frame(&hello)?;
         Ok(h)
@@ -573,7 +577,7 @@ impl<'k> Handshaking<'k> {
         peer: SocketAddr,
         key: Option<&'k JobKey>,
     ) -> Result<Handshaking<'k>, HandshakeFailure> {
-        let hs = ServerHandshake::new(key, random_nonce()?, random_ephemeral()?);
+        let hs = ServerHandshake::new(key, handshake_nonce()?, random_ephemeral()?);
         Ok(Handshaking::with_side(stream, peer, Side::Server(hs)))
     }
 

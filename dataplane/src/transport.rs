@@ -455,7 +455,8 @@ fn send_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         Stage::Push => cfg.loss_defaults.push,
         Stage::Pull => cfg.loss_defaults.pull,
     });
-    let flow_nonce = random_flow_nonce()?;
+    let flow_nonce: [u8; FLOW_NONCE_LEN] =
+        crate::ctrl_channel::random_bytes().map_err(|_| TransferError::Random)?;
     let (mut flow, start) = SenderFlow::new(
         flow_id,
         layout,
@@ -853,17 +854,6 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         bitmap,
         layout,
     })
-}
-
-/// A fresh random flow nonce from the operating system's CSPRNG (it keys an authenticated
-/// flow's data, so it must not be predictable or repeat).
-fn random_flow_nonce() -> Result<[u8; FLOW_NONCE_LEN], TransferError> {
-    use ring::rand::SecureRandom;
-    let mut nonce = [0u8; FLOW_NONCE_LEN];
-    ring::rand::SystemRandom::new()
-        .fill(&mut nonce)
-        .map_err(|_| TransferError::Random)?;
-    Ok(nonce)
 }
 
 /// Sends the receiver's messages that are due, feeding each rate report's packet and CE
