@@ -1,0 +1,28 @@
+//! gradwire's collective layer: what a training job needs on top of the bounded-loss
+//! transport, and the host-side communication layer of MLNET.
+//!
+//! - [`job`]: a job's ranks, roles, addresses and racks, from a job file or from the
+//!   launcher's environment (torchrun, Slurm, Open MPI).
+//! - [`rendezvous`]: ranks find each other through rank 0 (no daemon of our own).
+//! - [`tree`]: MLNET aggregation/multicast trees with in-degree d (STAR, RACK, BINARY, any d),
+//!   re-parenting to the grandparent, fallback to STAR.
+//! - [`clock`]: the parameter server's SSP clocks (model clock = minimum worker clock; a pull
+//!   is served only when `c_model >= c_worker - s`).
+//! - [`aggregate`]: DLCP Appendix A's bounded-loss aggregation: each block is averaged over
+//!   the ranks whose contribution to it arrived, never over the full count when some were
+//!   missing; who contributed to which block is reported.
+//! - [`link`] and [`comm`]: one directed transport connection per pair of ranks that talk,
+//!   and the operations over them (ring and tree all-reduce, broadcast, barrier).
+//!
+//! Everything here reaches the transport only through its public API (`send_tensor`,
+//! `recv_tensor`, the `Datapath` and `CtrlChannel` traits and the reports).
+#![deny(unsafe_code)]
+
+pub mod aggregate;
+pub mod clock;
+pub mod comm;
+pub mod error;
+pub mod job;
+pub mod link;
+pub mod rendezvous;
+pub mod tree;

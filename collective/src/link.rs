@@ -1,0 +1,512 @@
+//! Links: one directed transport connection (a control channel and a datapath at each end)
+//! from one rank to another, for every pair of ranks an algorithm makes talk.
+//!
+//! A link carries one flow at a time, in the order both ends agree on (the algorithms are
+//! deterministic), so the flow ids only confirm what both sides expect. Links are set up
+//! once per communicator:
+//!
+//! - in memory ([`Links::in_memory`]): loopback datapaths and in-memory control channels,
+//!   with optional fault injection on every receiving datapath, for tests;
+//! - over the network ([`Links::connect`]): each rank binds a control listener and a UDP
+//!   datapath per incoming link on its own address, publishes the listeners' ports through
+//!   the rendezvous, then connects its outgoing links. A per-link listener means the peer
+//!   on the other end is known by construction; its address is also checked against the
+//!   rendezvous table, so a stranger that reaches the port is refused with a clear error.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use gradwire::auth::{JobKey, JobSecret};
+use gradwire::ctrl_channel::{CtrlChannel, MemCtrl, TcpCtrl};
+use gradwire::ctrl_listener::{CtrlListener, ListenerConfig};
+use gradwire::datapath::fault::{FaultConfig, FaultInjector};
+use gradwire::datapath::loopback::Loopback;
+use gradwire::datapath::udp::{UdpConfig, UdpDatapath};
+use gradwire::datapath::Datapath;
+use gradwire::flow::PriorityFn;
+use gradwire::tensor::{segment_payload_for, DType, Tensor};
+use gradwire::transport::{
+    recv_tensor, send_tensor, RecvOptions, RecvReport, SendOptions, SendReport, TransferConfig,
+    TransferError,
+};
+
+use crate::error::CollectiveError;
+use crate::rendezvous::{self, RendezvousConfig};
+use crate::tree::Tree;
+
+/// A datapath a link owns.
+pub type BoxDatapath = Box<dyn Datapath + Send>;
+/// A control channel a link owns.
+pub type BoxCtrl = Box<dyn CtrlChannel + Send>;
+
+/// The sending end of a directed link.
+pub struct OutLink {
+    peer: usize,
+    dp: BoxDatapath,
+    ctrl: BoxCtrl,
+    dst: IpAddr,
+    /// The rate the previous flow ended at: the next one starts there (rate memory).
+    last_rate_bps: Option<u64>,
+}
+
+impl std::fmt::Debug for OutLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "OutLink(to rank {} at {})", self.peer, self.dst)
+    }
+}
+
+impl OutLink {
+    /// The rank at the other end.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// Payload bytes of each segment of a `dtype` tensor sent over this link: what the
+    /// transport's sender will choose (an authenticated link makes room for the tag).
+    pub fn segment_payload(&self, dtype: DType, mtu: usize) -> Option<usize> {
+        let tag = if self.ctrl.session().is_some() {
+            gradwire::wire::header::TAG_LEN
+        } else {
+            0
+        };
+        segment_payload_for(
+            mtu.saturating_sub(tag),
+            self.dst.is_ipv6(),
+            dtype,
+            self.dp.max_datagram().saturating_sub(tag),
+        )
+    }
+
+    /// Send one tensor over the link.
+    pub fn send(
+        &mut self,
+        tensor: &Tensor,
+        opts: &SendOptions,
+        prio: &PriorityFn<'_>,
+        cfg: &TransferConfig,
+    ) -> Result<SendReport, TransferError> {
+        let mut cfg = cfg.clone();
+        if cfg.rate_memory && cfg.sender.initial_rate_bps.is_none() {
+            cfg.sender.initial_rate_bps = self.last_rate_bps;
+        }
+        let r = send_tensor(
+            &mut *self.dp,
+            &mut *self.ctrl,
+            self.dst,
+            tensor,
+            opts,
+            prio,
+            &cfg,
+        )?;
+        self.last_rate_bps = Some(r.final_rate_bps);
+        Ok(r)
+    }
+}
+
+/// The receiving end of a directed link.
+pub struct InLink {
+    peer: usize,
+    dp: BoxDatapath,
+    ctrl: BoxCtrl,
+}
+
+impl std::fmt::Debug for InLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "InLink(from rank {})", self.peer)
+    }
+}
+
+impl InLink {
+    /// The rank at the other end.
+    pub fn peer(&self) -> usize {
+        self.peer
+    }
+
+    /// Receive one tensor over the link.
+    pub fn recv(
+        &mut self,
+        tensor: &mut Tensor,
+        opts: &RecvOptions,
+        cfg: &TransferConfig,
+    ) -> Result<RecvReport, TransferError> {
+        recv_tensor(&mut *self.dp, &mut *self.ctrl, tensor, opts, cfg)
+    }
+}
+
+/// Directed edges `(from, to)` of a ring over `world` ranks (both directions are not needed:
+/// ring algorithms send to the next rank only).
+pub fn ring_edges(world: usize) -> Vec<(usize, usize)> {
+    if world < 2 {
+        return Vec::new();
+    }
+    (0..world).map(|r| (r, (r + 1) % world)).collect()
+}
+
+/// Directed edges `(from, to)` of a tree in both directions: children push up, parents
+/// multicast down.
+pub fn tree_edges(tree: &Tree) -> Vec<(usize, usize)> {
+    tree.edges()
+        .into_iter()
+        .flat_map(|(child, parent)| [(child, parent), (parent, child)])
+        .collect()
+}
+
+/// A rank's links: `out[q]` sends to rank `q`, `inn[p]` receives from rank `p`.
+#[derive(Debug)]
+pub struct Links {
+    rank: usize,
+    world: usize,
+    out: Vec<Option<OutLink>>,
+    inn: Vec<Option<InLink>>,
+}
+
+/// How in-memory links behave.
+#[derive(Debug, Clone)]
+pub struct MemLinkConfig {
+    /// Largest datagram.
+    pub max_datagram: usize,
+    /// Datagrams queued per direction.
+    pub queue: usize,
+    /// Faults injected on every receiving datapath (seeded per link).
+    pub fault: Option<FaultConfig>,
+}
+
+impl Default for MemLinkConfig {
+    fn default() -> Self {
+        MemLinkConfig {
+            max_datagram: 1472,
+            queue: 1 << 14,
+            fault: None,
+        }
+    }
+}
+
+/// How network links are set up.
+#[derive(Debug, Clone)]
+pub struct NetLinkConfig {
+    /// Longest wait for the rendezvous and for every link to connect.
+    pub connect_timeout: Duration,
+    /// The UDP datapath of each link end.
+    pub udp: UdpConfig,
+    /// DSCP of the control connections.
+    pub control_dscp: Option<u8>,
+    /// Rendezvous limits.
+    pub rendezvous: RendezvousConfig,
+}
+
+impl Default for NetLinkConfig {
+    fn default() -> Self {
+        NetLinkConfig {
+            connect_timeout: Duration::from_secs(30),
+            udp: UdpConfig::default(),
+            control_dscp: Some(gradwire_qos::CONTROL_DSCP),
+            rendezvous: RendezvousConfig::default(),
+        }
+    }
+}
+
+/// What each rank publishes in the rendezvous.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Endpoint {
+    rank: usize,
+    ip: IpAddr,
+    /// `(from rank, control port)` of each incoming link.
+    listeners: Vec<(usize, u16)>,
+}
+
+impl Links {
+    fn empty(rank: usize, world: usize) -> Links {
+        Links {
+            rank,
+            world,
+            out: (0..world).map(|_| None).collect(),
+            inn: (0..world).map(|_| None).collect(),
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// World size.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The link to `peer`, if there is one.
+    pub fn out(&mut self, peer: usize) -> Result<&mut OutLink, CollectiveError> {
+        let rank = self.rank;
+        self.out
+            .get_mut(peer)
+            .and_then(Option::as_mut)
+            .ok_or(CollectiveError::NoLink {
+                from: rank,
+                to: peer,
+            })
+    }
+
+    /// The link from `peer`, if there is one.
+    pub fn inn(&mut self, peer: usize) -> Result<&mut InLink, CollectiveError> {
+        let rank = self.rank;
+        self.inn
+            .get_mut(peer)
+            .and_then(Option::as_mut)
+            .ok_or(CollectiveError::NoLink {
+                from: peer,
+                to: rank,
+            })
+    }
+
+    /// The outgoing link to `to` and the incoming link from `from` at once (a ring step sends
+    /// and receives concurrently).
+    pub fn out_and_in(
+        &mut self,
+        to: usize,
+        from: usize,
+    ) -> Result<(&mut OutLink, &mut InLink), CollectiveError> {
+        let rank = self.rank;
+        let out = self
+            .out
+            .get_mut(to)
+            .and_then(Option::as_mut)
+            .ok_or(CollectiveError::NoLink { from: rank, to })?;
+        let inn = self
+            .inn
+            .get_mut(from)
+            .and_then(Option::as_mut)
+            .ok_or(CollectiveError::NoLink { from, to: rank })?;
+        Ok((out, inn))
+    }
+
+    /// Several outgoing and incoming links at once (a tree node talks to its parent and all
+    /// of its children concurrently). Each peer may appear once per list.
+    pub fn many(
+        &mut self,
+        to: &[usize],
+        from: &[usize],
+    ) -> Result<(Vec<&mut OutLink>, Vec<&mut InLink>), CollectiveError> {
+        let rank = self.rank;
+        let mut outs: Vec<&mut OutLink> = Vec::new();
+        for (q, l) in self.out.iter_mut().enumerate() {
+            if to.contains(&q) {
+                outs.push(
+                    l.as_mut()
+                        .ok_or(CollectiveError::NoLink { from: rank, to: q })?,
+                );
+            }
+        }
+        let mut ins: Vec<&mut InLink> = Vec::new();
+        for (p, l) in self.inn.iter_mut().enumerate() {
+            if from.contains(&p) {
+                ins.push(
+                    l.as_mut()
+                        .ok_or(CollectiveError::NoLink { from: p, to: rank })?,
+                );
+            }
+        }
+        // In the callers' order.
+        outs.sort_by_key(|l| to.iter().position(|&q| q == l.peer));
+        ins.sort_by_key(|l| from.iter().position(|&p| p == l.peer));
+        if outs.len() != to.len() || ins.len() != from.len() {
+            return Err(CollectiveError::Config(
+                "a peer is listed twice or is out of range".into(),
+            ));
+        }
+        Ok((outs, ins))
+    }
+
+    /// In-memory links for every rank of a `world`-rank job over the directed `edges`.
+    pub fn in_memory(
+        world: usize,
+        edges: &[(usize, usize)],
+        cfg: &MemLinkConfig,
+    ) -> Result<Vec<Links>, CollectiveError> {
+        let mut all: Vec<Links> = (0..world).map(|r| Links::empty(r, world)).collect();
+        let edges: BTreeSet<(usize, usize)> = edges.iter().copied().collect();
+        for (i, &(from, to)) in edges.iter().enumerate() {
+            if from >= world || to >= world || from == to {
+                return Err(CollectiveError::Config(format!(
+                    "edge {from} -> {to} is not between two ranks of a {world}-rank job"
+                )));
+            }
+            // Distinct loopback addresses per rank, distinct ports per link.
+            let port = 20_000 + i as u16;
+            let a = SocketAddr::new(IpAddr::from([127, 0, 0, 1 + from as u8]), port);
+            let b = SocketAddr::new(IpAddr::from([127, 0, 0, 1 + to as u8]), port);
+            let (dp_a, dp_b) = Loopback::pair(a, b, cfg.max_datagram, cfg.queue);
+            let (ctl_a, ctl_b) = MemCtrl::pair();
+            let dp_b: BoxDatapath = match &cfg.fault {
+                Some(f) => {
+                    let mut f = f.clone();
+                    f.seed = f.seed.wrapping_add(i as u64 * 0x9e37_79b9);
+                    Box::new(
+                        FaultInjector::new(dp_b, f)
+                            .map_err(|e| CollectiveError::Config(e.to_string()))?,
+                    )
+                }
+                None => Box::new(dp_b),
+            };
+            all[from].out[to] = Some(OutLink {
+                peer: to,
+                dp: Box::new(dp_a),
+                ctrl: Box::new(ctl_a),
+                dst: b.ip(),
+                last_rate_bps: None,
+            });
+            all[to].inn[from] = Some(InLink {
+                peer: from,
+                dp: dp_b,
+                ctrl: Box::new(ctl_b),
+            });
+        }
+        Ok(all)
+    }
+
+    /// Network links for `rank` of a `world`-rank job: listeners and UDP datapaths on `ip`,
+    /// the rendezvous at `master` (rank 0 serves it), then every link of `edges` that starts
+    /// or ends here. `secret`: the job's secret (every link authenticated) or none.
+    #[allow(clippy::too_many_arguments)]
+    pub fn connect(
+        job: u32,
+        rank: usize,
+        world: usize,
+        ip: IpAddr,
+        master: SocketAddr,
+        edges: &[(usize, usize)],
+        secret: Option<&JobSecret>,
+        cfg: &NetLinkConfig,
+    ) -> Result<Links, CollectiveError> {
+        if rank >= world {
+            return Err(CollectiveError::Config(format!(
+                "rank {rank} is not below the world size {world}"
+            )));
+        }
+        let edges: BTreeSet<(usize, usize)> = edges.iter().copied().collect();
+        let incoming: Vec<usize> = edges.iter().filter(|e| e.1 == rank).map(|e| e.0).collect();
+        let outgoing: Vec<usize> = edges.iter().filter(|e| e.0 == rank).map(|e| e.1).collect();
+        let udp = |what: &str| {
+            UdpDatapath::bind(SocketAddr::new(ip, 0), cfg.udp.clone()).map_err(|e| {
+                CollectiveError::Setup(format!("{what}: {e} (is {ip} an address of this host?)"))
+            })
+        };
+        let mut listeners = Vec::new();
+        for &p in &incoming {
+            let lcfg = ListenerConfig {
+                key: secret.map(JobKey::new),
+                dscp: cfg.control_dscp,
+                ..ListenerConfig::default()
+            };
+            let l = CtrlListener::bind(SocketAddr::new(ip, 0), lcfg).map_err(|e| {
+                CollectiveError::Setup(format!(
+                    "control listener for rank {p} on {ip}: {e} (is {ip} an address of this host?)"
+                ))
+            })?;
+            listeners.push((p, l, udp("receiving datapath")?));
+        }
+        let me = Endpoint {
+            rank,
+            ip,
+            listeners: listeners
+                .iter()
+                .map(|(p, l, _)| (*p, l.local_addr().port()))
+                .collect(),
+        };
+        let payload = serde_json::to_vec(&me)
+            .map_err(|e| CollectiveError::Setup(format!("endpoint encoding: {e}")))?;
+        let table = rendezvous::exchange(master, job, rank, world, &payload, &cfg.rendezvous)?;
+        let mut endpoints = Vec::with_capacity(world);
+        for (r, bytes) in table.iter().enumerate() {
+            let e: Endpoint = serde_json::from_slice(bytes).map_err(|e| {
+                CollectiveError::Setup(format!("rank {r}'s rendezvous entry is not valid: {e}"))
+            })?;
+            if e.rank != r {
+                return Err(CollectiveError::Setup(format!(
+                    "rank {r}'s rendezvous entry claims rank {}",
+                    e.rank
+                )));
+            }
+            endpoints.push(e);
+        }
+        let mut links = Links::empty(rank, world);
+        let key = secret.map(JobKey::new);
+        // Outgoing first: the peers' listeners run handshakes in the background, so connects
+        // complete without the peers calling accept, and nobody waits on anybody in a cycle.
+        for &q in &outgoing {
+            let port = endpoints[q]
+                .listeners
+                .iter()
+                .find(|(from, _)| *from == rank)
+                .map(|(_, port)| *port)
+                .ok_or_else(|| {
+                    CollectiveError::Setup(format!(
+                        "rank {q} published no listener for rank {rank}: do all ranks run the same algorithm and job file?"
+                    ))
+                })?;
+            let addr = SocketAddr::new(endpoints[q].ip, port);
+            let ctrl =
+                TcpCtrl::connect_with(addr, cfg.connect_timeout, cfg.control_dscp, key.as_ref())
+                    .map_err(|e| CollectiveError::Link {
+                        peer: q,
+                        source: TransferError::Channel(e),
+                    })?;
+            links.out[q] = Some(OutLink {
+                peer: q,
+                dp: Box::new(udp("sending datapath")?),
+                ctrl: Box::new(ctrl),
+                dst: endpoints[q].ip,
+                last_rate_bps: None,
+            });
+        }
+        let deadline = Instant::now() + cfg.connect_timeout;
+        for (p, listener, dp) in listeners {
+            let ctrl = loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let c = listener.accept(left).map_err(|e| CollectiveError::Link {
+                    peer: p,
+                    source: TransferError::Channel(e),
+                })?;
+                if c.peer_addr().ip() == endpoints[p].ip {
+                    break c;
+                }
+                log::warn!(
+                    "rank {rank}: refused a connection from {} on rank {p}'s link (rank {p} is {})",
+                    c.peer_addr(),
+                    endpoints[p].ip
+                );
+            };
+            links.inn[p] = Some(InLink {
+                peer: p,
+                dp: Box::new(dp),
+                ctrl: Box::new(ctrl),
+            });
+        }
+        Ok(links)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_edges_close_the_ring() {
+        assert_eq!(ring_edges(3), vec![(0, 1), (1, 2), (2, 0)]);
+        assert!(ring_edges(1).is_empty());
+    }
+
+    #[test]
+    fn in_memory_links_exist_where_the_edges_say() {
+        let mut links = Links::in_memory(3, &ring_edges(3), &MemLinkConfig::default()).unwrap();
+        assert!(links[0].out(1).is_ok());
+        assert!(links[0].inn(2).is_ok());
+        assert!(matches!(
+            links[0].out(2),
+            Err(CollectiveError::NoLink { from: 0, to: 2 })
+        ));
+        assert!(Links::in_memory(2, &[(0, 5)], &MemLinkConfig::default()).is_err());
+        let (outs, ins) = links[1].many(&[2], &[0]).unwrap();
+        assert_eq!((outs[0].peer(), ins[0].peer()), (2, 0));
+    }
+}
