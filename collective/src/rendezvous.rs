@@ -1,0 +1,1750 @@
+//! Ranks find each other through rank 0: an all-gather of one opaque payload per rank over
+//! TCP, with rank 0 listening at the master address (`MASTER_ADDR:MASTER_PORT`). No daemon
+//! of our own and no store: the launcher already said who rank 0 is.
+//!
+//! Every rank calls [`exchange`] with its payload (typically its data-path addresses and
+//! key material); every rank gets the same table of all payloads in rank order. Rank 0
+//! binds the master address and collects one `Join` per other rank; each other rank
+//! connects (retrying while rank 0 is not up yet), sends its `Join` and waits for the
+//! `Table` (or a `Refuse` saying why not).
+//!
+//! # Trust and bounds
+//!
+//! The rendezvous is **not authenticated**: anyone who can reach the master port can join
+//! as a missing rank or answer as a fake rank 0. That is acceptable because it only
+//! distributes addresses: the links set up from the table are authenticated when the job
+//! has a secret, so a forged entry can make the job fail to connect, never inject data.
+//! Rank 0 refuses joins for another job id or world size, out-of-range and duplicate ranks
+//! (the right rank can still join afterwards).
+//!
+//! Everything is bounded in size and time: payloads by [`RendezvousConfig::max_payload`]
+//! (the same on every rank), the world by [`MAX_RANKS`], frames are length-checked before
+//! anything is allocated from them, a connection that has not sent a complete `Join`
+//! within [`JOIN_WAIT`] is dropped, at most [`MAX_PENDING`] connections wait for their
+//! `Join` at a time, and the whole exchange ends at [`RendezvousConfig::timeout`] with the
+//! list of ranks that never joined. Rank 0 holds one connection per joined rank until the
+//! table goes out, so a job of `n` ranks needs `n` file descriptors there (`ulimit -n`).
+//!
+//! The listener is bound with `std`'s `TcpListener::bind`, which sets `SO_REUSEADDR` on
+//! Unix, so rank 0 can rebind the port right after an earlier run despite `TIME_WAIT`.
+//!
+//! The encoding ([`wire`]) is pure (no I/O) and never panics on any input; it is fuzzed by
+//! `fuzz/fuzz_targets/rendezvous.rs`.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use crate::job::MAX_RANKS;
+use wire::{Join, Kind, Refuse, Table, WireError, HEADER_LEN};
+
+/// Default overall deadline of an exchange.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default largest payload per rank.
+pub const DEFAULT_MAX_PAYLOAD: usize = 64 * 1024;
+/// How long rank 0 waits for a new connection's complete `Join` before dropping it.
+pub const JOIN_WAIT: Duration = Duration::from_secs(5);
+/// Most connections rank 0 reads `Join`s from at once; more wait in the listen backlog.
+pub const MAX_PENDING: usize = 256;
+/// How long rank 0 may take to write the table to one rank.
+const SEND_WAIT: Duration = Duration::from_secs(5);
+/// Rank 0's pause when nothing happened in a round of its accept/read loop.
+const IDLE: Duration = Duration::from_millis(2);
+
+/// Limits of an exchange; every rank of a job must use the same `max_payload`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RendezvousConfig {
+    /// Overall deadline, from the call of [`exchange`].
+    pub timeout: Duration,
+    /// Largest payload per rank, in bytes.
+    pub max_payload: usize,
+}
+
+impl Default for RendezvousConfig {
+    fn default() -> RendezvousConfig {
+        RendezvousConfig {
+            timeout: DEFAULT_TIMEOUT,
+            max_payload: DEFAULT_MAX_PAYLOAD,
+        }
+    }
+}
+
+/// Why an exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RendezvousError {
+    /// The arguments cannot make a rendezvous (rank out of range, payload too large, ...).
+    #[error("invalid rendezvous arguments: {0}")]
+    Invalid(String),
+    /// Rank 0 could not listen.
+    #[error(
+        "rank 0 cannot listen on {master}: {source}; MASTER_ADDR must be an address of rank \
+         0's host and MASTER_PORT a free port"
+    )]
+    Bind {
+        /// The master address.
+        master: SocketAddr,
+        /// Why.
+        source: io::Error,
+    },
+    /// Rank 0: not every rank joined before the deadline.
+    #[error(
+        "rendezvous timed out after {waited:?}: rank(s) {missing:?} never joined; check that \
+         they were started with the same job id, world size and MASTER_ADDR/MASTER_PORT"
+    )]
+    Timeout {
+        /// The configured timeout.
+        waited: Duration,
+        /// The ranks that never joined, ascending.
+        missing: Vec<usize>,
+    },
+    /// Other ranks: rank 0 could not be reached before the deadline.
+    #[error(
+        "cannot reach rank 0 at {master} within {waited:?} (last error: {source}); check \
+         MASTER_ADDR/MASTER_PORT and that rank 0 is running"
+    )]
+    Unreachable {
+        /// The master address.
+        master: SocketAddr,
+        /// The configured timeout.
+        waited: Duration,
+        /// The last connection error.
+        source: io::Error,
+    },
+    /// Other ranks: joined, but no table came before the deadline.
+    #[error(
+        "joined rank 0 at {master} but got no table within {waited:?}: some rank has not \
+         joined yet; rank 0's log names it"
+    )]
+    NoTable {
+        /// The master address.
+        master: SocketAddr,
+        /// The configured timeout.
+        waited: Duration,
+    },
+    /// Rank 0 refused this rank's join.
+    #[error("rank 0 refused this rank: {reason}")]
+    Refused {
+        /// Rank 0's reason.
+        reason: String,
+    },
+    /// Sending to or receiving from rank 0 failed.
+    #[error(
+        "rendezvous with rank 0 at {master} failed while {doing}: {source}; check that rank 0 \
+         is still running"
+    )]
+    Io {
+        /// The master address.
+        master: SocketAddr,
+        /// What this rank was doing.
+        doing: &'static str,
+        /// Why.
+        source: io::Error,
+    },
+    /// What came back is not a rendezvous frame this rank accepts.
+    #[error(
+        "rank 0 at {master} sent an invalid frame: {source}; is another program listening on \
+         MASTER_PORT, or do the ranks run different gradwire versions or max_payload?"
+    )]
+    Protocol {
+        /// The master address.
+        master: SocketAddr,
+        /// What is wrong with it.
+        source: WireError,
+    },
+    /// A well-formed table that does not fit this rank's exchange.
+    #[error("the table from rank 0 at {master} {problem}; another job may be using MASTER_PORT")]
+    BadTable {
+        /// The master address.
+        master: SocketAddr,
+        /// What does not fit.
+        problem: String,
+    },
+}
+
+/// All-gathers one payload per rank through rank 0 at `master`: returns the payloads of
+/// ranks `0..world` in rank order, the same on every rank.
+///
+/// Rank 0 listens on `master`; every other rank connects to it, retrying every 50-100 ms
+/// until `cfg.timeout` (rank 0 may start later). `world == 1` returns at once without I/O.
+pub fn exchange(
+    master: SocketAddr,
+    job: u32,
+    rank: usize,
+    world: usize,
+    payload: &[u8],
+    cfg: &RendezvousConfig,
+) -> Result<Vec<Vec<u8>>, RendezvousError> {
+    let start = Instant::now();
+    check_args(rank, world, payload, cfg)?;
+    if world == 1 {
+        return Ok(vec![payload.to_vec()]);
+    }
+    let deadline = start.checked_add(cfg.timeout);
+    if rank == 0 {
+        serve(master, job, world, payload, cfg, deadline)
+    } else {
+        join(master, job, rank, world, payload, cfg, deadline)
+    }
+}
+
+fn check_args(
+    rank: usize,
+    world: usize,
+    payload: &[u8],
+    cfg: &RendezvousConfig,
+) -> Result<(), RendezvousError> {
+    let bad = |m: String| Err(RendezvousError::Invalid(m));
+    if world == 0 || world > MAX_RANKS {
+        return bad(format!("world size {world}: use 1..={MAX_RANKS}"));
+    }
+    if rank >= world {
+        return bad(format!("rank {rank} is not below the world size {world}"));
+    }
+    if payload.len() > cfg.max_payload {
+        return bad(format!(
+            "payload of {} bytes exceeds max_payload {}: raise max_payload on every rank",
+            payload.len(),
+            cfg.max_payload
+        ));
+    }
+    if wire::table_body_limit(world, cfg.max_payload) > u64::from(u32::MAX) {
+        return bad(format!(
+            "a table of {world} payloads of up to {} bytes does not fit one frame: lower \
+             max_payload",
+            cfg.max_payload
+        ));
+    }
+    Ok(())
+}
+
+/// Time left until `deadline` (`None`: no deadline, the timeout overflowed `Instant`).
+fn left(deadline: Option<Instant>) -> Option<Duration> {
+    match deadline {
+        None => Some(Duration::from_secs(3600)),
+        Some(d) => {
+            let l = d.saturating_duration_since(Instant::now());
+            (!l.is_zero()).then_some(l)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Rank 0
+// ---------------------------------------------------------------------------------------
+
+/// Rank 0's bookkeeping of who joined (pure; the I/O is in [`serve`]).
+#[derive(Debug)]
+struct Roster {
+    job: u32,
+    payloads: Vec<Option<Vec<u8>>>,
+    joined: usize,
+}
+
+impl Roster {
+    fn new(job: u32, world: usize, own: &[u8]) -> Roster {
+        let mut payloads = vec![None; world];
+        payloads[0] = Some(own.to_vec());
+        Roster {
+            job,
+            payloads,
+            joined: 1,
+        }
+    }
+
+    /// Takes a join, or says why not (the reason goes back in a `Refuse`).
+    fn admit(&mut self, j: Join) -> Result<usize, String> {
+        let world = self.payloads.len();
+        if j.job != self.job {
+            return Err(format!(
+                "job id {} does not match rank 0's job {}: check the job id of every rank",
+                j.job, self.job
+            ));
+        }
+        if j.world as usize != world {
+            return Err(format!(
+                "world size {} does not match rank 0's world size {world}",
+                j.world
+            ));
+        }
+        let rank = j.rank as usize;
+        match self.payloads.get_mut(rank) {
+            None => Err(format!("rank {rank} is out of range 1..{world}")),
+            Some(_) if rank == 0 => Err(
+                "rank 0 is the rendezvous master itself: two processes were given rank 0"
+                    .to_owned(),
+            ),
+            Some(Some(_)) => Err(format!(
+                "rank {rank} has already joined: two processes were given rank {rank}"
+            )),
+            Some(slot) => {
+                *slot = Some(j.payload);
+                self.joined += 1;
+                Ok(rank)
+            }
+        }
+    }
+
+    fn complete(&self) -> bool {
+        self.joined == self.payloads.len()
+    }
+
+    fn missing(&self) -> Vec<usize> {
+        (0..self.payloads.len())
+            .filter(|&r| self.payloads[r].is_none())
+            .collect()
+    }
+
+    fn into_table(self) -> Vec<Vec<u8>> {
+        self.payloads
+            .into_iter()
+            .map(Option::unwrap_or_default)
+            .collect()
+    }
+}
+
+/// A connection whose `Join` rank 0 is still reading.
+#[derive(Debug)]
+struct Pending {
+    stream: TcpStream,
+    peer: SocketAddr,
+    since: Instant,
+    buf: Vec<u8>,
+    /// Bytes of the frame, once the header says.
+    need: Option<usize>,
+}
+
+/// What reading a pending connection gave.
+#[derive(Debug)]
+enum Read1 {
+    /// Nothing complete yet.
+    More,
+    /// Closed or failed before a complete join.
+    Gone(Option<io::Error>),
+    /// Not our protocol: drop without answering.
+    Garbage(WireError),
+    /// Our magic but not a join we can decode: answer with a `Refuse`.
+    BadJoin(WireError),
+    /// A complete join.
+    Join(Join),
+}
+
+impl Pending {
+    fn read(&mut self, max_payload: usize) -> Read1 {
+        let mut chunk = [0u8; 16 * 1024];
+        loop {
+            let target = self.need.unwrap_or(HEADER_LEN);
+            let want = (target - self.buf.len()).min(chunk.len());
+            match self.stream.read(&mut chunk[..want]) {
+                Ok(0) => return Read1::Gone(None),
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Read1::More,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Read1::Gone(Some(e)),
+            }
+            if self.buf.len() < target {
+                continue;
+            }
+            if self.need.is_none() {
+                match wire::decode_header(&self.buf, max_payload) {
+                    Ok(h) if h.kind == Kind::Join => self.need = Some(HEADER_LEN + h.body_len),
+                    Ok(h) => {
+                        return Read1::BadJoin(WireError::WrongKind {
+                            expected: Kind::Join,
+                            got: h.kind,
+                        })
+                    }
+                    Err(e) if self.buf.starts_with(&wire::MAGIC) => return Read1::BadJoin(e),
+                    Err(e) => return Read1::Garbage(e),
+                }
+                if self.buf.len() < self.need.unwrap_or(0) {
+                    continue;
+                }
+            }
+            return match wire::decode_join(&self.buf, max_payload) {
+                Ok(j) => Read1::Join(j),
+                Err(e) => Read1::BadJoin(e),
+            };
+        }
+    }
+}
+
+/// Best effort: a `Refuse` fits any fresh socket's send buffer, so a nonblocking write
+/// either goes out whole or the peer is not worth waiting for.
+fn send_refuse(stream: &mut TcpStream, peer: SocketAddr, reason: &str) {
+    let frame = wire::encode_refuse(&Refuse {
+        reason: reason.to_owned(),
+    });
+    if let Err(e) = stream
+        .set_nonblocking(true)
+        .and_then(|()| stream.write_all(&frame))
+    {
+        log::debug!("rendezvous: could not send the refusal to {peer}: {e}");
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    // Closing with unread bytes (the rest of a frame refused by its header) would send a
+    // reset, which can destroy the refusal before the peer reads it: take what has arrived.
+    let mut chunk = [0u8; 16 * 1024];
+    for _ in 0..64 {
+        match stream.read(&mut chunk) {
+            Ok(n) if n > 0 => {}
+            _ => break,
+        }
+    }
+}
+
+fn serve(
+    master: SocketAddr,
+    job: u32,
+    world: usize,
+    payload: &[u8],
+    cfg: &RendezvousConfig,
+    deadline: Option<Instant>,
+) -> Result<Vec<Vec<u8>>, RendezvousError> {
+    let listener = TcpListener::bind(master)
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
+        .map_err(|source| RendezvousError::Bind { master, source })?;
+    log::info!("rendezvous: rank 0 of job {job} waiting for {world} ranks on {master}");
+    let mut roster = Roster::new(job, world, payload);
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut joined: Vec<(usize, SocketAddr, TcpStream)> = Vec::new();
+
+    while !roster.complete() {
+        if left(deadline).is_none() {
+            let missing = roster.missing();
+            let reason = format!(
+                "rendezvous timed out after {:?}: rank(s) {missing:?} never joined",
+                cfg.timeout
+            );
+            for (_, peer, mut s) in joined {
+                send_refuse(&mut s, peer, &reason);
+            }
+            log::warn!("rendezvous: {reason}");
+            return Err(RendezvousError::Timeout {
+                waited: cfg.timeout,
+                missing,
+            });
+        }
+        let mut busy = false;
+
+        while pending.len() < MAX_PENDING {
+            match listener.accept() {
+                Ok((stream, peer)) => {
+                    busy = true;
+                    // Accepted sockets do not inherit nonblocking mode on Linux.
+                    if let Err(e) = stream.set_nonblocking(true) {
+                        log::warn!("rendezvous: dropping connection from {peer}: {e}");
+                        continue;
+                    }
+                    let _ = stream.set_nodelay(true);
+                    pending.push(Pending {
+                        stream,
+                        peer,
+                        since: Instant::now(),
+                        buf: Vec::new(),
+                        need: None,
+                    });
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // E.g. out of file descriptors: the connection stays in the backlog.
+                    log::warn!("rendezvous: accept on {master} failed: {e}");
+                    break;
+                }
+            }
+        }
+
+        let mut i = 0;
+        while i < pending.len() {
+            let before = pending[i].buf.len();
+            let got = pending[i].read(cfg.max_payload);
+            busy |= pending[i].buf.len() != before;
+            match got {
+                Read1::More => {
+                    if pending[i].since.elapsed() >= JOIN_WAIT {
+                        let p = pending.swap_remove(i);
+                        log::warn!(
+                            "rendezvous: dropping connection from {}: no complete join within \
+                             {JOIN_WAIT:?}",
+                            p.peer
+                        );
+                    } else {
+                        i += 1;
+                    }
+                    continue;
+                }
+                Read1::Gone(e) => {
+                    let p = pending.swap_remove(i);
+                    match e {
+                        Some(e) => log::warn!(
+                            "rendezvous: connection from {} failed before joining: {e}",
+                            p.peer
+                        ),
+                        None => log::warn!(
+                            "rendezvous: connection from {} closed before joining",
+                            p.peer
+                        ),
+                    }
+                }
+                Read1::Garbage(e) => {
+                    let p = pending.swap_remove(i);
+                    log::warn!(
+                        "rendezvous: dropping connection from {}: not a rendezvous join ({e})",
+                        p.peer
+                    );
+                }
+                Read1::BadJoin(e) => {
+                    let mut p = pending.swap_remove(i);
+                    log::warn!("rendezvous: refusing {}: invalid join: {e}", p.peer);
+                    send_refuse(&mut p.stream, p.peer, &format!("invalid join: {e}"));
+                }
+                Read1::Join(j) => {
+                    let mut p = pending.swap_remove(i);
+                    match roster.admit(j) {
+                        Ok(rank) => {
+                            log::debug!("rendezvous: rank {rank} joined from {}", p.peer);
+                            joined.push((rank, p.peer, p.stream));
+                        }
+                        Err(reason) => {
+                            log::warn!("rendezvous: refusing {}: {reason}", p.peer);
+                            send_refuse(&mut p.stream, p.peer, &reason);
+                        }
+                    }
+                }
+            }
+            busy = true;
+        }
+
+        if !busy {
+            std::thread::sleep(IDLE);
+        }
+    }
+    drop(listener);
+    drop(pending);
+
+    let table = Table {
+        job,
+        payloads: roster.into_table(),
+    };
+    let frame = wire::encode_table(&table)
+        .map_err(|e| RendezvousError::Invalid(format!("cannot encode the table: {e}")))?;
+    for (rank, peer, mut s) in joined {
+        let sent = s
+            .set_nonblocking(false)
+            .and_then(|()| s.set_write_timeout(Some(SEND_WAIT)))
+            .and_then(|()| s.write_all(&frame));
+        if let Err(e) = sent {
+            // Its process will report its own failure; the table is complete here.
+            log::warn!("rendezvous: could not send the table to rank {rank} at {peer}: {e}");
+        }
+    }
+    log::info!("rendezvous: all {world} ranks of job {job} joined");
+    Ok(table.payloads)
+}
+
+// ---------------------------------------------------------------------------------------
+// Ranks 1..world
+// ---------------------------------------------------------------------------------------
+
+/// Connects, retrying every 50-100 ms until the deadline.
+fn connect(
+    master: SocketAddr,
+    deadline: Option<Instant>,
+    waited: Duration,
+) -> Result<TcpStream, RendezvousError> {
+    let mut last: Option<io::Error> = None;
+    loop {
+        let Some(l) = left(deadline) else {
+            return Err(RendezvousError::Unreachable {
+                master,
+                waited,
+                source: last
+                    .unwrap_or_else(|| io::Error::new(io::ErrorKind::TimedOut, "no attempt")),
+            });
+        };
+        match TcpStream::connect_timeout(&master, l.min(Duration::from_secs(1))) {
+            Ok(s) => return Ok(s),
+            Err(e) => {
+                log::debug!("rendezvous: connecting to {master}: {e}; retrying");
+                last = Some(e);
+                let pause = Duration::from_millis(50 + fastrand::u64(0..50));
+                if let Some(l) = left(deadline) {
+                    std::thread::sleep(pause.min(l));
+                }
+            }
+        }
+    }
+}
+
+/// Why reading from rank 0 stopped early.
+#[derive(Debug)]
+enum ReadStop {
+    Deadline,
+    Closed,
+    Io(io::Error),
+}
+
+/// Reads until `buf` holds `total` bytes, growing it only as data arrives.
+fn read_to(
+    s: &mut TcpStream,
+    buf: &mut Vec<u8>,
+    total: usize,
+    deadline: Option<Instant>,
+) -> Result<(), ReadStop> {
+    let mut chunk = [0u8; 64 * 1024];
+    while buf.len() < total {
+        let l = left(deadline).ok_or(ReadStop::Deadline)?;
+        s.set_read_timeout(Some(l)).map_err(ReadStop::Io)?;
+        let want = (total - buf.len()).min(chunk.len());
+        match s.read(&mut chunk[..want]) {
+            Ok(0) => return Err(ReadStop::Closed),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(ReadStop::Io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// One attempt's outcome: a final result, or "rank 0 went away before answering anything,
+/// connect again" (e.g. an earlier rendezvous's listener was just closing).
+enum Attempt {
+    Done(Result<Vec<Vec<u8>>, RendezvousError>),
+    Again(io::Error),
+}
+
+fn join(
+    master: SocketAddr,
+    job: u32,
+    rank: usize,
+    world: usize,
+    payload: &[u8],
+    cfg: &RendezvousConfig,
+    deadline: Option<Instant>,
+) -> Result<Vec<Vec<u8>>, RendezvousError> {
+    let frame = wire::encode_join(&Join {
+        job,
+        rank: rank as u32,
+        world: world as u32,
+        payload: payload.to_vec(),
+    })
+    .map_err(|e| RendezvousError::Invalid(format!("cannot encode the join: {e}")))?;
+    loop {
+        let mut stream = connect(master, deadline, cfg.timeout)?;
+        match attempt(
+            &mut stream,
+            &frame,
+            master,
+            job,
+            rank,
+            world,
+            payload,
+            cfg,
+            deadline,
+        ) {
+            Attempt::Done(r) => return r,
+            Attempt::Again(e) => {
+                log::debug!("rendezvous: rank 0 at {master} dropped the connection ({e}); again");
+                if left(deadline).is_none() {
+                    return Err(RendezvousError::NoTable {
+                        master,
+                        waited: cfg.timeout,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(50 + fastrand::u64(0..50)));
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attempt(
+    s: &mut TcpStream,
+    frame: &[u8],
+    master: SocketAddr,
+    job: u32,
+    rank: usize,
+    world: usize,
+    payload: &[u8],
+    cfg: &RendezvousConfig,
+    deadline: Option<Instant>,
+) -> Attempt {
+    let no_table = || RendezvousError::NoTable {
+        master,
+        waited: cfg.timeout,
+    };
+    let io_err = |doing, source| RendezvousError::Io {
+        master,
+        doing,
+        source,
+    };
+    let _ = s.set_nodelay(true);
+    let Some(l) = left(deadline) else {
+        return Attempt::Done(Err(no_table()));
+    };
+    if let Err(e) = s
+        .set_write_timeout(Some(l))
+        .and_then(|()| s.write_all(frame))
+    {
+        return match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Attempt::Done(Err(no_table())),
+            _ => Attempt::Again(e),
+        };
+    }
+
+    let mut buf = Vec::new();
+    match read_to(s, &mut buf, HEADER_LEN, deadline) {
+        Ok(()) => {}
+        Err(ReadStop::Deadline) => return Attempt::Done(Err(no_table())),
+        // Nothing came back at all: rank 0 went away (or was an earlier listener closing).
+        Err(ReadStop::Closed) if buf.is_empty() => {
+            return Attempt::Again(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "closed without an answer",
+            ))
+        }
+        Err(ReadStop::Io(e)) if buf.is_empty() => return Attempt::Again(e),
+        Err(ReadStop::Closed) => {
+            return Attempt::Done(Err(io_err(
+                "reading the answer",
+                io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed mid-frame"),
+            )))
+        }
+        Err(ReadStop::Io(e)) => return Attempt::Done(Err(io_err("reading the answer", e))),
+    }
+    let protocol = |source| Attempt::Done(Err(RendezvousError::Protocol { master, source }));
+    let header = match wire::decode_header(&buf, cfg.max_payload) {
+        Ok(h) => h,
+        Err(e) => return protocol(e),
+    };
+    // A table for this world is smaller than the general bound.
+    let limit = match header.kind {
+        Kind::Table => wire::table_body_limit(world, cfg.max_payload),
+        Kind::Refuse => header.body_len as u64,
+        Kind::Join => {
+            return protocol(WireError::WrongKind {
+                expected: Kind::Table,
+                got: Kind::Join,
+            })
+        }
+    };
+    if header.body_len as u64 > limit {
+        return protocol(WireError::TooLarge {
+            what: "table",
+            len: header.body_len as u64,
+            max: limit,
+        });
+    }
+    match read_to(s, &mut buf, HEADER_LEN + header.body_len, deadline) {
+        Ok(()) => {}
+        Err(ReadStop::Deadline) => return Attempt::Done(Err(no_table())),
+        Err(ReadStop::Closed) => {
+            return Attempt::Done(Err(io_err(
+                "reading the answer",
+                io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed mid-frame"),
+            )))
+        }
+        Err(ReadStop::Io(e)) => return Attempt::Done(Err(io_err("reading the answer", e))),
+    }
+    let table = match wire::decode(&buf, cfg.max_payload) {
+        Ok(wire::Frame::Table(t)) => t,
+        Ok(wire::Frame::Refuse(r)) => {
+            return Attempt::Done(Err(RendezvousError::Refused { reason: r.reason }))
+        }
+        Ok(wire::Frame::Join(_)) => {
+            return protocol(WireError::WrongKind {
+                expected: Kind::Table,
+                got: Kind::Join,
+            })
+        }
+        Err(e) => return protocol(e),
+    };
+    let bad = |problem: String| Attempt::Done(Err(RendezvousError::BadTable { master, problem }));
+    if table.job != job {
+        return bad(format!("is for job {}, not job {job}", table.job));
+    }
+    if table.payloads.len() != world {
+        return bad(format!(
+            "has {} ranks, not the world size {world}",
+            table.payloads.len()
+        ));
+    }
+    if table.payloads[rank] != payload {
+        return bad(format!("does not hold rank {rank}'s payload"));
+    }
+    Attempt::Done(Ok(table.payloads))
+}
+
+/// The rendezvous frames, encoded and decoded without I/O.
+///
+/// Every frame is a 10-byte header, `magic "GWRV" | version u8 = 1 | kind u8 | body length
+/// u32`, and a body (all integers big-endian):
+///
+/// | kind | frame  | body                                                              |
+/// |------|--------|-------------------------------------------------------------------|
+/// | 1    | Join   | job u32, rank u32, world u32, payload (u32 length + bytes)         |
+/// | 2    | Table  | job u32, world u32, `world` times a payload (u32 length + bytes)   |
+/// | 3    | Refuse | reason (u16 length + at most 256 bytes of UTF-8)                  |
+///
+/// The body length lets a reader take exactly one frame off a stream, bounded before
+/// anything is read; the decoders check it against the fields, so a frame has exactly one
+/// encoding. Decoders take one whole frame and never panic.
+pub mod wire {
+    use crate::job::MAX_RANKS;
+
+    /// First bytes of every frame.
+    pub const MAGIC: [u8; 4] = *b"GWRV";
+    /// The one version spoken.
+    pub const VERSION: u8 = 1;
+    /// Magic, version, kind, body length.
+    pub const HEADER_LEN: usize = 10;
+    /// Longest refusal reason, in bytes.
+    pub const MAX_REASON: usize = 256;
+
+    /// Frame kinds.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Kind {
+        /// A rank's payload, to rank 0.
+        Join = 1,
+        /// All payloads, from rank 0.
+        Table = 2,
+        /// Rank 0's refusal of a join.
+        Refuse = 3,
+    }
+
+    impl Kind {
+        fn from_u8(b: u8) -> Option<Kind> {
+            match b {
+                1 => Some(Kind::Join),
+                2 => Some(Kind::Table),
+                3 => Some(Kind::Refuse),
+                _ => None,
+            }
+        }
+    }
+
+    /// A decoded header.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Header {
+        /// The frame kind.
+        pub kind: Kind,
+        /// Bytes after the header (within the kind's bound).
+        pub body_len: usize,
+    }
+
+    /// A rank's join.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Join {
+        /// Job id.
+        pub job: u32,
+        /// The joining rank, `< world`.
+        pub rank: u32,
+        /// World size, `1..=MAX_RANKS`.
+        pub world: u32,
+        /// The rank's payload.
+        pub payload: Vec<u8>,
+    }
+
+    /// Everyone's payloads, in rank order.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Table {
+        /// Job id.
+        pub job: u32,
+        /// One payload per rank (`1..=MAX_RANKS` of them).
+        pub payloads: Vec<Vec<u8>>,
+    }
+
+    /// Rank 0's refusal.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Refuse {
+        /// Why (at most [`MAX_REASON`] bytes on the wire; longer reasons are cut).
+        pub reason: String,
+    }
+
+    /// Any frame.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Frame {
+        /// See [`Join`].
+        Join(Join),
+        /// See [`Table`].
+        Table(Table),
+        /// See [`Refuse`].
+        Refuse(Refuse),
+    }
+
+    /// What is wrong with a frame.
+    #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+    pub enum WireError {
+        /// Fewer bytes than the frame needs.
+        #[error("truncated frame: {need} bytes needed, {have} present")]
+        Truncated {
+            /// Bytes needed (at least).
+            need: usize,
+            /// Bytes present.
+            have: usize,
+        },
+        /// More bytes than the header's length.
+        #[error("{0} bytes after the end of the frame")]
+        Trailing(usize),
+        /// Not our magic.
+        #[error("not a gradwire rendezvous frame (starts with {0:02x?})")]
+        BadMagic([u8; 4]),
+        /// Another version.
+        #[error("rendezvous version {0} is not supported (this side speaks {VERSION}): run the same gradwire version on every rank")]
+        Version(u8),
+        /// Unknown kind byte.
+        #[error("unknown frame kind {0}")]
+        UnknownKind(u8),
+        /// A valid frame of the wrong kind.
+        #[error("expected a {expected:?} frame, got a {got:?}")]
+        WrongKind {
+            /// Wanted.
+            expected: Kind,
+            /// Got.
+            got: Kind,
+        },
+        /// A length beyond its bound.
+        #[error("{what} of {len} bytes exceeds the limit of {max} (max_payload must be the same on every rank)")]
+        TooLarge {
+            /// What.
+            what: &'static str,
+            /// Its length.
+            len: u64,
+            /// The bound.
+            max: u64,
+        },
+        /// The header's body length does not match the fields.
+        #[error("body length {body_len} does not match the frame's fields")]
+        BodyLength {
+            /// The header's body length.
+            body_len: usize,
+        },
+        /// A field out of range.
+        #[error("{field} {value} is out of range ({why})")]
+        Field {
+            /// Which field.
+            field: &'static str,
+            /// Its value.
+            value: u64,
+            /// The rule.
+            why: &'static str,
+        },
+        /// The refusal reason is not UTF-8.
+        #[error("refusal reason is not UTF-8")]
+        Utf8,
+    }
+
+    /// Largest body of a `Table` of `world` payloads of up to `max_payload` bytes.
+    pub fn table_body_limit(world: usize, max_payload: usize) -> u64 {
+        (world as u64)
+            .saturating_mul((max_payload as u64).saturating_add(4))
+            .saturating_add(8)
+    }
+
+    fn body_limit(kind: Kind, max_payload: usize) -> u64 {
+        match kind {
+            Kind::Join => (max_payload as u64).saturating_add(16),
+            Kind::Table => table_body_limit(MAX_RANKS, max_payload),
+            Kind::Refuse => 2 + MAX_REASON as u64,
+        }
+    }
+
+    /// Magic, version and kind of the header at the start of `buf`, and its body length.
+    fn raw_header(buf: &[u8]) -> Result<(Kind, u32), WireError> {
+        let Some(h) = buf.first_chunk::<HEADER_LEN>() else {
+            return Err(WireError::Truncated {
+                need: HEADER_LEN,
+                have: buf.len(),
+            });
+        };
+        let magic = [h[0], h[1], h[2], h[3]];
+        if magic != MAGIC {
+            return Err(WireError::BadMagic(magic));
+        }
+        if h[4] != VERSION {
+            return Err(WireError::Version(h[4]));
+        }
+        let kind = Kind::from_u8(h[5]).ok_or(WireError::UnknownKind(h[5]))?;
+        Ok((kind, u32::from_be_bytes([h[6], h[7], h[8], h[9]])))
+    }
+
+    /// The body length, if within the kind's bound for `max_payload`.
+    fn bounded(kind: Kind, len: u32, max_payload: usize) -> Result<usize, WireError> {
+        let max = body_limit(kind, max_payload);
+        if u64::from(len) > max {
+            return Err(WireError::TooLarge {
+                what: "frame body",
+                len: u64::from(len),
+                max,
+            });
+        }
+        usize::try_from(len).map_err(|_| WireError::TooLarge {
+            what: "frame body",
+            len: u64::from(len),
+            max: usize::MAX as u64,
+        })
+    }
+
+    /// Decodes the header at the start of `buf` (which may hold more), checking the body
+    /// length against the kind's bound for `max_payload`.
+    pub fn decode_header(buf: &[u8], max_payload: usize) -> Result<Header, WireError> {
+        let (kind, len) = raw_header(buf)?;
+        let body_len = bounded(kind, len, max_payload)?;
+        Ok(Header { kind, body_len })
+    }
+
+    /// Checks the header (the kind first, so a frame of another kind is reported as such
+    /// whatever its length) and that `frame` is exactly one frame; returns the body.
+    fn split(frame: &[u8], expected: Kind, max_payload: usize) -> Result<&[u8], WireError> {
+        let (kind, len) = raw_header(frame)?;
+        expect(kind, expected)?;
+        let total = HEADER_LEN + bounded(kind, len, max_payload)?;
+        if frame.len() < total {
+            return Err(WireError::Truncated {
+                need: total,
+                have: frame.len(),
+            });
+        }
+        if frame.len() > total {
+            return Err(WireError::Trailing(frame.len() - total));
+        }
+        Ok(&frame[HEADER_LEN..])
+    }
+
+    fn expect(kind: Kind, expected: Kind) -> Result<(), WireError> {
+        if kind == expected {
+            Ok(())
+        } else {
+            Err(WireError::WrongKind {
+                expected,
+                got: kind,
+            })
+        }
+    }
+
+    /// Reads fields off a body; running short means the body length lied.
+    struct Body<'a> {
+        rest: &'a [u8],
+        body_len: usize,
+    }
+
+    impl<'a> Body<'a> {
+        fn new(body: &'a [u8]) -> Body<'a> {
+            Body {
+                rest: body,
+                body_len: body.len(),
+            }
+        }
+
+        fn bytes(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+            let Some((head, tail)) = self.rest.split_at_checked(n) else {
+                return Err(WireError::BodyLength {
+                    body_len: self.body_len,
+                });
+            };
+            self.rest = tail;
+            Ok(head)
+        }
+
+        fn u16(&mut self) -> Result<u16, WireError> {
+            let b = self.bytes(2)?;
+            Ok(u16::from_be_bytes([b[0], b[1]]))
+        }
+
+        fn u32(&mut self) -> Result<u32, WireError> {
+            let b = self.bytes(4)?;
+            Ok(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+        }
+
+        fn payload(&mut self, max_payload: usize) -> Result<&'a [u8], WireError> {
+            let len = self.u32()?;
+            if u64::from(len) > max_payload as u64 {
+                return Err(WireError::TooLarge {
+                    what: "payload",
+                    len: u64::from(len),
+                    max: max_payload as u64,
+                });
+            }
+            // len <= max_payload, a usize.
+            self.bytes(len as usize)
+        }
+
+        fn end(self) -> Result<(), WireError> {
+            if self.rest.is_empty() {
+                Ok(())
+            } else {
+                Err(WireError::BodyLength {
+                    body_len: self.body_len,
+                })
+            }
+        }
+    }
+
+    fn world_ok(world: u32) -> Result<(), WireError> {
+        if world == 0 || world as usize > MAX_RANKS {
+            return Err(WireError::Field {
+                field: "world size",
+                value: u64::from(world),
+                why: "must be 1..=4096",
+            });
+        }
+        Ok(())
+    }
+
+    fn rank_ok(rank: u32, world: u32) -> Result<(), WireError> {
+        if rank >= world {
+            return Err(WireError::Field {
+                field: "rank",
+                value: u64::from(rank),
+                why: "must be below the world size",
+            });
+        }
+        Ok(())
+    }
+
+    fn len_u32(what: &'static str, n: usize) -> Result<u32, WireError> {
+        u32::try_from(n).map_err(|_| WireError::TooLarge {
+            what,
+            len: n as u64,
+            max: u64::from(u32::MAX),
+        })
+    }
+
+    fn frame(kind: Kind, body: Vec<u8>) -> Result<Vec<u8>, WireError> {
+        let len = len_u32("frame body", body.len())?;
+        let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+        out.extend_from_slice(&MAGIC);
+        out.push(VERSION);
+        out.push(kind as u8);
+        out.extend_from_slice(&len.to_be_bytes());
+        out.extend_from_slice(&body);
+        Ok(out)
+    }
+
+    /// Encodes a join (world `1..=MAX_RANKS`, rank below it, payload length fits u32).
+    pub fn encode_join(j: &Join) -> Result<Vec<u8>, WireError> {
+        world_ok(j.world)?;
+        rank_ok(j.rank, j.world)?;
+        let len = len_u32("payload", j.payload.len())?;
+        let mut body = Vec::with_capacity(16 + j.payload.len());
+        body.extend_from_slice(&j.job.to_be_bytes());
+        body.extend_from_slice(&j.rank.to_be_bytes());
+        body.extend_from_slice(&j.world.to_be_bytes());
+        body.extend_from_slice(&len.to_be_bytes());
+        body.extend_from_slice(&j.payload);
+        frame(Kind::Join, body)
+    }
+
+    /// Decodes one whole join frame with payload at most `max_payload`.
+    pub fn decode_join(frame: &[u8], max_payload: usize) -> Result<Join, WireError> {
+        let body = split(frame, Kind::Join, max_payload)?;
+        let mut b = Body::new(body);
+        let job = b.u32()?;
+        let rank = b.u32()?;
+        let world = b.u32()?;
+        world_ok(world)?;
+        rank_ok(rank, world)?;
+        let payload = b.payload(max_payload)?.to_vec();
+        b.end()?;
+        Ok(Join {
+            job,
+            rank,
+            world,
+            payload,
+        })
+    }
+
+    /// Encodes a table (`1..=MAX_RANKS` payloads, total fits the u32 body length).
+    pub fn encode_table(t: &Table) -> Result<Vec<u8>, WireError> {
+        let world = len_u32("world size", t.payloads.len())?;
+        world_ok(world)?;
+        let size: usize = t.payloads.iter().map(|p| 4 + p.len()).sum();
+        let mut body = Vec::with_capacity(8usize.saturating_add(size));
+        body.extend_from_slice(&t.job.to_be_bytes());
+        body.extend_from_slice(&world.to_be_bytes());
+        for p in &t.payloads {
+            body.extend_from_slice(&len_u32("payload", p.len())?.to_be_bytes());
+            body.extend_from_slice(p);
+        }
+        frame(Kind::Table, body)
+    }
+
+    /// Decodes one whole table frame with payloads at most `max_payload` each.
+    pub fn decode_table(frame: &[u8], max_payload: usize) -> Result<Table, WireError> {
+        let body = split(frame, Kind::Table, max_payload)?;
+        let mut b = Body::new(body);
+        let job = b.u32()?;
+        let world = b.u32()?;
+        world_ok(world)?;
+        let mut payloads = Vec::with_capacity(world as usize);
+        for _ in 0..world {
+            payloads.push(b.payload(max_payload)?.to_vec());
+        }
+        b.end()?;
+        Ok(Table { job, payloads })
+    }
+
+    /// Encodes a refusal, cutting the reason to [`MAX_REASON`] bytes at a character
+    /// boundary.
+    pub fn encode_refuse(r: &Refuse) -> Vec<u8> {
+        let mut end = r.reason.len().min(MAX_REASON);
+        while !r.reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        let reason = &r.reason.as_bytes()[..end];
+        let mut body = Vec::with_capacity(2 + reason.len());
+        // end <= 256.
+        body.extend_from_slice(&(end as u16).to_be_bytes());
+        body.extend_from_slice(reason);
+        let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+        out.extend_from_slice(&MAGIC);
+        out.push(VERSION);
+        out.push(Kind::Refuse as u8);
+        out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+
+    /// Decodes one whole refusal frame.
+    pub fn decode_refuse(frame: &[u8]) -> Result<Refuse, WireError> {
+        let body = split(frame, Kind::Refuse, 0)?;
+        let mut b = Body::new(body);
+        let len = b.u16()?;
+        if usize::from(len) > MAX_REASON {
+            return Err(WireError::TooLarge {
+                what: "refusal reason",
+                len: u64::from(len),
+                max: MAX_REASON as u64,
+            });
+        }
+        let bytes = b.bytes(usize::from(len))?;
+        b.end()?;
+        let reason = std::str::from_utf8(bytes).map_err(|_| WireError::Utf8)?;
+        Ok(Refuse {
+            reason: reason.to_owned(),
+        })
+    }
+
+    /// Decodes one whole frame of any kind.
+    pub fn decode(frame: &[u8], max_payload: usize) -> Result<Frame, WireError> {
+        match raw_header(frame)?.0 {
+            Kind::Join => decode_join(frame, max_payload).map(Frame::Join),
+            Kind::Table => decode_table(frame, max_payload).map(Frame::Table),
+            Kind::Refuse => decode_refuse(frame).map(Frame::Refuse),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wire::*;
+    use super::*;
+    use proptest::prelude::*;
+    use std::thread;
+
+    const MAXP: usize = 1024;
+
+    fn join_frame(job: u32, rank: u32, world: u32, payload: &[u8]) -> Vec<u8> {
+        encode_join(&Join {
+            job,
+            rank,
+            world,
+            payload: payload.to_vec(),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn frames_round_trip_with_the_documented_layout() {
+        let j = Join {
+            job: 7,
+            rank: 2,
+            world: 4,
+            payload: b"abc".to_vec(),
+        };
+        let f = encode_join(&j).unwrap();
+        assert_eq!(
+            f,
+            [
+                &b"GWRV"[..],
+                &[1, 1, 0, 0, 0, 19],
+                &[0, 0, 0, 7, 0, 0, 0, 2, 0, 0, 0, 4, 0, 0, 0, 3],
+                b"abc"
+            ]
+            .concat()
+        );
+        assert_eq!(decode_join(&f, MAXP).unwrap(), j);
+        assert_eq!(decode(&f, MAXP).unwrap(), Frame::Join(j));
+
+        let t = Table {
+            job: 7,
+            payloads: vec![b"x".to_vec(), vec![], b"yz".to_vec()],
+        };
+        let f = encode_table(&t).unwrap();
+        assert_eq!(&f[..10], &[b'G', b'W', b'R', b'V', 1, 2, 0, 0, 0, 23]);
+        assert_eq!(&f[10..18], &[0, 0, 0, 7, 0, 0, 0, 3]);
+        assert_eq!(decode_table(&f, MAXP).unwrap(), t);
+
+        let r = Refuse {
+            reason: "wrong job".to_owned(),
+        };
+        let f = encode_refuse(&r);
+        assert_eq!(&f[5..12], &[3, 0, 0, 0, 11, 0, 9]);
+        assert_eq!(decode_refuse(&f).unwrap(), r);
+        assert_eq!(decode(&f, MAXP).unwrap(), Frame::Refuse(r));
+    }
+
+    #[test]
+    fn decoders_enforce_bounds() {
+        // Payload over max_payload: the header already says too much.
+        let f = join_frame(1, 0, 1, &[0; 100]);
+        assert!(matches!(
+            decode_join(&f, 99),
+            Err(WireError::TooLarge { .. })
+        ));
+        assert!(decode_join(&f, 100).is_ok());
+        // World and rank.
+        assert!(encode_join(&Join {
+            job: 1,
+            rank: 0,
+            world: 0,
+            payload: vec![]
+        })
+        .is_err());
+        assert!(encode_join(&Join {
+            job: 1,
+            rank: 3,
+            world: 3,
+            payload: vec![]
+        })
+        .is_err());
+        let mut f = join_frame(1, 1, 2, b"");
+        f[16] = 1; // rank 257 of 2
+        assert!(matches!(
+            decode_join(&f, MAXP),
+            Err(WireError::Field { field: "rank", .. })
+        ));
+        let too_many = Table {
+            job: 1,
+            payloads: vec![vec![]; MAX_RANKS + 1],
+        };
+        assert!(encode_table(&too_many).is_err());
+        let max = Table {
+            job: 1,
+            payloads: vec![vec![]; MAX_RANKS],
+        };
+        assert_eq!(decode_table(&encode_table(&max).unwrap(), 0).unwrap(), max);
+        // A long reason is cut at a character boundary.
+        let r = Refuse {
+            reason: "é".repeat(200),
+        };
+        let back = decode_refuse(&encode_refuse(&r)).unwrap();
+        assert_eq!(back.reason, "é".repeat(128));
+        // Wrong kind, magic, version, unknown kind.
+        let f = encode_refuse(&r);
+        assert!(matches!(
+            decode_join(&f, MAXP),
+            Err(WireError::WrongKind {
+                expected: Kind::Join,
+                got: Kind::Refuse
+            })
+        ));
+        let mut g = f.clone();
+        g[0] = b'X';
+        assert!(matches!(decode(&g, MAXP), Err(WireError::BadMagic(_))));
+        let mut g = f.clone();
+        g[4] = 2;
+        assert_eq!(decode(&g, MAXP), Err(WireError::Version(2)));
+        let mut g = f;
+        g[5] = 9;
+        assert_eq!(decode(&g, MAXP), Err(WireError::UnknownKind(9)));
+    }
+
+    #[test]
+    fn body_length_must_match_fields() {
+        // Body length says 1 more than the fields use, with the extra byte present.
+        let mut f = join_frame(1, 0, 1, b"ab");
+        f[9] += 1;
+        f.push(0);
+        assert!(matches!(
+            decode_join(&f, MAXP),
+            Err(WireError::BodyLength { .. })
+        ));
+        // Payload length claims more than the body holds.
+        let mut f = join_frame(1, 0, 1, b"ab");
+        f[25] = 3;
+        assert!(matches!(
+            decode_join(&f, MAXP),
+            Err(WireError::BodyLength { .. })
+        ));
+        let mut f = join_frame(1, 0, 1, b"ab");
+        f.push(0);
+        assert_eq!(decode_join(&f, MAXP), Err(WireError::Trailing(1)));
+    }
+
+    fn arb_frame() -> impl Strategy<Value = Vec<u8>> {
+        let join = (
+            any::<u32>(),
+            1u32..=16,
+            proptest::collection::vec(any::<u8>(), 0..64),
+        )
+            .prop_flat_map(|(job, world, payload)| {
+                (0..world).prop_map(move |rank| join_frame(job, rank, world, &payload))
+            });
+        let table = (
+            any::<u32>(),
+            proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..32), 1..8),
+        )
+            .prop_map(|(job, payloads)| encode_table(&Table { job, payloads }).unwrap());
+        let refuse = ".{0,80}".prop_map(|reason| encode_refuse(&Refuse { reason }));
+        prop_oneof![join, table, refuse]
+    }
+
+    proptest! {
+        #[test]
+        fn decoding_arbitrary_bytes_never_panics(
+            bytes in proptest::collection::vec(any::<u8>(), 0..200),
+            max_payload in prop_oneof![Just(0usize), Just(16), Just(MAXP), Just(usize::MAX)],
+        ) {
+            let _ = decode_header(&bytes, max_payload);
+            let _ = decode_join(&bytes, max_payload);
+            let _ = decode_table(&bytes, max_payload);
+            let _ = decode_refuse(&bytes);
+            let _ = decode(&bytes, max_payload);
+        }
+
+        #[test]
+        fn decoding_after_a_valid_header_never_panics(
+            kind in 0u8..5,
+            len in any::<u32>(),
+            body in proptest::collection::vec(any::<u8>(), 0..200),
+        ) {
+            let mut f = b"GWRV".to_vec();
+            f.push(VERSION);
+            f.push(kind);
+            f.extend_from_slice(&len.to_be_bytes());
+            f.extend_from_slice(&body);
+            let _ = decode(&f, MAXP);
+            // Whatever the length, a decoder for another kind says so.
+            if let Some(k) = [Kind::Join, Kind::Table, Kind::Refuse].into_iter().find(|k| *k as u8 == kind) {
+                let wrong = |expected| Err(WireError::WrongKind { expected, got: k });
+                if k != Kind::Join {
+                    prop_assert_eq!(decode_join(&f, 0).map(drop), wrong(Kind::Join));
+                }
+                if k != Kind::Table {
+                    prop_assert_eq!(decode_table(&f, 0).map(drop), wrong(Kind::Table));
+                }
+                if k != Kind::Refuse {
+                    prop_assert_eq!(decode_refuse(&f).map(drop), wrong(Kind::Refuse));
+                }
+            }
+            // With the body length made consistent too.
+            let len = body.len() as u32;
+            f[6..10].copy_from_slice(&len.to_be_bytes());
+            if let Ok(frame) = decode(&f, MAXP) {
+                // Canonical: what decodes re-encodes to the same bytes.
+                let again = match &frame {
+                    Frame::Join(j) => encode_join(j).unwrap(),
+                    Frame::Table(t) => encode_table(t).unwrap(),
+                    Frame::Refuse(r) => encode_refuse(r),
+                };
+                prop_assert_eq!(again, f);
+            }
+        }
+
+        #[test]
+        fn valid_frames_round_trip_and_reject_truncation(f in arb_frame()) {
+            let frame = decode(&f, MAXP).unwrap();
+            let again = match &frame {
+                Frame::Join(j) => encode_join(j).unwrap(),
+                Frame::Table(t) => encode_table(t).unwrap(),
+                Frame::Refuse(r) => encode_refuse(r),
+            };
+            prop_assert_eq!(&again, &f);
+            for cut in 0..f.len() {
+                let is_truncated = matches!(
+                    decode(&f[..cut], MAXP),
+                    Err(WireError::Truncated { .. })
+                );
+                prop_assert!(is_truncated);
+            }
+            let mut longer = f.clone();
+            longer.push(0);
+            prop_assert_eq!(decode(&longer, MAXP), Err(WireError::Trailing(1)));
+        }
+    }
+
+    fn join_of(job: u32, rank: u32, world: u32, payload: &[u8]) -> Join {
+        Join {
+            job,
+            rank,
+            world,
+            payload: payload.to_vec(),
+        }
+    }
+
+    #[test]
+    fn roster_admits_each_rank_once() {
+        let mut r = Roster::new(5, 4, b"zero");
+        assert_eq!(r.missing(), vec![1, 2, 3]);
+        assert_eq!(r.admit(join_of(5, 2, 4, b"two")), Ok(2));
+        let e = r.admit(join_of(5, 2, 4, b"again")).unwrap_err();
+        assert!(e.contains("rank 2 has already joined"), "{e}");
+        let e = r.admit(join_of(6, 1, 4, b"")).unwrap_err();
+        assert!(e.contains("job id 6") && e.contains("job 5"), "{e}");
+        let e = r.admit(join_of(5, 1, 3, b"")).unwrap_err();
+        assert!(e.contains("world size 3"), "{e}");
+        let e = r.admit(join_of(5, 0, 4, b"")).unwrap_err();
+        assert!(e.contains("rank 0"), "{e}");
+        assert_eq!(r.missing(), vec![1, 3]);
+        assert!(!r.complete());
+        assert_eq!(r.admit(join_of(5, 3, 4, b"three")), Ok(3));
+        assert_eq!(r.admit(join_of(5, 1, 4, b"one")), Ok(1));
+        assert!(r.complete());
+        assert_eq!(
+            r.into_table(),
+            vec![
+                b"zero".to_vec(),
+                b"one".to_vec(),
+                b"two".to_vec(),
+                b"three".to_vec()
+            ]
+        );
+    }
+
+    /// A port that was free a moment ago.
+    fn free_port() -> SocketAddr {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    }
+
+    fn cfg(secs: u64) -> RendezvousConfig {
+        RendezvousConfig {
+            timeout: Duration::from_secs(secs),
+            max_payload: MAXP,
+        }
+    }
+
+    fn spawn_rank(
+        master: SocketAddr,
+        job: u32,
+        rank: usize,
+        world: usize,
+        payload: Vec<u8>,
+        c: RendezvousConfig,
+    ) -> thread::JoinHandle<Result<Vec<Vec<u8>>, RendezvousError>> {
+        thread::spawn(move || exchange(master, job, rank, world, &payload, &c))
+    }
+
+    fn payload_of(rank: usize) -> Vec<u8> {
+        format!("rank {rank} at 10.0.0.{rank}")
+            .repeat(rank + 1)
+            .into_bytes()
+    }
+
+    #[test]
+    fn four_ranks_get_the_same_table() {
+        let master = free_port();
+        // Rank 0 last, so the others retry until it listens.
+        let mut handles: Vec<_> = (1..4)
+            .map(|r| spawn_rank(master, 42, r, 4, payload_of(r), cfg(30)))
+            .collect();
+        handles.push(spawn_rank(master, 42, 0, 4, payload_of(0), cfg(30)));
+        let expect: Vec<Vec<u8>> = (0..4).map(payload_of).collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap().unwrap(), expect);
+        }
+    }
+
+    #[test]
+    fn world_of_one_needs_no_master() {
+        // TEST-NET-1: nothing listens there; the call must not try.
+        let master: SocketAddr = "192.0.2.1:9".parse().unwrap();
+        let got = exchange(master, 1, 0, 1, b"solo", &cfg(30)).unwrap();
+        assert_eq!(got, vec![b"solo".to_vec()]);
+    }
+
+    #[test]
+    fn bad_arguments_are_rejected_before_io() {
+        let master: SocketAddr = "192.0.2.1:9".parse().unwrap();
+        let c = cfg(30);
+        for (rank, world, len) in [
+            (2, 2, 0),
+            (0, 0, 0),
+            (0, MAX_RANKS + 1, 0),
+            (0, 2, MAXP + 1),
+        ] {
+            match exchange(master, 1, rank, world, &vec![0; len], &c) {
+                Err(RendezvousError::Invalid(_)) => {}
+                other => panic!("({rank}, {world}, {len}): {other:?}"),
+            }
+        }
+        let huge = RendezvousConfig {
+            timeout: Duration::from_secs(1),
+            max_payload: 1 << 20,
+        };
+        match exchange(master, 1, 1, MAX_RANKS, b"", &huge) {
+            Err(RendezvousError::Invalid(m)) => assert!(m.contains("lower max_payload"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn wrong_job_or_world_is_refused_and_the_right_rank_still_joins() {
+        let master = free_port();
+        let r0 = spawn_rank(master, 42, 0, 3, payload_of(0), cfg(30));
+        let r1 = spawn_rank(master, 42, 1, 3, payload_of(1), cfg(30));
+        match exchange(master, 99, 2, 3, b"impostor", &cfg(30)) {
+            Err(RendezvousError::Refused { reason }) => {
+                assert!(
+                    reason.contains("job id 99") && reason.contains("42"),
+                    "{reason}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        match exchange(master, 42, 2, 5, b"impostor", &cfg(30)) {
+            Err(e @ RendezvousError::Refused { .. }) => {
+                assert!(e.to_string().contains("world size 5"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let r2 = spawn_rank(master, 42, 2, 3, payload_of(2), cfg(30));
+        let expect: Vec<Vec<u8>> = (0..3).map(payload_of).collect();
+        for h in [r0, r1, r2] {
+            assert_eq!(h.join().unwrap().unwrap(), expect);
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_times_out_by_name() {
+        let master = free_port();
+        let r0 = spawn_rank(master, 42, 0, 3, payload_of(0), cfg(1));
+        // Rank 1 waits longer than rank 0, so it hears rank 0's verdict.
+        let r1 = spawn_rank(master, 42, 1, 3, payload_of(1), cfg(30));
+        match r0.join().unwrap() {
+            Err(RendezvousError::Timeout { waited, missing }) => {
+                assert_eq!(missing, vec![2]);
+                assert_eq!(waited, Duration::from_secs(1));
+            }
+            other => panic!("{other:?}"),
+        }
+        match r1.join().unwrap() {
+            Err(RendezvousError::Refused { reason }) => {
+                assert!(reason.contains("[2] never joined"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn rank_0_absent_is_unreachable() {
+        let master = free_port();
+        let c = RendezvousConfig {
+            timeout: Duration::from_millis(300),
+            max_payload: MAXP,
+        };
+        match exchange(master, 1, 1, 2, b"x", &c) {
+            Err(e @ RendezvousError::Unreachable { .. }) => {
+                assert!(e.to_string().contains("MASTER_ADDR/MASTER_PORT"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn connect_raw(master: SocketAddr) -> TcpStream {
+        let s = connect(
+            master,
+            Instant::now().checked_add(Duration::from_secs(30)),
+            cfg(30).timeout,
+        )
+        .unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s
+    }
+
+    fn read_frame(s: &mut TcpStream) -> Vec<u8> {
+        let mut f = vec![0; HEADER_LEN];
+        s.read_exact(&mut f).unwrap();
+        let h = decode_header(&f, MAXP).unwrap();
+        let mut body = vec![0; h.body_len];
+        s.read_exact(&mut body).unwrap();
+        f.extend_from_slice(&body);
+        f
+    }
+
+    /// The peer closed: read gives end of stream or a reset, not data.
+    fn assert_closed(s: &mut TcpStream) {
+        let mut b = [0u8; 64];
+        match s.read(&mut b) {
+            Ok(0) => {}
+            Err(e) => assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}"),
+            Ok(n) => panic!("got {n} bytes from a dropped connection"),
+        }
+    }
+
+    #[test]
+    fn garbage_and_silent_connections_do_not_stop_the_rendezvous() {
+        let master = free_port();
+        let r0 = spawn_rank(master, 42, 0, 2, payload_of(0), cfg(30));
+
+        let mut silent = connect_raw(master);
+        let mut half = connect_raw(master);
+        half.write_all(&join_frame(42, 1, 2, b"never finished")[..12])
+            .unwrap();
+        let mut http = connect_raw(master);
+        http.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        // Our magic, another version: answered with a Refuse saying so.
+        let mut v2 = connect_raw(master);
+        let mut f = join_frame(42, 1, 2, b"v2");
+        f[4] = 2;
+        v2.write_all(&f).unwrap();
+        let refused = decode_refuse(&read_frame(&mut v2)).unwrap();
+        assert!(refused.reason.contains("version 2"), "{}", refused.reason);
+        // Not a rendezvous frame at all: dropped without an answer.
+        assert_closed(&mut http);
+
+        let r1 = spawn_rank(master, 42, 1, 2, payload_of(1), cfg(30));
+        let expect: Vec<Vec<u8>> = (0..2).map(payload_of).collect();
+        assert_eq!(r1.join().unwrap().unwrap(), expect);
+        assert_eq!(r0.join().unwrap().unwrap(), expect);
+        // Rank 0 is done: the connections that never joined are closed.
+        assert_closed(&mut silent);
+        assert_closed(&mut half);
+    }
+
+    #[test]
+    fn a_fake_rank_0_answer_is_checked() {
+        // A listener that answers every join with a table of the wrong job.
+        let master = free_port();
+        let l = TcpListener::bind(master).unwrap();
+        let fake = thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut f = vec![0; HEADER_LEN];
+            s.read_exact(&mut f).unwrap();
+            let h = decode_header(&f, MAXP).unwrap();
+            let mut body = vec![0; h.body_len];
+            s.read_exact(&mut body).unwrap();
+            let t = encode_table(&Table {
+                job: 41,
+                payloads: vec![vec![], b"me".to_vec()],
+            })
+            .unwrap();
+            s.write_all(&t).unwrap();
+        });
+        match exchange(master, 42, 1, 2, b"me", &cfg(30)) {
+            Err(RendezvousError::BadTable { problem, .. }) => {
+                assert!(problem.contains("job 41"), "{problem}")
+            }
+            other => panic!("{other:?}"),
+        }
+        fake.join().unwrap();
+    }
+}
