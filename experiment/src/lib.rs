@@ -35,6 +35,7 @@
 //! baseline.
 
 pub mod fabricbench;
+pub mod mlnet;
 pub mod netbench;
 pub mod workload;
 

@@ -1,0 +1,524 @@
+//! MLNET on the emulated fabric: aggregation/multicast trees against the direct parameter
+//! server (Fig. 1's direction) and job prioritization (Fig. 3's direction).
+//!
+//! A *job* here is MLNET's synchronous parameter-server training: `W` workers and `S`
+//! servers; the model is split evenly over the servers, and every iteration each worker
+//! pushes its gradients of every server's shard and pulls the shard back. For each server,
+//! the push is aggregated up a tree rooted at the server and the pull is multicast down the
+//! same tree (`gradwire-collective`'s pipelined tree all-reduce: the server's `finish` of a
+//! chunk stands in for its update); STAR is today's direct parameter server (the tree of
+//! depth 1), RACK one aggregator per rack, BINARY in-degree 2. A worker starts iteration
+//! `i + 1` only when all of its servers' iteration `i` is done. The makespan of a job is
+//! from the moment all its ranks are connected to the end of its last iteration.
+//!
+//! Every rank of every tree is a thread inside its host's namespace with its own
+//! communicator and links (kernel UDP datapaths, TCP control), found through a rendezvous
+//! at its server; receivers of one host and job share a grant pool of the host link's
+//! capacity. Nothing blocks without a bound: connecting, every transfer, and the gates that
+//! start jobs and iterations have timeouts, and a failing rank breaks its job's gates so the
+//! others fail fast with the reason.
+//!
+//! Priorities: a job's priority (0 = most urgent, as gradwire-qos's data priorities) picks
+//! the DSCP of its data packets, so the fabric's strict-priority queues serve the urgent
+//! job first (`priority` modes); `fifo` puts every job in the same queue.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use gradwire::flow::SenderConfig;
+use gradwire::grant::GrantConfig;
+use gradwire::grant_pool::GrantPool;
+use gradwire::message::LossBound;
+use gradwire::tensor::{DType, Tensor};
+use gradwire::transport::TransferConfig;
+use gradwire_collective::aggregate::ReduceOp;
+use gradwire_collective::comm::{AllReduceOptions, Algorithm, CommConfig, Communicator};
+use gradwire_collective::link::{tree_edges, Links, NetLinkConfig};
+use gradwire_collective::tree::{Strategy, Tree};
+use gradwire_fabric::netns::FabricNet;
+use gradwire_fabric::run::{spawn, FabricConfig};
+use gradwire_fabric::topology::Topology;
+use gradwire_netns::spawn_in_netns;
+use serde::Serialize;
+
+use crate::ExperimentError;
+
+/// One job to run.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobPlan {
+    /// Job id (also picks its rendezvous ports).
+    pub job: u32,
+    /// Priority, 0 = most urgent.
+    pub priority: u8,
+    /// DSCP of its data packets.
+    pub dscp: u8,
+    /// Server hosts (topology host indices).
+    pub servers: Vec<usize>,
+    /// Worker hosts.
+    pub workers: Vec<usize>,
+    /// Tree strategy.
+    #[serde(serialize_with = "strategy_name")]
+    pub strategy: Strategy,
+    /// f32 elements of each server's shard.
+    pub shard_elems: usize,
+    /// Iterations.
+    pub iterations: u32,
+}
+
+fn strategy_name<S: serde::Serializer>(s: &Strategy, ser: S) -> Result<S::Ok, S::Error> {
+    ser.serialize_str(&s.to_string())
+}
+
+/// What one job did.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobOutcome {
+    /// Job id.
+    pub job: u32,
+    /// Makespan, ms (NaN when it failed).
+    pub makespan_ms: f64,
+    /// Mean iteration time, ms.
+    pub iteration_ms_mean: f64,
+    /// Edges of its trees that cross racks (one tree per server).
+    pub cross_rack_edges: usize,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+}
+
+/// Settings shared by the runs.
+#[derive(Debug, Clone)]
+pub struct RunSettings {
+    /// Longest wait for a connection, a peer's part of an operation, or a gate.
+    pub timeout: Duration,
+    /// The rate-control period, ns (2 ms on the emulated links, as the incast experiment).
+    pub period_ns: u64,
+    /// Loss bound of every transfer.
+    pub loss_bound: LossBound,
+    /// Blocks per pipeline chunk.
+    pub pipeline_blocks: usize,
+}
+
+impl Default for RunSettings {
+    fn default() -> Self {
+        RunSettings {
+            timeout: Duration::from_secs(60),
+            period_ns: 2_000_000,
+            loss_bound: LossBound::RELIABLE,
+            pipeline_blocks: 64,
+        }
+    }
+}
+
+/// A barrier with a deadline that a failing party can break, so nobody waits for a rank
+/// that is gone.
+#[derive(Debug)]
+struct Gate {
+    parties: usize,
+    state: Mutex<(usize, u64, bool)>,
+    cv: Condvar,
+}
+
+impl Gate {
+    fn new(parties: usize) -> Arc<Gate> {
+        Arc::new(Gate {
+            parties,
+            state: Mutex::new((0, 0, false)),
+            cv: Condvar::new(),
+        })
+    }
+
+    fn wait(&self, timeout: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.state.lock().map_err(|_| "gate poisoned".to_string())?;
+        if s.2 {
+            return Err("another rank of the job failed".into());
+        }
+        let generation = s.1;
+        s.0 += 1;
+        if s.0 == self.parties {
+            s.0 = 0;
+            s.1 += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        while s.1 == generation && !s.2 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                s.2 = true;
+                self.cv.notify_all();
+                return Err(format!("the other ranks did not arrive within {timeout:?}"));
+            }
+            s = self
+                .cv
+                .wait_timeout(s, left)
+                .map_err(|_| "gate poisoned".to_string())?
+                .0;
+        }
+        if s.1 == generation {
+            return Err("another rank of the job failed".into());
+        }
+        Ok(())
+    }
+
+    fn break_all(&self) {
+        if let Ok(mut s) = self.state.lock() {
+            s.2 = true;
+            self.cv.notify_all();
+        }
+    }
+}
+
+fn link_rate(topo: &Topology, host: usize) -> u64 {
+    let h = &topo.hosts[host];
+    topo.switches[h.switch].ports[h.port].link.rate_bps
+}
+
+/// The rack (leaf switch) of every host.
+pub fn host_racks(topo: &Topology) -> Vec<usize> {
+    topo.hosts.iter().map(|h| h.switch).collect()
+}
+
+/// The tree of server `j` of `plan`: local rank 0 is the server, 1.. the workers in order.
+fn server_tree(plan: &JobPlan, j: usize, racks: &[usize]) -> Result<(Vec<usize>, Tree), String> {
+    let mut hosts = vec![plan.servers[j]];
+    hosts.extend(&plan.workers);
+    let rack_of: Vec<usize> = hosts.iter().map(|&h| racks[h]).collect();
+    let members: Vec<usize> = (0..hosts.len()).collect();
+    let tree = Tree::build(plan.strategy, 0, &members, &rack_of).map_err(|e| e.to_string())?;
+    Ok((hosts, tree))
+}
+
+/// Run `jobs` at once on a running fabric (`net` built from `topo`); outcomes in job order.
+pub fn run_jobs(
+    topo: &Topology,
+    net: &FabricNet,
+    jobs: &[JobPlan],
+    settings: &RunSettings,
+) -> Vec<JobOutcome> {
+    let racks = host_racks(topo);
+    let total_threads: usize = jobs
+        .iter()
+        .map(|p| p.servers.len() * (p.workers.len() + 1))
+        .sum();
+    let start_gate = Gate::new(total_threads);
+    type Done = Result<(Instant, Instant), String>;
+    let mut per_job: Vec<(Vec<std::thread::JoinHandle<Done>>, usize, Option<String>)> = Vec::new();
+    for plan in jobs {
+        let mut handles = Vec::new();
+        let mut setup_error = None;
+        let mut cross = 0;
+        let job_gate = Gate::new(plan.servers.len() * (plan.workers.len() + 1));
+        // Per-host iteration gates: a worker's trees wait for each other every iteration.
+        let mut host_gates = std::collections::BTreeMap::new();
+        for j in 0..plan.servers.len() {
+            if let Ok((hosts, _)) = server_tree(plan, j, &racks) {
+                for h in hosts {
+                    *host_gates.entry(h).or_insert(0usize) += 1;
+                }
+            }
+        }
+        let host_gates: std::collections::BTreeMap<usize, Arc<Gate>> =
+            host_gates.into_iter().map(|(h, n)| (h, Gate::new(n))).collect();
+        // One grant pool per host for this job.
+        let pools: std::collections::BTreeMap<usize, GrantPool> = host_gates
+            .keys()
+            .map(|&h| {
+                (
+                    h,
+                    GrantPool::new(GrantConfig::new(link_rate(topo, h), settings.period_ns)),
+                )
+            })
+            .collect();
+        for j in 0..plan.servers.len() {
+            let (hosts, tree) = match server_tree(plan, j, &racks) {
+                Ok(t) => t,
+                Err(e) => {
+                    setup_error = Some(e);
+                    break;
+                }
+            };
+            let local_racks: Vec<usize> = hosts.iter().map(|&h| racks[h]).collect();
+            cross += tree.cross_rack_edges(&local_racks);
+            let master = SocketAddr::new(
+                IpAddr::V4(topo.hosts[hosts[0]].ip),
+                30_000 + (plan.job as u16 % 200) * 16 + j as u16,
+            );
+            let edges = tree_edges(&tree);
+            for (local, &h) in hosts.iter().enumerate() {
+                let Some(ns) = net.host_ns(h) else {
+                    setup_error = Some(format!("no namespace for host {h}"));
+                    break;
+                };
+                let ip = IpAddr::V4(topo.hosts[h].ip);
+                let world = hosts.len();
+                let rate = link_rate(topo, h);
+                let mut sender = SenderConfig::new(rate);
+                sender.rate.period_ns = settings.period_ns;
+                let comm_cfg = CommConfig {
+                    transfer: TransferConfig {
+                        sender,
+                        idle_timeout: Duration::from_secs(20),
+                        grant_pool: pools.get(&h).cloned(),
+                        ..TransferConfig::default()
+                    },
+                    loss_bound: settings.loss_bound,
+                    pipeline_blocks: settings.pipeline_blocks,
+                    op_timeout: settings.timeout,
+                    ..CommConfig::default()
+                };
+                let opts = AllReduceOptions {
+                    op: ReduceOp::Sum,
+                    dscp: plan.dscp,
+                    algorithm: Algorithm::Tree(tree.clone()),
+                    ..AllReduceOptions::default()
+                };
+                let link_cfg = NetLinkConfig {
+                    connect_timeout: settings.timeout,
+                    ..NetLinkConfig::default()
+                };
+                let (edges, gate, job_gate) =
+                    (edges.clone(), start_gate.clone(), job_gate.clone());
+                let host_gate = host_gates[&h].clone();
+                let (job, iterations, shard, timeout) =
+                    (plan.job, plan.iterations, plan.shard_elems, settings.timeout);
+                let run = move || -> Done {
+                    let fail = |e: String| {
+                        job_gate.break_all();
+                        host_gate.break_all();
+                        gate.break_all();
+                        e
+                    };
+                    let links = Links::connect(job, local, world, ip, master, &edges, None, &link_cfg)
+                        .map_err(|e| fail(format!("rank {local} on {ip}: {e}")))?;
+                    let mut comm = Communicator::new(links, job, comm_cfg)
+                        .map_err(|e| fail(e.to_string()))?;
+                    let mut t = Tensor::zeros(DType::F32, shard);
+                    gate.wait(timeout).map_err(&fail)?;
+                    let start = Instant::now();
+                    for _ in 0..iterations {
+                        if local > 0 {
+                            t.fill_pattern(local as u64);
+                        } else {
+                            t.as_bytes_mut().fill(0);
+                        }
+                        comm.all_reduce(&mut t, &opts)
+                            .map_err(|e| fail(format!("rank {local} on {ip}: {e}")))?;
+                        host_gate.wait(timeout).map_err(&fail)?;
+                    }
+                    Ok((start, Instant::now()))
+                };
+                match spawn_in_netns(ns, run) {
+                    Ok(hd) => handles.push(hd),
+                    Err(e) => {
+                        setup_error = Some(format!("entering {ns}: {e}"));
+                        start_gate.break_all();
+                        break;
+                    }
+                }
+            }
+        }
+        per_job.push((handles, cross, setup_error));
+    }
+    jobs.iter()
+        .zip(per_job)
+        .map(|(plan, (handles, cross, setup_error))| {
+            let mut first = None::<Instant>;
+            let mut last = None::<Instant>;
+            let mut error = setup_error;
+            for h in handles {
+                match h.join() {
+                    Ok(Ok((s, e))) => {
+                        first = Some(first.map_or(s, |f| f.min(s)));
+                        last = Some(last.map_or(e, |l| l.max(e)));
+                    }
+                    Ok(Err(e)) => {
+                        error.get_or_insert(e);
+                    }
+                    Err(_) => {
+                        error.get_or_insert("a rank thread panicked".into());
+                    }
+                }
+            }
+            let makespan_ms = match (first, last, &error) {
+                (Some(f), Some(l), None) => l.duration_since(f).as_secs_f64() * 1e3,
+                _ => f64::NAN,
+            };
+            JobOutcome {
+                job: plan.job,
+                makespan_ms,
+                iteration_ms_mean: makespan_ms / plan.iterations.max(1) as f64,
+                cross_rack_edges: cross,
+                error,
+            }
+        })
+        .collect()
+}
+
+/// Build the fabric of `topo`, run `jobs`, tear it down; outcomes and whether the fabric
+/// kept its clock (the run is valid).
+pub fn run_on_fresh_fabric(
+    topo: &Topology,
+    jobs: &[JobPlan],
+    settings: &RunSettings,
+) -> Result<(Vec<JobOutcome>, bool, f64), ExperimentError> {
+    let net = FabricNet::up(topo).map_err(|e| ExperimentError::Other(format!("testbed: {e}")))?;
+    let fabric = match spawn(topo, net.switch_namespaces(), FabricConfig::default()) {
+        Ok(f) => f,
+        Err(e) => {
+            let down = net.down();
+            return Err(ExperimentError::Other(format!(
+                "starting the fabric: {e}{}",
+                down.err().map(|d| format!("; teardown: {d}")).unwrap_or_default()
+            )));
+        }
+    };
+    let outcomes = run_jobs(topo, &net, jobs, settings);
+    let _ = fabric.wait_idle(Duration::from_secs(10));
+    let stats = fabric.stop();
+    let down = net.down();
+    let valid = stats.as_ref().is_some_and(|s| !s.lag.behind);
+    let lag_p99_us = stats.as_ref().map_or(f64::NAN, |s| s.lag.p99_ns as f64 / 1e3);
+    down.map_err(|e| ExperimentError::Other(format!("removing the testbed: {e}")))?;
+    Ok((outcomes, valid, lag_p99_us))
+}
+
+/// `gradwire experiment mlnet`: STAR vs trees for several server counts.
+#[derive(Debug, Clone)]
+pub struct MlnetConfig {
+    /// Topology (`testbeds/mlnet.toml`).
+    pub topology: PathBuf,
+    /// Strategies.
+    pub strategies: Vec<Strategy>,
+    /// Server counts.
+    pub servers: Vec<usize>,
+    /// Workers.
+    pub workers: usize,
+    /// Model size in bytes (split over the servers).
+    pub model_bytes: u64,
+    /// Iterations per run.
+    pub iterations: u32,
+    /// Seed of the placement of servers and workers on hosts.
+    pub seed: u64,
+    /// Shared settings.
+    pub settings: RunSettings,
+}
+
+impl MlnetConfig {
+    /// Defaults with files under the repository root `root`: STAR, RACK, BINARY; 1, 2 and 4
+    /// servers; 8 workers; a 1 MiB model; 3 iterations; seed 1.
+    pub fn new(root: &std::path::Path) -> MlnetConfig {
+        MlnetConfig {
+            topology: root.join("testbeds/mlnet.toml"),
+            strategies: vec![Strategy::Star, Strategy::Rack, Strategy::BINARY],
+            servers: vec![1, 2, 4],
+            workers: 8,
+            model_bytes: 1 << 20,
+            iterations: 3,
+            seed: 1,
+            settings: RunSettings::default(),
+        }
+    }
+}
+
+/// One run of the MLNET experiment.
+#[derive(Debug, Clone, Serialize)]
+pub struct MlnetResult {
+    /// `star`, `rack`, `binary` or `d=N`.
+    pub strategy: String,
+    /// Parameter servers.
+    pub servers: usize,
+    /// Makespan of all iterations, ms.
+    pub makespan_ms: f64,
+    /// Mean iteration, ms.
+    pub iteration_ms_mean: f64,
+    /// Makespan / STAR's at the same server count.
+    pub vs_star: f64,
+    /// Tree edges crossing racks, summed over the servers' trees.
+    pub cross_rack_edges: usize,
+    /// The fabric kept its clock.
+    pub valid: bool,
+    /// Fabric departure lag p99, us.
+    pub fabric_lag_p99_us: f64,
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
+/// The MLNET experiment's report.
+#[derive(Debug, Clone, Serialize)]
+pub struct MlnetReport {
+    /// Topology name.
+    pub topology: String,
+    /// Workers.
+    pub workers: usize,
+    /// Model bytes.
+    pub model_bytes: u64,
+    /// Iterations per run.
+    pub iterations: u32,
+    /// Runs.
+    pub results: Vec<MlnetResult>,
+}
+
+/// Hosts in a seeded random order: the first ones serve, the next ones work.
+fn placement(hosts: usize, seed: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..hosts).collect();
+    fastrand::Rng::with_seed(seed).shuffle(&mut order);
+    order
+}
+
+/// Run the MLNET experiment.
+pub fn run_mlnet(cfg: &MlnetConfig) -> Result<MlnetReport, ExperimentError> {
+    let topo = Topology::load(&cfg.topology)?;
+    let order = placement(topo.hosts.len(), cfg.seed);
+    let mut results = Vec::new();
+    for &s in &cfg.servers {
+        if s + cfg.workers > topo.hosts.len() {
+            return Err(ExperimentError::Other(format!(
+                "{s} servers + {} workers need more than the topology's {} hosts",
+                cfg.workers,
+                topo.hosts.len()
+            )));
+        }
+        let first = results.len();
+        for (i, &strategy) in cfg.strategies.iter().enumerate() {
+            let plan = JobPlan {
+                job: 1 + i as u32,
+                priority: 0,
+                dscp: gradwire_qos::priority_dscp(0),
+                servers: order[..s].to_vec(),
+                workers: order[s..s + cfg.workers].to_vec(),
+                strategy,
+                shard_elems: (cfg.model_bytes / 4 / s as u64).max(1) as usize,
+                iterations: cfg.iterations,
+            };
+            eprintln!("mlnet: {strategy} with {s} server(s)...");
+            let (outcomes, valid, lag) = run_on_fresh_fabric(&topo, &[plan], &cfg.settings)?;
+            let o = &outcomes[0];
+            results.push(MlnetResult {
+                strategy: strategy.to_string(),
+                servers: s,
+                makespan_ms: o.makespan_ms,
+                iteration_ms_mean: o.iteration_ms_mean,
+                vs_star: f64::NAN,
+                cross_rack_edges: o.cross_rack_edges,
+                valid,
+                fabric_lag_p99_us: lag,
+                error: o.error.clone(),
+            });
+        }
+        let star_ms = results[first..]
+            .iter()
+            .find(|r: &&MlnetResult| r.strategy == "star")
+            .map_or(f64::NAN, |r| r.makespan_ms);
+        for r in &mut results[first..] {
+            r.vs_star = r.makespan_ms / star_ms;
+        }
+    }
+    Ok(MlnetReport {
+        topology: topo.name.clone(),
+        workers: cfg.workers,
+        model_bytes: cfg.model_bytes,
+        iterations: cfg.iterations,
+        results,
+    })
+}
