@@ -35,6 +35,132 @@ pub enum Command {
     Fabric(FabricArgs),
     /// Experiments on the emulated fabric (root).
     Experiment(ExperimentArgs),
+    /// Collective jobs: all-reduce a model's layers over every rank of a job.
+    Job(JobArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct JobArgs {
+    #[command(subcommand)]
+    pub command: JobCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum JobCommand {
+    /// One rank of a job, as torchrun, srun or mpirun start it: rank and world size from
+    /// RANK/WORLD_SIZE, SLURM_PROCID/SLURM_NTASKS, OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE
+    /// or PMI_RANK/PMI_SIZE; rank 0's rendezvous address from MASTER_ADDR/MASTER_PORT or the
+    /// job file.
+    Worker(JobWorkerArgs),
+    /// Every rank of a job file as its own process on this machine, one network namespace
+    /// per host address (root; addresses in 198.18.0.0/15).
+    Run(JobRunArgs),
+}
+
+/// An all-reduce algorithm: the ring, or a tree of a strategy (rooted at rank 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobAlgorithm {
+    Ring,
+    Tree(gradwire_collective::tree::Strategy),
+}
+
+impl std::fmt::Display for JobAlgorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobAlgorithm::Ring => f.write_str("ring"),
+            JobAlgorithm::Tree(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+/// Parse "ring", "star", "rack", "binary" or "d=N".
+pub fn parse_algorithm(s: &str) -> Result<JobAlgorithm, String> {
+    if s.trim().eq_ignore_ascii_case("ring") {
+        return Ok(JobAlgorithm::Ring);
+    }
+    s.parse()
+        .map(JobAlgorithm::Tree)
+        .map_err(|e: gradwire_collective::tree::ParseStrategyError| format!("{e}, or \"ring\""))
+}
+
+/// Reduction of a job's all-reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum JobOp {
+    Sum,
+    Average,
+}
+
+/// What every rank of a job does; `gradwire job run` passes these on to its workers.
+#[derive(Debug, Clone, Args)]
+pub struct JobOptions {
+    /// All-reduce algorithm: ring, or a tree rooted at rank 0: star, rack (one aggregator per
+    /// rack), binary, or d=N (at most N children per node).
+    #[arg(long, default_value = "ring", value_parser = parse_algorithm)]
+    pub algorithm: JobAlgorithm,
+    /// Model layer file: one all-reduce per layer and iteration.
+    #[arg(long, default_value = "control/models/resnet50.toml")]
+    pub model: PathBuf,
+    /// Tensor size scale (1 = the model's real gradient sizes); every layer has at least one
+    /// element.
+    #[arg(long, default_value_t = 0.01)]
+    pub scale: f64,
+    /// Iterations (one all-reduce of every layer each).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub iterations: u32,
+    /// Loss bound p of every transfer (0 = reliable: results are checked to be exact).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
+    pub loss_bound: f64,
+    /// Sum or average over the ranks.
+    #[arg(long, value_enum, default_value = "sum")]
+    pub op: JobOp,
+    /// Line rate every sender never exceeds, bits per second with a unit (e.g. 1Gbit, 200M).
+    #[arg(long, default_value = "1Gbit", value_parser = |s: &str| parse_rate(s).map(|r| r.bps()))]
+    pub rate: u64,
+    /// Longest wait, in seconds, for the rendezvous, each link, and a peer to start its part
+    /// of an operation: then the rank fails naming what it waited for.
+    #[arg(long, default_value_t = 30.0)]
+    pub timeout: f64,
+}
+
+#[derive(Debug, Args)]
+pub struct JobWorkerArgs {
+    /// Job file (TOML or JSON): job id, master, and each rank's host and rack. Its world
+    /// size must match the launcher's.
+    #[arg(long)]
+    pub job_file: Option<PathBuf>,
+    /// This rank's IP address (default: the job file's entry, else the address this host
+    /// reaches the master from).
+    #[arg(long)]
+    pub host: Option<std::net::IpAddr>,
+    /// Job id without a job file (with one, it must agree).
+    #[arg(long)]
+    pub job: Option<u32>,
+    /// Authenticated job: the job secret's key file (mode 0600); or set GRADWIRE_JOB_SECRET.
+    /// Every rank needs the same secret.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub opts: JobOptions,
+    /// Print one JSON report (the per-iteration lines go to stderr).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct JobRunArgs {
+    /// Job file (TOML or JSON); its hosts become namespaces on one bridge.
+    pub file: PathBuf,
+    #[command(flatten)]
+    pub opts: JobOptions,
+    /// Authenticated job: the job secret's key file (mode 0600), handed to every rank.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
+    /// Seconds the whole job may take before every rank is stopped.
+    #[arg(long, default_value_t = 600.0)]
+    pub deadline: f64,
+    /// Print the workers' reports as one JSON array.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -5,6 +5,7 @@
 mod args;
 mod experiment;
 mod fabric_cmd;
+mod job_cmd;
 mod report;
 mod run;
 mod stats;
@@ -74,6 +75,10 @@ fn main() -> ExitCode {
         },
         args::Command::Experiment(x) => match x.command {
             args::ExperimentCommand::Incast(a) => experiment::incast(&a),
+        },
+        args::Command::Job(j) => match j.command {
+            args::JobCommand::Worker(a) => job_cmd::worker(&a),
+            args::JobCommand::Run(a) => job_cmd::run(&a),
         },
     };
     match result {
