@@ -174,6 +174,74 @@ pub enum ExperimentCommand {
     /// DLCP's parameter-server incast on the leaf-spine: gradwire against kernel TCP, with
     /// ablations. Prints a table; --json for everything.
     Incast(IncastArgs),
+    /// MLNET's aggregation/multicast trees against the direct parameter server (STAR, RACK,
+    /// BINARY, any d) on an oversubscribed leaf-spine, for several server counts.
+    Mlnet(MlnetArgs),
+    /// MLNET's job prioritization: concurrent jobs with random priorities, FIFO against
+    /// strict-priority switch queues, with and without trees.
+    Priority(PriorityArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct MlnetArgs {
+    /// Topology file.
+    #[arg(long)]
+    pub topology: Option<std::path::PathBuf>,
+    /// Strategies: star, rack, binary, d=N.
+    #[arg(long, value_delimiter = ',', default_value = "star,rack,binary")]
+    pub strategies: Vec<String>,
+    /// Server counts.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub servers: Vec<usize>,
+    /// Workers.
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    /// Model size (split over the servers), e.g. 512KiB, 1M.
+    #[arg(long, default_value = "512KiB", value_parser = |s: &str| parse_size(s).map(|b| b.0))]
+    pub model_bytes: u64,
+    /// Iterations per run.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub iterations: u32,
+    /// Seed of the placement of servers and workers.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Write mlnet.json, mlnet.csv and mlnet.png into this directory.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct PriorityArgs {
+    /// Topology file.
+    #[arg(long)]
+    pub topology: Option<std::path::PathBuf>,
+    /// Concurrent jobs per run.
+    #[arg(long, default_value_t = 4)]
+    pub jobs: usize,
+    /// Workers per job (one server each).
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Model size per job, e.g. 512KiB.
+    #[arg(long, default_value = "512KiB", value_parser = |s: &str| parse_size(s).map(|b| b.0))]
+    pub model_bytes: u64,
+    /// Iterations per job.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub iterations: u32,
+    /// Repetitions with other random priorities and placements.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub repetitions: u32,
+    /// Seed.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Write priority.json, priority.csv and priority.png into this directory.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

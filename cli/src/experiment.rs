@@ -86,7 +86,7 @@ pub fn incast(a: &IncastArgs) -> Res {
 /// `scripts/deps.sh` installs).
 const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 
-fn register_font() -> Res {
+pub(crate) fn register_font() -> Res {
     static REGISTERED: std::sync::OnceLock<()> = std::sync::OnceLock::new();
     if REGISTERED.get().is_some() {
         return Ok(());
@@ -233,7 +233,7 @@ fn plot_bars(r: &ExperimentReport, path: &Path) -> Res {
 }
 
 /// Distinct line colours (Tableau 20, darker tones first).
-const LINE_COLORS: [RGBColor; 20] = [
+pub(crate) const LINE_COLORS: [RGBColor; 20] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),

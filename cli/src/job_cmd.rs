@@ -25,9 +25,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use gradwire::auth::JobSecret;
 use gradwire::flow::SenderConfig;
-use gradwire::job_secret::{read_file, SecretError, SECRET_ENV};
+use gradwire::job_secret::load_secret;
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::TransferConfig;
@@ -317,26 +316,6 @@ fn model_layers(path: &Path, scale: f64) -> Result<(String, Vec<(String, usize)>
     Ok((model.name, layers))
 }
 
-/// The job's secret from `--secret-file` or GRADWIRE_JOB_SECRET, as
-/// `gradwire::job_secret::load` reads it but keeping the secret (the links derive their keys).
-fn job_secret(file: Option<&Path>) -> Result<Option<JobSecret>, SecretError> {
-    let env = std::env::var_os(SECRET_ENV);
-    match (file, env) {
-        (Some(_), Some(_)) => Err(SecretError::Ambiguous),
-        (Some(p), None) => read_file(p).map(Some),
-        (None, Some(v)) => {
-            let v = v.into_string().map_err(|_| SecretError::NotUnicode)?;
-            JobSecret::new(v.into_bytes())
-                .map(Some)
-                .map_err(|source| SecretError::Bad {
-                    from: SECRET_ENV.into(),
-                    source,
-                })
-        }
-        (None, None) => Ok(None),
-    }
-}
-
 /// The local address the kernel would use towards `master` (a connected UDP socket sends
 /// nothing).
 fn local_ip_towards(master: SocketAddr) -> Result<IpAddr, JobCmdError> {
@@ -396,7 +375,7 @@ pub fn worker(a: &JobWorkerArgs) -> Res {
     let op = reduce_op(o.op);
     let bound = LossBound::from_fraction(o.loss_bound)?;
     let reliable = bound == LossBound::RELIABLE;
-    let secret = job_secret(a.secret_file.as_deref())?;
+    let secret = load_secret(a.secret_file.as_deref())?;
 
     let coll = |source| JobCmdError::Collective {
         rank,
@@ -865,7 +844,7 @@ pub fn run(a: &JobRunArgs) -> Res {
     // Fail here, once, rather than in every rank.
     let (model_name, layers) = model_layers(&a.opts.model, a.opts.scale)?;
     // The workers read the same file (or GRADWIRE_JOB_SECRET, which they inherit).
-    job_secret(a.secret_file.as_deref())?;
+    load_secret(a.secret_file.as_deref())?;
     let exe = std::env::current_exe()?;
     let args = worker_args(a, &absolute(&a.file), &absolute(&a.opts.model));
 

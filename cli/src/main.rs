@@ -6,6 +6,7 @@ mod args;
 mod experiment;
 mod fabric_cmd;
 mod job_cmd;
+mod mlnet_cmd;
 mod report;
 mod run;
 mod stats;
@@ -75,6 +76,8 @@ fn main() -> ExitCode {
         },
         args::Command::Experiment(x) => match x.command {
             args::ExperimentCommand::Incast(a) => experiment::incast(&a),
+            args::ExperimentCommand::Mlnet(a) => mlnet_cmd::mlnet(&a),
+            args::ExperimentCommand::Priority(a) => mlnet_cmd::priority(&a),
         },
         args::Command::Job(j) => match j.command {
             args::JobCommand::Worker(a) => job_cmd::worker(&a),

@@ -459,7 +459,7 @@ impl LaunchEnv {
                 Some(p) => p,
                 None => format!(
                     "no rank/world size found: looked for {}; start the job under one of \
-                     these launchers, or give a job file",
+                     these launchers (or set RANK and WORLD_SIZE yourself)",
                     LAUNCHERS
                         .iter()
                         .map(|v| format!("{}/{} ({})", v.rank, v.world, v.name))

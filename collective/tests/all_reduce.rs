@@ -9,7 +9,9 @@ use gradwire::datapath::fault::FaultConfig;
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire_collective::aggregate::ReduceOp;
-use gradwire_collective::comm::{AllReduceOptions, AllReduceReport, Algorithm, CommConfig, Communicator};
+use gradwire_collective::comm::{
+    Algorithm, AllReduceOptions, AllReduceReport, CommConfig, Communicator,
+};
 use gradwire_collective::link::{ring_edges, tree_edges, Links, MemLinkConfig};
 use gradwire_collective::tree::{Strategy, Tree};
 use half::{bf16, f16};
@@ -126,7 +128,14 @@ fn assert_exact_sum(world: usize, elems: usize, out: &[(Tensor, AllReduceReport)
 fn ring_p0_is_the_exact_sum_on_4_and_8_ranks() {
     for world in [4, 8] {
         let elems = 20_011; // not a multiple of anything
-        let out = run(world, elems, DType::F32, Algorithm::Ring, AllReduceOptions::default(), None);
+        let out = run(
+            world,
+            elems,
+            DType::F32,
+            Algorithm::Ring,
+            AllReduceOptions::default(),
+            None,
+        );
         assert_exact_sum(world, elems, &out);
     }
 }
@@ -135,14 +144,28 @@ fn ring_p0_is_the_exact_sum_on_4_and_8_ranks() {
 fn tree_p0_is_the_exact_sum_on_4_and_8_ranks() {
     for world in [4, 8] {
         let elems = 30_001;
-        let out = run(world, elems, DType::F32, binary(world), AllReduceOptions::default(), None);
+        let out = run(
+            world,
+            elems,
+            DType::F32,
+            binary(world),
+            AllReduceOptions::default(),
+            None,
+        );
         assert_exact_sum(world, elems, &out);
     }
     // A star (MLNET's baseline) and a chain (d = 1) too.
     let members: Vec<usize> = (0..5).collect();
     for strategy in [Strategy::Star, Strategy::Degree(1)] {
         let tree = Tree::build(strategy, 2, &members, &[0; 5]).unwrap();
-        let out = run(5, 4_000, DType::F32, Algorithm::Tree(tree), AllReduceOptions::default(), None);
+        let out = run(
+            5,
+            4_000,
+            DType::F32,
+            Algorithm::Tree(tree),
+            AllReduceOptions::default(),
+            None,
+        );
         assert_exact_sum(5, 4_000, &out);
     }
 }
@@ -151,7 +174,14 @@ fn tree_p0_is_the_exact_sum_on_4_and_8_ranks() {
 fn half_precision_types_reduce_too() {
     for dtype in [DType::F16, DType::Bf16] {
         // Sums of four values in -11..=11 are exact in f16 and bf16.
-        let out = run(4, 5_000, dtype, Algorithm::Ring, AllReduceOptions::default(), None);
+        let out = run(
+            4,
+            5_000,
+            dtype,
+            Algorithm::Ring,
+            AllReduceOptions::default(),
+            None,
+        );
         assert_exact_sum(4, 5_000, &out);
     }
 }
@@ -159,14 +189,33 @@ fn half_precision_types_reduce_too() {
 #[test]
 fn tiny_tensors_and_a_single_rank_work() {
     // Fewer blocks than ranks: some ring chunks are empty.
-    let out = run(8, 3, DType::F32, Algorithm::Ring, AllReduceOptions::default(), None);
+    let out = run(
+        8,
+        3,
+        DType::F32,
+        Algorithm::Ring,
+        AllReduceOptions::default(),
+        None,
+    );
     assert_exact_sum(8, 3, &out);
-    let out = run(1, 10, DType::F32, Algorithm::Ring, AllReduceOptions::default(), None);
+    let out = run(
+        1,
+        10,
+        DType::F32,
+        Algorithm::Ring,
+        AllReduceOptions::default(),
+        None,
+    );
     assert_exact_sum(1, 10, &out);
 }
 
 /// Every block of every rank's result is the average of exactly the ranks its report names.
-fn assert_named_average(world: usize, elems: usize, op: ReduceOp, out: &[(Tensor, AllReduceReport)]) -> usize {
+fn assert_named_average(
+    world: usize,
+    elems: usize,
+    op: ReduceOp,
+    out: &[(Tensor, AllReduceReport)],
+) -> usize {
     let mut incomplete = 0;
     for (r, (t, report)) in out.iter().enumerate() {
         let v = values(t);
@@ -190,7 +239,9 @@ fn assert_named_average(world: usize, elems: usize, op: ReduceOp, out: &[(Tensor
                 );
             }
         }
-        let named = (0..report.blocks).map(|b| report.contributors.count(b)).sum::<usize>() as f64
+        let named = (0..report.blocks)
+            .map(|b| report.contributors.count(b))
+            .sum::<usize>() as f64
             / (report.blocks * world) as f64;
         assert!((named - report.delivered_fraction).abs() < 1e-12);
     }
@@ -215,12 +266,26 @@ fn with_loss_each_block_is_the_average_of_the_contributions_that_arrived() {
             loss_bound: Some(LossBound::from_fraction(0.05).unwrap()),
             ..AllReduceOptions::default()
         };
-        let out = run(world, elems, DType::F32, algorithm.clone(), opts, Some(fault.clone()));
+        let out = run(
+            world,
+            elems,
+            DType::F32,
+            algorithm.clone(),
+            opts,
+            Some(fault.clone()),
+        );
         let incomplete = assert_named_average(world, elems, op, &out);
-        assert!(incomplete > 0, "{algorithm:?}: the injected loss reached no block");
+        assert!(
+            incomplete > 0,
+            "{algorithm:?}: the injected loss reached no block"
+        );
         for (_, report) in &out {
             assert!(report.delivered_fraction < 1.0 || report.complete_blocks == report.blocks);
-            assert!(report.delivered_fraction > 0.8, "{}", report.delivered_fraction);
+            assert!(
+                report.delivered_fraction > 0.8,
+                "{}",
+                report.delivered_fraction
+            );
         }
     }
 }

@@ -62,6 +62,12 @@ pub enum SecretError {
 /// neither: the job is not authenticated. Both set is an error, so a stale variable cannot
 /// silently override (or be overridden by) the file the user named.
 pub fn load(file: Option<&Path>) -> Result<Option<JobKey>, SecretError> {
+    Ok(load_secret(file)?.map(|s| JobKey::new(&s)))
+}
+
+/// The job's secret itself, from the same places as [`load`] (for callers that derive
+/// several keys from it, such as the collective layer's links).
+pub fn load_secret(file: Option<&Path>) -> Result<Option<JobSecret>, SecretError> {
     let env = match std::env::var(SECRET_ENV) {
         Ok(v) => Some(v),
         Err(std::env::VarError::NotPresent) => None,
@@ -76,7 +82,7 @@ pub fn load(file: Option<&Path>) -> Result<Option<JobKey>, SecretError> {
         })?,
         (None, None) => return Ok(None),
     };
-    Ok(Some(JobKey::new(&secret)))
+    Ok(Some(secret))
 }
 
 /// The secret in a key file: its bytes, less one trailing newline (so `openssl rand -hex 32

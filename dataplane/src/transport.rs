@@ -663,10 +663,14 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         round: opts.round.unwrap_or(0),
     };
 
-    // Rendezvous: wait for FlowStart, dropping whatever data arrives meanwhile (stale).
+    // Rendezvous: wait for FlowStart, dropping whatever data arrives meanwhile (stale). The
+    // wait wakes as soon as a control message arrives; its bound only paces the draining of
+    // stale datagrams, so an idle receiver (a collective waiting for its peer's next chunk)
+    // wakes 50 times a second, not 1000.
     let deadline = Instant::now() + cfg.connect_timeout;
     let start = loop {
-        if let Some(m) = ctrl.recv(Duration::from_millis(1))? {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if let Some(m) = ctrl.recv(left.min(Duration::from_millis(20)))? {
             match m {
                 CtrlMsg::FlowStart(s) => break s,
                 CtrlMsg::Abort { code, reason } => {

@@ -34,7 +34,7 @@ use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::TransferConfig;
 use gradwire_collective::aggregate::ReduceOp;
-use gradwire_collective::comm::{AllReduceOptions, Algorithm, CommConfig, Communicator};
+use gradwire_collective::comm::{Algorithm, AllReduceOptions, CommConfig, Communicator};
 use gradwire_collective::link::{tree_edges, Links, NetLinkConfig};
 use gradwire_collective::tree::{Strategy, Tree};
 use gradwire_fabric::netns::FabricNet;
@@ -218,8 +218,10 @@ pub fn run_jobs(
                 }
             }
         }
-        let host_gates: std::collections::BTreeMap<usize, Arc<Gate>> =
-            host_gates.into_iter().map(|(h, n)| (h, Gate::new(n))).collect();
+        let host_gates: std::collections::BTreeMap<usize, Arc<Gate>> = host_gates
+            .into_iter()
+            .map(|(h, n)| (h, Gate::new(n)))
+            .collect();
         // One grant pool per host for this job.
         let pools: std::collections::BTreeMap<usize, GrantPool> = host_gates
             .keys()
@@ -277,11 +279,14 @@ pub fn run_jobs(
                     connect_timeout: settings.timeout,
                     ..NetLinkConfig::default()
                 };
-                let (edges, gate, job_gate) =
-                    (edges.clone(), start_gate.clone(), job_gate.clone());
+                let (edges, gate, job_gate) = (edges.clone(), start_gate.clone(), job_gate.clone());
                 let host_gate = host_gates[&h].clone();
-                let (job, iterations, shard, timeout) =
-                    (plan.job, plan.iterations, plan.shard_elems, settings.timeout);
+                let (job, iterations, shard, timeout) = (
+                    plan.job,
+                    plan.iterations,
+                    plan.shard_elems,
+                    settings.timeout,
+                );
                 let run = move || -> Done {
                     let fail = |e: String| {
                         job_gate.break_all();
@@ -289,10 +294,11 @@ pub fn run_jobs(
                         gate.break_all();
                         e
                     };
-                    let links = Links::connect(job, local, world, ip, master, &edges, None, &link_cfg)
-                        .map_err(|e| fail(format!("rank {local} on {ip}: {e}")))?;
-                    let mut comm = Communicator::new(links, job, comm_cfg)
-                        .map_err(|e| fail(e.to_string()))?;
+                    let links =
+                        Links::connect(job, local, world, ip, master, &edges, None, &link_cfg)
+                            .map_err(|e| fail(format!("rank {local} on {ip}: {e}")))?;
+                    let mut comm =
+                        Communicator::new(links, job, comm_cfg).map_err(|e| fail(e.to_string()))?;
                     let mut t = Tensor::zeros(DType::F32, shard);
                     gate.wait(timeout).map_err(&fail)?;
                     let start = Instant::now();
@@ -355,13 +361,26 @@ pub fn run_jobs(
         .collect()
 }
 
-/// Build the fabric of `topo`, run `jobs`, tear it down; outcomes and whether the fabric
-/// kept its clock (the run is valid).
+/// How the emulated fabric kept up during a run.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct FabricHealth {
+    /// The fabric kept its clock: the run counts as a result.
+    pub valid: bool,
+    /// Departure lag p99, us.
+    pub lag_p99_us: f64,
+    /// Late departures.
+    pub late: u64,
+    /// Departures.
+    pub departures: u64,
+}
+
+/// Build the fabric of `topo`, run `jobs`, tear it down; outcomes and how the fabric kept
+/// its clock (whether the run is valid).
 pub fn run_on_fresh_fabric(
     topo: &Topology,
     jobs: &[JobPlan],
     settings: &RunSettings,
-) -> Result<(Vec<JobOutcome>, bool, f64), ExperimentError> {
+) -> Result<(Vec<JobOutcome>, FabricHealth), ExperimentError> {
     let net = FabricNet::up(topo).map_err(|e| ExperimentError::Other(format!("testbed: {e}")))?;
     let fabric = match spawn(topo, net.switch_namespaces(), FabricConfig::default()) {
         Ok(f) => f,
@@ -369,7 +388,9 @@ pub fn run_on_fresh_fabric(
             let down = net.down();
             return Err(ExperimentError::Other(format!(
                 "starting the fabric: {e}{}",
-                down.err().map(|d| format!("; teardown: {d}")).unwrap_or_default()
+                down.err()
+                    .map(|d| format!("; teardown: {d}"))
+                    .unwrap_or_default()
             )));
         }
     };
@@ -377,10 +398,16 @@ pub fn run_on_fresh_fabric(
     let _ = fabric.wait_idle(Duration::from_secs(10));
     let stats = fabric.stop();
     let down = net.down();
-    let valid = stats.as_ref().is_some_and(|s| !s.lag.behind);
-    let lag_p99_us = stats.as_ref().map_or(f64::NAN, |s| s.lag.p99_ns as f64 / 1e3);
+    let health = FabricHealth {
+        valid: stats.as_ref().is_some_and(|s| !s.lag.behind),
+        lag_p99_us: stats
+            .as_ref()
+            .map_or(f64::NAN, |s| s.lag.p99_ns as f64 / 1e3),
+        late: stats.as_ref().map_or(0, |s| s.lag.late),
+        departures: stats.as_ref().map_or(0, |s| s.lag.departures),
+    };
     down.map_err(|e| ExperimentError::Other(format!("removing the testbed: {e}")))?;
-    Ok((outcomes, valid, lag_p99_us))
+    Ok((outcomes, health))
 }
 
 /// `gradwire experiment mlnet`: STAR vs trees for several server counts.
@@ -438,8 +465,8 @@ pub struct MlnetResult {
     pub cross_rack_edges: usize,
     /// The fabric kept its clock.
     pub valid: bool,
-    /// Fabric departure lag p99, us.
-    pub fabric_lag_p99_us: f64,
+    /// How the fabric kept up.
+    pub fabric: FabricHealth,
     /// Why it failed.
     pub error: Option<String>,
 }
@@ -492,7 +519,7 @@ pub fn run_mlnet(cfg: &MlnetConfig) -> Result<MlnetReport, ExperimentError> {
                 iterations: cfg.iterations,
             };
             eprintln!("mlnet: {strategy} with {s} server(s)...");
-            let (outcomes, valid, lag) = run_on_fresh_fabric(&topo, &[plan], &cfg.settings)?;
+            let (outcomes, health) = run_on_fresh_fabric(&topo, &[plan], &cfg.settings)?;
             let o = &outcomes[0];
             results.push(MlnetResult {
                 strategy: strategy.to_string(),
@@ -501,8 +528,8 @@ pub fn run_mlnet(cfg: &MlnetConfig) -> Result<MlnetReport, ExperimentError> {
                 iteration_ms_mean: o.iteration_ms_mean,
                 vs_star: f64::NAN,
                 cross_rack_edges: o.cross_rack_edges,
-                valid,
-                fabric_lag_p99_us: lag,
+                valid: health.valid,
+                fabric: health,
                 error: o.error.clone(),
             });
         }
@@ -520,5 +547,243 @@ pub fn run_mlnet(cfg: &MlnetConfig) -> Result<MlnetReport, ExperimentError> {
         model_bytes: cfg.model_bytes,
         iterations: cfg.iterations,
         results,
+    })
+}
+
+/// How the concurrent jobs of the priority experiment share the network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PriorityMode {
+    /// Every job's data in one switch queue (first come, first served); STAR.
+    Fifo,
+    /// Each job's data in the queue of its priority (strict priority); STAR.
+    Priority,
+    /// Priority queues and RACK trees.
+    #[serde(rename = "priority+trees")]
+    PriorityTrees,
+}
+
+impl PriorityMode {
+    /// Name in reports: `fifo`, `priority`, `priority+trees`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PriorityMode::Fifo => "fifo",
+            PriorityMode::Priority => "priority",
+            PriorityMode::PriorityTrees => "priority+trees",
+        }
+    }
+
+    /// All modes, in report order.
+    pub const ALL: [PriorityMode; 3] = [
+        PriorityMode::Fifo,
+        PriorityMode::Priority,
+        PriorityMode::PriorityTrees,
+    ];
+}
+
+/// `gradwire experiment priority`: concurrent jobs with random priorities.
+#[derive(Debug, Clone)]
+pub struct PriorityConfig {
+    /// Topology (`testbeds/mlnet.toml`).
+    pub topology: PathBuf,
+    /// Concurrent jobs.
+    pub jobs: usize,
+    /// Workers per job.
+    pub workers: usize,
+    /// Model bytes per job (one server per job).
+    pub model_bytes: u64,
+    /// Iterations per job.
+    pub iterations: u32,
+    /// Repetitions with different seeds (more jobs for the CDF).
+    pub repetitions: u32,
+    /// Seed of priorities and placement.
+    pub seed: u64,
+    /// Modes to run.
+    pub modes: Vec<PriorityMode>,
+    /// Shared settings.
+    pub settings: RunSettings,
+}
+
+impl PriorityConfig {
+    /// Defaults: 4 jobs of 1 server + 4 workers placed at random on the 12 hosts (so jobs
+    /// share links), distinct priorities in random order, 512 KiB models, 2 iterations, 3
+    /// repetitions, all modes.
+    pub fn new(root: &std::path::Path) -> PriorityConfig {
+        PriorityConfig {
+            topology: root.join("testbeds/mlnet.toml"),
+            jobs: 4,
+            workers: 4,
+            model_bytes: 512 << 10,
+            iterations: 2,
+            repetitions: 3,
+            seed: 1,
+            modes: PriorityMode::ALL.to_vec(),
+            settings: RunSettings::default(),
+        }
+    }
+}
+
+/// One job of one run of the priority experiment.
+#[derive(Debug, Clone, Serialize)]
+pub struct PriorityResult {
+    /// `fifo`, `priority` or `priority+trees`.
+    pub mode: &'static str,
+    /// Repetition.
+    pub repetition: u32,
+    /// Job id.
+    pub job: u32,
+    /// Priority (0 = most urgent).
+    pub priority: u8,
+    /// Makespan, ms.
+    pub makespan_ms: f64,
+    /// The fabric kept its clock during the run.
+    pub valid: bool,
+    /// Why the job failed.
+    pub error: Option<String>,
+}
+
+/// Median and tail of one mode's makespans.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModeSummary {
+    /// Mode.
+    pub mode: &'static str,
+    /// Jobs.
+    pub jobs: usize,
+    /// Median makespan, ms.
+    pub median_ms: f64,
+    /// 95th percentile makespan, ms.
+    pub p95_ms: f64,
+    /// Largest makespan, ms.
+    pub max_ms: f64,
+}
+
+/// The priority experiment's report.
+#[derive(Debug, Clone, Serialize)]
+pub struct PriorityReport {
+    /// Topology name.
+    pub topology: String,
+    /// Jobs per run.
+    pub jobs: usize,
+    /// Workers per job.
+    pub workers: usize,
+    /// Model bytes per job.
+    pub model_bytes: u64,
+    /// Iterations per job.
+    pub iterations: u32,
+    /// Every job of every run.
+    pub results: Vec<PriorityResult>,
+    /// Per mode.
+    pub summary: Vec<ModeSummary>,
+}
+
+/// The `q`-quantile (linear interpolation) of `v`; NaN when empty.
+pub fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let pos = q.clamp(0.0, 1.0) * (v.len() - 1) as f64;
+    let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+    v[lo] + (v[hi] - v[lo]) * (pos - lo as f64)
+}
+
+/// The jobs of repetition `rep`: random priorities and placements, the same in every mode.
+pub fn priority_jobs(
+    cfg: &PriorityConfig,
+    hosts: usize,
+    rep: u32,
+    mode: PriorityMode,
+) -> Vec<JobPlan> {
+    let mut rng = fastrand::Rng::with_seed(cfg.seed.wrapping_add(u64::from(rep) * 7919));
+    // Distinct priorities in random order (as many as there are data queues; more jobs
+    // share the last ones).
+    let levels = usize::from(gradwire_qos::NUM_DATA_QUEUES);
+    let mut priorities: Vec<u8> = (0..cfg.jobs).map(|i| i.min(levels - 1) as u8).collect();
+    rng.shuffle(&mut priorities);
+    (0..cfg.jobs)
+        .map(|i| {
+            let mut order: Vec<usize> = (0..hosts).collect();
+            rng.shuffle(&mut order);
+            let priority = priorities[i];
+            JobPlan {
+                job: 1 + i as u32,
+                priority,
+                dscp: match mode {
+                    PriorityMode::Fifo => gradwire_qos::priority_dscp(0),
+                    _ => gradwire_qos::priority_dscp(priority),
+                },
+                servers: vec![order[0]],
+                workers: order[1..=cfg.workers.min(hosts - 1)].to_vec(),
+                strategy: match mode {
+                    PriorityMode::PriorityTrees => Strategy::Rack,
+                    _ => Strategy::Star,
+                },
+                shard_elems: (cfg.model_bytes / 4).max(1) as usize,
+                iterations: cfg.iterations,
+            }
+        })
+        .collect()
+}
+
+/// Run the priority experiment.
+pub fn run_priority(cfg: &PriorityConfig) -> Result<PriorityReport, ExperimentError> {
+    let topo = Topology::load(&cfg.topology)?;
+    if cfg.workers + 1 > topo.hosts.len() {
+        return Err(ExperimentError::Other(format!(
+            "a job of 1 server + {} workers needs more than the topology's {} hosts",
+            cfg.workers,
+            topo.hosts.len()
+        )));
+    }
+    let mut results = Vec::new();
+    for rep in 0..cfg.repetitions {
+        for &mode in &cfg.modes {
+            let jobs = priority_jobs(cfg, topo.hosts.len(), rep, mode);
+            eprintln!("priority: repetition {rep}, {}...", mode.name());
+            let (outcomes, health) = run_on_fresh_fabric(&topo, &jobs, &cfg.settings)?;
+            eprintln!(
+                "priority: valid {} (late {}/{} departures, lag p99 {:.0} us)",
+                health.valid, health.late, health.departures, health.lag_p99_us
+            );
+            for (plan, o) in jobs.iter().zip(outcomes) {
+                results.push(PriorityResult {
+                    mode: mode.name(),
+                    repetition: rep,
+                    job: plan.job,
+                    priority: plan.priority,
+                    makespan_ms: o.makespan_ms,
+                    valid: health.valid,
+                    error: o.error,
+                });
+            }
+        }
+    }
+    let summary = cfg
+        .modes
+        .iter()
+        .map(|m| {
+            let v: Vec<f64> = results
+                .iter()
+                .filter(|r| r.mode == m.name() && r.error.is_none())
+                .map(|r| r.makespan_ms)
+                .collect();
+            ModeSummary {
+                mode: m.name(),
+                jobs: v.len(),
+                median_ms: quantile(&v, 0.5),
+                p95_ms: quantile(&v, 0.95),
+                max_ms: quantile(&v, 1.0),
+            }
+        })
+        .collect();
+    Ok(PriorityReport {
+        topology: topo.name.clone(),
+        jobs: cfg.jobs,
+        workers: cfg.workers,
+        model_bytes: cfg.model_bytes,
+        iterations: cfg.iterations,
+        results,
+        summary,
     })
 }

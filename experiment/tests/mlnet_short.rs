@@ -29,12 +29,26 @@ fn short_mlnet_runs_every_strategy() {
     let report = run_mlnet(&cfg).unwrap();
     assert_eq!(report.results.len(), 6);
     for r in &report.results {
-        assert!(r.error.is_none(), "{}/{}: {:?}", r.strategy, r.servers, r.error);
+        assert!(
+            r.error.is_none(),
+            "{}/{}: {:?}",
+            r.strategy,
+            r.servers,
+            r.error
+        );
         assert!(r.makespan_ms.is_finite() && r.makespan_ms > 0.0, "{r:?}");
         assert!(r.vs_star.is_finite());
     }
     // RACK crosses the core once per remote rack and server; STAR once per remote worker.
-    let star = report.results.iter().find(|r| r.strategy == "star").unwrap();
-    let rack = report.results.iter().find(|r| r.strategy == "rack").unwrap();
+    let star = report
+        .results
+        .iter()
+        .find(|r| r.strategy == "star")
+        .unwrap();
+    let rack = report
+        .results
+        .iter()
+        .find(|r| r.strategy == "rack")
+        .unwrap();
     assert!(rack.cross_rack_edges < star.cross_rack_edges);
 }
