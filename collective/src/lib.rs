@@ -11,6 +11,7 @@
 //! - [`aggregate`]: DLCP Appendix A's bounded-loss aggregation: each block is averaged over
 //!   the ranks whose contribution to it arrived, never over the full count when some were
 //!   missing; who contributed to which block is reported.
+//! - [`ps`]: MLNET's parameter-server API over a tree: `push`, `pull(staleness)`, `clock`.
 //! - [`link`] and [`comm`]: one directed transport connection per pair of ranks that talk,
 //!   and the operations over them (ring and tree all-reduce, broadcast, barrier).
 //!
@@ -24,5 +25,6 @@ pub mod comm;
 pub mod error;
 pub mod job;
 pub mod link;
+pub mod ps;
 pub mod rendezvous;
 pub mod tree;
