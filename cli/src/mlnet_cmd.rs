@@ -119,6 +119,13 @@ fn plot_mlnet(r: &MlnetReport, path: &Path) -> Res {
     chart
         .configure_mesh()
         .x_desc("parameter servers")
+        .x_label_formatter(&|x| {
+            if (x - x.round()).abs() < 1e-6 {
+                format!("{}", x.round())
+            } else {
+                String::new()
+            }
+        })
         .y_desc("makespan (ms)")
         .draw()
         .map_err(|x| e(&x))?;
@@ -195,6 +202,17 @@ pub fn priority(a: &PriorityArgs) -> Res {
                 s.mode, s.jobs, s.median_ms, s.p95_ms, s.max_ms
             );
         }
+        if let Some(p) = &report.pair {
+            println!(
+                "two jobs on one bottleneck: urgent alone {:.1} ms, beside a background job {:.1} ms ({:.2}x), background {:.1} ms{}{}",
+                p.alone_ms,
+                p.urgent_ms,
+                p.urgent_vs_alone,
+                p.background_ms,
+                if p.valid { "" } else { " (NOT VALID)" },
+                p.error.as_deref().map(|e| format!(" error: {e}")).unwrap_or_default()
+            );
+        }
         let invalid = report.results.iter().filter(|r| !r.valid).count();
         if invalid > 0 {
             println!("{invalid} job results come from runs that are NOT VALID (fabric behind)");
@@ -221,7 +239,9 @@ pub fn priority(a: &PriorityArgs) -> Res {
             dir.display()
         );
     }
-    if report.results.iter().any(|r| r.error.is_some()) {
+    if report.results.iter().any(|r| r.error.is_some())
+        || report.pair.as_ref().is_some_and(|p| p.error.is_some())
+    {
         return Err("some jobs failed (see priority.json)".into());
     }
     Ok(())

@@ -51,8 +51,14 @@ impl GrantPool {
     /// A flow of `size_bytes` was accepted; it leaves the pool when the returned membership
     /// is dropped.
     pub fn join(&self, size_bytes: u64) -> GrantMembership {
+        self.join_class(size_bytes, 0)
+    }
+
+    /// A flow of priority class `class` (0 = most urgent) was accepted: while flows of a
+    /// more urgent class are active, it only trickles (see `GrantAllocator::join_class`).
+    pub fn join_class(&self, size_bytes: u64, class: u8) -> GrantMembership {
         GrantMembership {
-            key: Some(self.lock().join(size_bytes)),
+            key: Some(self.lock().join_class(size_bytes, class)),
             pool: self.clone(),
         }
     }
@@ -61,6 +67,18 @@ impl GrantPool {
     pub fn record(&self, packets: u64, ce_packets: u64) {
         let now = self.now_ns();
         self.lock().record(packets, ce_packets, now);
+    }
+
+    /// Like [`GrantPool::record`], for a flow of priority class `class`: ignored while a
+    /// more urgent class is active, so the marks on trickling flows (which queue behind the
+    /// urgent ones in the switches) do not cut the target the urgent flows share.
+    pub fn record_class(&self, packets: u64, ce_packets: u64, class: u8) {
+        let now = self.now_ns();
+        let mut a = self.lock();
+        if a.most_urgent_class().is_some_and(|best| class > best) {
+            return;
+        }
+        a.record(packets, ce_packets, now);
     }
 
     /// Counters.

@@ -99,6 +99,10 @@ pub struct TransferConfig {
     /// A [`Sender`] starts each flow at the rate its previous flow to the same receiver
     /// ended at (until the first grant, or as the ECN mode's start).
     pub rate_memory: bool,
+    /// The priority class of this receiver's flows in its grant pool (0 = most urgent):
+    /// while flows of a more urgent class share the pool, these only trickle. A job's
+    /// receivers all use the job's priority (MLNET's job prioritization at the receiver).
+    pub grant_class: u8,
 }
 
 impl Default for TransferConfig {
@@ -118,6 +122,7 @@ impl Default for TransferConfig {
             receive_capacity_bps: None,
             grant_pool: None,
             rate_memory: true,
+            grant_class: 0,
         }
     }
 }
@@ -752,7 +757,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     // This flow's share of the downlink, announced right after FlowAccept (by `poll`).
     let pool = cfg.grant_pool();
     let remaining = |f: &ReceiverFlow| f.layout().size_bytes().saturating_sub(f.stats().bytes);
-    let mut membership = pool.join(flow.layout().size_bytes());
+    let mut membership = pool.join_class(flow.layout().size_bytes(), cfg.grant_class);
     flow.set_grant(membership.grant_bps(remaining(&flow)));
     let flow_id = flow.id();
     let proto = |source| TransferError::Protocol {
@@ -761,7 +766,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     };
     ctrl.send(&accept)?;
     // The grant goes right behind the acceptance: the sender paces at it from the start.
-    send_due(&mut flow, ctrl, &pool, now())?;
+    send_due(&mut flow, ctrl, &pool, cfg.grant_class, now())?;
 
     let period = Duration::from_nanos(cfg.rate().period_ns);
     let mut last_progress = Instant::now();
@@ -790,7 +795,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         } else {
             membership.leave();
         }
-        send_due(&mut flow, ctrl, &pool, now())?;
+        send_due(&mut flow, ctrl, &pool, cfg.grant_class, now())?;
         while !flow.is_done() {
             let Some(m) = ctrl.recv(Duration::ZERO)? else {
                 break;
@@ -811,7 +816,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
                         break;
                     }
                 }
-                send_due(&mut flow, ctrl, &pool, now())?;
+                send_due(&mut flow, ctrl, &pool, cfg.grant_class, now())?;
             }
             if let Some(reply) = flow.on_ctrl(m, now()).map_err(proto)? {
                 ctrl.send(&reply)?;
@@ -866,6 +871,7 @@ fn send_due<C: CtrlChannel + ?Sized>(
     flow: &mut ReceiverFlow,
     ctrl: &mut C,
     pool: &GrantPool,
+    class: u8,
     now_ns: u64,
 ) -> Result<(), TransferError> {
     while let Some(m) = flow.poll(now_ns) {
@@ -875,7 +881,7 @@ fn send_due<C: CtrlChannel + ?Sized>(
             ..
         } = m
         {
-            pool.record(packets, ce_packets);
+            pool.record_class(packets, ce_packets, class);
         }
         ctrl.send(&m)?;
     }

@@ -20,7 +20,10 @@
 //!
 //! Priorities: a job's priority (0 = most urgent, as gradwire-qos's data priorities) picks
 //! the DSCP of its data packets, so the fabric's strict-priority queues serve the urgent
-//! job first (`priority` modes); `fifo` puts every job in the same queue.
+//! job first, and is its receivers' class in their host's grant pool, so a receiving host
+//! grants its downlink to the most urgent job's flows and lets the others trickle
+//! (`priority` modes). `fifo` puts every job in the same queue and class. Every host has
+//! one grant pool for all jobs, as MLNET's one communication process per host would.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -54,6 +57,8 @@ pub struct JobPlan {
     pub priority: u8,
     /// DSCP of its data packets.
     pub dscp: u8,
+    /// Its receivers' class in their host's grant pool (0 = most urgent).
+    pub grant_class: u8,
     /// Server hosts (topology host indices).
     pub servers: Vec<usize>,
     /// Worker hosts.
@@ -204,6 +209,11 @@ pub fn run_jobs(
     let start_gate = Gate::new(total_threads);
     type Done = Result<(Instant, Instant), String>;
     let mut per_job: Vec<(Vec<std::thread::JoinHandle<Done>>, usize, Option<String>)> = Vec::new();
+    // One grant pool per host, shared by every receiver of every job there: the host's
+    // downlink is one capacity (MLNET's per-host process arbitrates between its jobs).
+    let pools: Vec<GrantPool> = (0..topo.hosts.len())
+        .map(|h| GrantPool::new(GrantConfig::new(link_rate(topo, h), settings.period_ns)))
+        .collect();
     for plan in jobs {
         let mut handles = Vec::new();
         let mut setup_error = None;
@@ -221,16 +231,6 @@ pub fn run_jobs(
         let host_gates: std::collections::BTreeMap<usize, Arc<Gate>> = host_gates
             .into_iter()
             .map(|(h, n)| (h, Gate::new(n)))
-            .collect();
-        // One grant pool per host for this job.
-        let pools: std::collections::BTreeMap<usize, GrantPool> = host_gates
-            .keys()
-            .map(|&h| {
-                (
-                    h,
-                    GrantPool::new(GrantConfig::new(link_rate(topo, h), settings.period_ns)),
-                )
-            })
             .collect();
         for j in 0..plan.servers.len() {
             let (hosts, tree) = match server_tree(plan, j, &racks) {
@@ -261,7 +261,8 @@ pub fn run_jobs(
                     transfer: TransferConfig {
                         sender,
                         idle_timeout: Duration::from_secs(20),
-                        grant_pool: pools.get(&h).cloned(),
+                        grant_pool: pools.get(h).cloned(),
+                        grant_class: plan.grant_class,
                         ..TransferConfig::default()
                     },
                     loss_bound: settings.loss_bound,
@@ -512,6 +513,7 @@ pub fn run_mlnet(cfg: &MlnetConfig) -> Result<MlnetReport, ExperimentError> {
                 job: 1 + i as u32,
                 priority: 0,
                 dscp: gradwire_qos::priority_dscp(0),
+                grant_class: 0,
                 servers: order[..s].to_vec(),
                 workers: order[s..s + cfg.workers].to_vec(),
                 strategy,
@@ -600,6 +602,8 @@ pub struct PriorityConfig {
     pub seed: u64,
     /// Modes to run.
     pub modes: Vec<PriorityMode>,
+    /// Also run the two-job comparison ([`PairResult`]).
+    pub pair: bool,
     /// Shared settings.
     pub settings: RunSettings,
 }
@@ -618,6 +622,7 @@ impl PriorityConfig {
             repetitions: 3,
             seed: 1,
             modes: PriorityMode::ALL.to_vec(),
+            pair: true,
             settings: RunSettings::default(),
         }
     }
@@ -674,6 +679,70 @@ pub struct PriorityReport {
     pub results: Vec<PriorityResult>,
     /// Per mode.
     pub summary: Vec<ModeSummary>,
+    /// Two jobs on one bottleneck, with priorities (when asked for).
+    pub pair: Option<PairResult>,
+}
+
+/// Two jobs whose servers share one host (one downlink: the bottleneck), the urgent one
+/// (priority 0) alone and then beside a background job (priority 6), in the priority mode.
+#[derive(Debug, Clone, Serialize)]
+pub struct PairResult {
+    /// The urgent job alone, ms.
+    pub alone_ms: f64,
+    /// The urgent job beside the background job, ms.
+    pub urgent_ms: f64,
+    /// The background job, ms.
+    pub background_ms: f64,
+    /// `urgent_ms / alone_ms`.
+    pub urgent_vs_alone: f64,
+    /// Both runs' fabric kept its clock.
+    pub valid: bool,
+    /// Why a job failed.
+    pub error: Option<String>,
+}
+
+/// The pair of [`PairResult`]: both servers on host 0, the urgent job's workers on hosts
+/// 4..=7, the background job's on 8..=11 (other racks of `testbeds/mlnet.toml`).
+pub fn pair_jobs(
+    cfg: &PriorityConfig,
+    hosts: usize,
+) -> Result<(JobPlan, JobPlan), ExperimentError> {
+    if hosts < 12 {
+        return Err(ExperimentError::Other(format!(
+            "the two-job run needs 12 hosts, the topology has {hosts}"
+        )));
+    }
+    let job = |id: u32, priority: u8, workers: Vec<usize>| JobPlan {
+        job: id,
+        priority,
+        dscp: gradwire_qos::priority_dscp(priority),
+        grant_class: priority,
+        servers: vec![0],
+        workers,
+        strategy: Strategy::Star,
+        shard_elems: (cfg.model_bytes / 4).max(1) as usize,
+        iterations: cfg.iterations,
+    };
+    Ok((job(1, 0, (4..8).collect()), job(2, 6, (8..12).collect())))
+}
+
+/// Run the two-job comparison of [`PairResult`].
+pub fn run_pair(cfg: &PriorityConfig) -> Result<PairResult, ExperimentError> {
+    let topo = Topology::load(&cfg.topology)?;
+    let (urgent, background) = pair_jobs(cfg, topo.hosts.len())?;
+    eprintln!("priority: the urgent job alone...");
+    let (alone, h1) = run_on_fresh_fabric(&topo, std::slice::from_ref(&urgent), &cfg.settings)?;
+    eprintln!("priority: the urgent job beside a background job...");
+    let (both, h2) = run_on_fresh_fabric(&topo, &[urgent, background], &cfg.settings)?;
+    let error = alone.iter().chain(&both).find_map(|o| o.error.clone());
+    Ok(PairResult {
+        alone_ms: alone[0].makespan_ms,
+        urgent_ms: both[0].makespan_ms,
+        background_ms: both[1].makespan_ms,
+        urgent_vs_alone: both[0].makespan_ms / alone[0].makespan_ms,
+        valid: h1.valid && h2.valid,
+        error,
+    })
 }
 
 /// The `q`-quantile (linear interpolation) of `v`; NaN when empty.
@@ -712,6 +781,10 @@ pub fn priority_jobs(
                 dscp: match mode {
                     PriorityMode::Fifo => gradwire_qos::priority_dscp(0),
                     _ => gradwire_qos::priority_dscp(priority),
+                },
+                grant_class: match mode {
+                    PriorityMode::Fifo => 0,
+                    _ => priority,
                 },
                 servers: vec![order[0]],
                 workers: order[1..=cfg.workers.min(hosts - 1)].to_vec(),
@@ -785,5 +858,6 @@ pub fn run_priority(cfg: &PriorityConfig) -> Result<PriorityReport, ExperimentEr
         iterations: cfg.iterations,
         results,
         summary,
+        pair: if cfg.pair { Some(run_pair(cfg)?) } else { None },
     })
 }

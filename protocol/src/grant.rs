@@ -125,8 +125,9 @@ pub struct GrantAllocator {
     target_bps: u64,
     alpha: f64,
     next_key: u64,
-    /// Active flows and the bytes each still misses (ordered keys: deterministic ties).
-    flows: BTreeMap<GrantKey, u64>,
+    /// Active flows: the bytes each still misses and its priority class (ordered keys:
+    /// deterministic ties).
+    flows: BTreeMap<GrantKey, (u64, u8)>,
     window_start_ns: Option<u64>,
     window_packets: u64,
     window_ce: u64,
@@ -163,9 +164,18 @@ impl GrantAllocator {
     /// A flow was accepted: it now shares the target. `remaining_bytes`: what it still has
     /// to receive (its size), for [`GrantPolicy::ShortestFirst`].
     pub fn join(&mut self, remaining_bytes: u64) -> GrantKey {
+        self.join_class(remaining_bytes, 0)
+    }
+
+    /// A flow of priority class `class` (0 = most urgent) was accepted. Only the flows of
+    /// the most urgent class present share the target (under the policy); the others keep
+    /// a trickle of `target / (16 N)` so they stay alive and measured, and take over when
+    /// the urgent ones leave: a receiver that serves several jobs preempts the less urgent
+    /// (MLNET §3.2) without refusing them.
+    pub fn join_class(&mut self, remaining_bytes: u64, class: u8) -> GrantKey {
         let key = GrantKey(self.next_key);
         self.next_key += 1;
-        self.flows.insert(key, remaining_bytes);
+        self.flows.insert(key, (remaining_bytes, class));
         self.stats.active = self.flows.len();
         self.stats.max_active = self.stats.max_active.max(self.flows.len());
         key
@@ -181,8 +191,13 @@ impl GrantAllocator {
     /// What `key`'s flow still misses, as its receiver last said. Unknown keys are ignored.
     pub fn set_remaining(&mut self, key: GrantKey, remaining_bytes: u64) {
         if let Some(r) = self.flows.get_mut(&key) {
-            *r = remaining_bytes;
+            r.0 = remaining_bytes;
         }
+    }
+
+    /// The most urgent priority class among the active flows.
+    pub fn most_urgent_class(&self) -> Option<u8> {
+        self.flows.values().map(|&(_, c)| c).min()
     }
 
     /// Flows sharing the target now.
@@ -200,22 +215,29 @@ impl GrantAllocator {
         self.stats
     }
 
-    /// The share of `key`'s flow: the target split equally over the active flows (the share
-    /// of one more flow for a key that is not active, e.g. one that just left).
+    /// The share of `key`'s flow: the target split equally over the active flows of the
+    /// most urgent class present (the share of one more flow for a key that is not active,
+    /// e.g. one that just left); flows of a less urgent class get a trickle.
     pub fn grant_bps(&self, key: GrantKey) -> u64 {
-        let n = self.flows.len() + usize::from(!self.flows.contains_key(&key));
+        let n_all = self.flows.len() + usize::from(!self.flows.contains_key(&key));
+        let best = self.flows.values().map(|&(_, c)| c).min().unwrap_or(0);
+        let trickle = self.target_bps / (16 * n_all.max(1) as u64);
+        let mine = self.flows.get(&key).copied();
+        if mine.is_some_and(|(_, c)| c > best) {
+            return trickle.max(self.cfg.min_flow_bps);
+        }
+        let peers = || self.flows.iter().filter(move |(_, &(_, c))| c == best);
+        let n = peers().count() + usize::from(mine.is_none());
         let fair = self.target_bps / n.max(1) as u64;
-        let share = match (self.cfg.policy, self.flows.get(&key)) {
-            (GrantPolicy::ShortestFirst { overcommit }, Some(&mine)) => {
+        let share = match (self.cfg.policy, mine) {
+            (GrantPolicy::ShortestFirst { overcommit }, Some((mine, _))) => {
                 let k = overcommit.max(1);
                 // This flow's rank: flows missing fewer bytes, or as many and older.
-                let ahead = self
-                    .flows
-                    .iter()
-                    .filter(|(&other, &r)| r < mine || (r == mine && other < key))
+                let ahead = peers()
+                    .filter(|(&other, &(r, _))| r < mine || (r == mine && other < key))
                     .count();
                 if ahead < k {
-                    self.target_bps / k.min(self.flows.len()).max(1) as u64
+                    self.target_bps / k.min(n).max(1) as u64
                 } else {
                     fair / 16
                 }
@@ -284,6 +306,25 @@ mod tests {
 
     fn alloc() -> GrantAllocator {
         GrantAllocator::new(GrantConfig::new(100 * M, 1_000))
+    }
+
+    #[test]
+    fn the_most_urgent_class_takes_the_target_and_the_rest_trickle() {
+        let mut a = alloc();
+        let low = a.join_class(0, 5);
+        assert_eq!(a.grant_bps(low), 90 * M, "alone, any class gets the target");
+        let hi1 = a.join_class(0, 1);
+        let hi2 = a.join_class(0, 1);
+        assert_eq!(a.grant_bps(hi1), 45 * M);
+        assert_eq!(a.grant_bps(hi2), 45 * M);
+        assert_eq!(a.grant_bps(low), 90 * M / 48, "a trickle of target / 16N");
+        a.leave(hi1);
+        a.leave(hi2);
+        assert_eq!(
+            a.grant_bps(low),
+            90 * M,
+            "the urgent ones left: it takes over"
+        );
     }
 
     #[test]
