@@ -427,10 +427,14 @@ pub fn worker(a: &JobWorkerArgs) -> Res {
     };
     let links = Links::connect(job, rank, world, ip, master, &edges, secret.as_ref(), &net)
         .map_err(coll)?;
+    // The job's priority (job file; 0 = most urgent) picks the switch queue of its data and
+    // its receivers' class in their host's grant pool (MLNET §3.2).
+    let priority = spec.as_ref().map_or(0, |s| s.priority);
     let cfg = CommConfig {
         transfer: TransferConfig {
             sender: SenderConfig::new(o.rate),
             idle_timeout: timeout.min(MAX_IDLE),
+            grant_class: priority,
             ..TransferConfig::default()
         },
         loss_bound: bound,
@@ -471,6 +475,7 @@ pub fn worker(a: &JobWorkerArgs) -> Res {
                 op,
                 loss_bound: Some(bound),
                 layer: u16::try_from(l).unwrap_or(u16::MAX),
+                dscp: gradwire_qos::priority_dscp(priority),
                 algorithm: algorithm.clone(),
                 ..AllReduceOptions::default()
             };

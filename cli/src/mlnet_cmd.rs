@@ -204,10 +204,16 @@ pub fn priority(a: &PriorityArgs) -> Res {
         }
         if let Some(p) = &report.pair {
             println!(
-                "two jobs on one bottleneck: urgent alone {:.1} ms, beside a background job {:.1} ms ({:.2}x), background {:.1} ms{}{}",
+                "two jobs on one bottleneck (medians of {} repetitions): urgent alone {:.1} ms, beside a background job {:.1} ms ({:.2}x; each: {}), background {:.1} ms{}{}",
+                p.ratios.len(),
                 p.alone_ms,
                 p.urgent_ms,
                 p.urgent_vs_alone,
+                p.ratios
+                    .iter()
+                    .map(|r| format!("{r:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 p.background_ms,
                 if p.valid { "" } else { " (NOT VALID)" },
                 p.error.as_deref().map(|e| format!(" error: {e}")).unwrap_or_default()

@@ -50,6 +50,13 @@ pub enum AggregateError {
         /// World size.
         world: usize,
     },
+    /// A peer's partial sum names a rank already summed here: adding it would count that
+    /// rank twice.
+    #[error("block {block}: the incoming partial sum repeats a contribution already summed here")]
+    Overlap {
+        /// Block.
+        block: usize,
+    },
     /// Buffers of different sizes or types.
     #[error("aggregation buffers differ: {0}")]
     Shape(&'static str),
@@ -196,6 +203,12 @@ impl Contributors {
     /// The ranks that contributed to block `b`, ascending.
     pub fn ranks(&self, b: usize) -> Vec<usize> {
         (0..self.world).filter(|&r| self.contains(b, r)).collect()
+    }
+
+    /// Whether block `b` here and block `ob` of `other` name a rank in common.
+    pub fn overlaps(&self, b: usize, other: &Contributors, ob: usize) -> bool {
+        (0..self.words.min(other.words))
+            .any(|w| self.masks[b * self.words + w] & other.masks[ob * other.words + w] != 0)
     }
 
     /// Block `b` here becomes the union of itself and block `ob` of `other`.
@@ -371,6 +384,14 @@ pub fn accumulate(
         .enumerate()
     {
         if arrived.get(i).copied().unwrap_or(false) && incoming_sets.count(i) > 0 {
+            if local
+                .contributors
+                .overlaps(local.first_block + i, incoming_sets, i)
+            {
+                return Err(AggregateError::Overlap {
+                    block: local.first_block + i,
+                });
+            }
             add_into(local.dtype, dst, src)?;
             local
                 .contributors
@@ -486,6 +507,25 @@ mod tests {
         assert_eq!(f32_of(&values), vec![2.0, 2.0, 30.0, 30.0]);
         assert_eq!(sets.ranks(0), vec![0, 1, 2]);
         assert_eq!(sets.ranks(1), vec![2]);
+    }
+
+    #[test]
+    fn a_partial_sum_that_repeats_a_rank_is_refused() {
+        let world = 3;
+        let mut sets = Contributors::only(1, world, 1);
+        let mut values = f32_bytes(&[1.0]);
+        let mut in_sets = Contributors::only(1, world, 0);
+        in_sets.insert(0, 1); // claims rank 1, which is summed here already
+        let mut p = Partial {
+            dtype: DType::F32,
+            values: &mut values,
+            contributors: &mut sets,
+            first_block: 0,
+        };
+        assert_eq!(
+            accumulate(&mut p, &f32_bytes(&[5.0]), &in_sets, &[true], 4),
+            Err(AggregateError::Overlap { block: 0 })
+        );
     }
 
     #[test]

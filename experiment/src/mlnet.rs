@@ -684,18 +684,21 @@ pub struct PriorityReport {
 }
 
 /// Two jobs whose servers share one host (one downlink: the bottleneck), the urgent one
-/// (priority 0) alone and then beside a background job (priority 6), in the priority mode.
+/// (priority 0) alone and then beside a background job (priority 6), in the priority mode,
+/// repeated: the figures are the medians over the repetitions.
 #[derive(Debug, Clone, Serialize)]
 pub struct PairResult {
-    /// The urgent job alone, ms.
+    /// The urgent job alone, ms (median).
     pub alone_ms: f64,
-    /// The urgent job beside the background job, ms.
+    /// The urgent job beside the background job, ms (median).
     pub urgent_ms: f64,
-    /// The background job, ms.
+    /// The background job, ms (median).
     pub background_ms: f64,
-    /// `urgent_ms / alone_ms`.
+    /// Median of `urgent / alone` over the repetitions (each pair of runs back to back).
     pub urgent_vs_alone: f64,
-    /// Both runs' fabric kept its clock.
+    /// Every repetition's `urgent / alone`.
+    pub ratios: Vec<f64>,
+    /// Every run's fabric kept its clock.
     pub valid: bool,
     /// Why a job failed.
     pub error: Option<String>,
@@ -726,21 +729,37 @@ pub fn pair_jobs(
     Ok((job(1, 0, (4..8).collect()), job(2, 6, (8..12).collect())))
 }
 
-/// Run the two-job comparison of [`PairResult`].
+/// Run the two-job comparison of [`PairResult`], `cfg.repetitions` times.
 pub fn run_pair(cfg: &PriorityConfig) -> Result<PairResult, ExperimentError> {
     let topo = Topology::load(&cfg.topology)?;
     let (urgent, background) = pair_jobs(cfg, topo.hosts.len())?;
-    eprintln!("priority: the urgent job alone...");
-    let (alone, h1) = run_on_fresh_fabric(&topo, std::slice::from_ref(&urgent), &cfg.settings)?;
-    eprintln!("priority: the urgent job beside a background job...");
-    let (both, h2) = run_on_fresh_fabric(&topo, &[urgent, background], &cfg.settings)?;
-    let error = alone.iter().chain(&both).find_map(|o| o.error.clone());
+    let (mut alone_v, mut urgent_v, mut background_v, mut ratios) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut valid = true;
+    let mut error = None;
+    for rep in 0..cfg.repetitions.max(1) {
+        eprintln!("priority: two jobs, repetition {rep}: the urgent job alone...");
+        let (alone, h1) = run_on_fresh_fabric(&topo, std::slice::from_ref(&urgent), &cfg.settings)?;
+        eprintln!("priority: two jobs, repetition {rep}: beside a background job...");
+        let (both, h2) =
+            run_on_fresh_fabric(&topo, &[urgent.clone(), background.clone()], &cfg.settings)?;
+        valid &= h1.valid && h2.valid;
+        if let Some(e) = alone.iter().chain(&both).find_map(|o| o.error.clone()) {
+            error.get_or_insert(e);
+            continue;
+        }
+        alone_v.push(alone[0].makespan_ms);
+        urgent_v.push(both[0].makespan_ms);
+        background_v.push(both[1].makespan_ms);
+        ratios.push(both[0].makespan_ms / alone[0].makespan_ms);
+    }
     Ok(PairResult {
-        alone_ms: alone[0].makespan_ms,
-        urgent_ms: both[0].makespan_ms,
-        background_ms: both[1].makespan_ms,
-        urgent_vs_alone: both[0].makespan_ms / alone[0].makespan_ms,
-        valid: h1.valid && h2.valid,
+        alone_ms: quantile(&alone_v, 0.5),
+        urgent_ms: quantile(&urgent_v, 0.5),
+        background_ms: quantile(&background_v, 0.5),
+        urgent_vs_alone: quantile(&ratios, 0.5),
+        ratios,
+        valid,
         error,
     })
 }
