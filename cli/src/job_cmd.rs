@@ -477,7 +477,6 @@ pub fn worker(a: &JobWorkerArgs) -> Res {
                 layer: u16::try_from(l).unwrap_or(u16::MAX),
                 dscp: gradwire_qos::priority_dscp(priority),
                 algorithm: algorithm.clone(),
-                ..AllReduceOptions::default()
             };
             let r = comm.all_reduce(&mut t, &opts).map_err(coll)?;
             let at = Site {
