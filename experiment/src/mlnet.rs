@@ -39,6 +39,7 @@ use gradwire::transport::TransferConfig;
 use gradwire_collective::aggregate::ReduceOp;
 use gradwire_collective::comm::{Algorithm, AllReduceOptions, CommConfig, Communicator};
 use gradwire_collective::link::{tree_edges, Links, NetLinkConfig};
+use gradwire_collective::rendezvous::RendezvousConfig;
 use gradwire_collective::tree::{Strategy, Tree};
 use gradwire_fabric::netns::FabricNet;
 use gradwire_fabric::run::{spawn, FabricConfig};
@@ -278,6 +279,10 @@ pub fn run_jobs(
                 };
                 let link_cfg = NetLinkConfig {
                     connect_timeout: settings.timeout,
+                    rendezvous: RendezvousConfig {
+                        timeout: settings.timeout,
+                        ..RendezvousConfig::default()
+                    },
                     ..NetLinkConfig::default()
                 };
                 let (edges, gate, job_gate) = (edges.clone(), start_gate.clone(), job_gate.clone());

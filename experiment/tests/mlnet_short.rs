@@ -1,15 +1,18 @@
-//! Short versions of the MLNET experiments (seconds, root): every strategy completes on the
-//! oversubscribed leaf-spine with every server count asked for, and the fabric stays valid.
-//! Invariants only, never timings (those are in docs/results.md).
+//! Short versions of the MLNET experiments (seconds, root): every strategy and priority mode
+//! completes on the oversubscribed leaf-spine, and a cut link ends a job with an error, not a
+//! hang. Invariants only, never timings (those are in docs/results.md).
 
-#![allow(clippy::unwrap_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use gradwire_collective::tree::Strategy;
 use gradwire_experiment::mlnet::{
-    run_mlnet, run_priority, MlnetConfig, PriorityConfig, PriorityMode,
+    run_mlnet, run_on_fresh_fabric, run_priority, JobPlan, MlnetConfig, PriorityConfig,
+    PriorityMode, RunSettings,
 };
+use gradwire_fabric::topology::Topology;
 use gradwire_netns::require_root;
 
 fn root() -> PathBuf {
@@ -85,4 +88,47 @@ fn short_priority_runs_every_mode_and_the_urgent_job_finishes_first() {
     let pair = report.pair.unwrap();
     assert!(pair.error.is_none(), "{pair:?}");
     assert!(pair.urgent_ms < pair.background_ms, "{pair:?}");
+}
+
+/// A link cut mid-job (100 % loss on the switch port towards one worker, from the start here
+/// so the run is short): every rank of the job ends with an error naming a rank or a
+/// timeout within the configured bounds, never a hang.
+#[test]
+fn a_cut_link_is_an_error_not_a_hang() {
+    if !require_root("a_cut_link_is_an_error_not_a_hang") {
+        return;
+    }
+    let mut topo = Topology::load(&root().join("testbeds/mlnet.toml")).unwrap();
+    let victim = 5;
+    let h = topo.hosts[victim].clone();
+    topo.switches[h.switch].ports[h.port].link.loss = 1.0;
+    let plan = JobPlan {
+        job: 1,
+        priority: 0,
+        dscp: 0,
+        grant_class: 0,
+        servers: vec![0],
+        workers: vec![4, victim, 8],
+        strategy: Strategy::BINARY,
+        shard_elems: 4096,
+        iterations: 1,
+    };
+    let settings = RunSettings {
+        timeout: Duration::from_secs(4),
+        ..RunSettings::default()
+    };
+    let started = Instant::now();
+    let (outcomes, _) = run_on_fresh_fabric(&topo, &[plan], &settings).unwrap();
+    let took = started.elapsed();
+    let error = outcomes[0]
+        .error
+        .clone()
+        .expect("a job over a cut link cannot succeed");
+    assert!(
+        error.contains("rank") || error.contains("within"),
+        "the error names a rank or a bound: {error}"
+    );
+    // The rendezvous, connecting, every operation and the gates are each bounded by the
+    // 4 s timeout; building and removing the testbed takes a few seconds more.
+    assert!(took < Duration::from_secs(60), "took {took:?}");
 }
