@@ -219,6 +219,14 @@ struct Part {
     arrived: Vec<bool>,
 }
 
+/// The blocks and flows of one ring step.
+struct RingStep {
+    send: Range<usize>,
+    recv: Range<usize>,
+    send_x: Xfer,
+    recv_x: Xfer,
+}
+
 /// One transfer's identity and bound.
 #[derive(Clone, Copy)]
 struct Xfer {
@@ -352,20 +360,17 @@ impl Communicator {
         for s in 0..n - 1 {
             let send_c = (r + n - s) % n;
             let recv_c = (r + 2 * n - s - 1) % n;
-            let sb = layout.chunk_blocks(n, send_c);
             let rb = layout.chunk_blocks(n, recv_c);
-            let out_vals = slice_tensor(tensor, &layout, &sb);
-            let out_sets = (!reliable).then(|| sets.encode(sb.clone()));
-            let (ol, il) = self.links.out_and_in(next, prev)?;
-            let send_x = xfer(KIND_REDUCE, s, send_c, Stage::Push);
-            let recv_x = xfer(KIND_REDUCE, s, recv_c, Stage::Push);
-            let (sent, got) = std::thread::scope(|sc| {
-                let h = sc.spawn(|| send_part(ol, &out_vals, out_sets.as_deref(), &send_x, &cfg));
-                let got = recv_part(il, dtype, &layout, &rb, n, !reliable, false, &recv_x, &cfg);
-                (h.join().map_err(|_| CollectiveError::ThreadPanicked), got)
-            });
-            bytes_sent += sent??;
-            let Some(mut part) = got? else { continue };
+            let step = RingStep {
+                send: layout.chunk_blocks(n, send_c),
+                recv: rb.clone(),
+                send_x: xfer(KIND_REDUCE, s, send_c, Stage::Push),
+                recv_x: xfer(KIND_REDUCE, s, recv_c, Stage::Push),
+            };
+            let (sent, got) =
+                self.ring_step(tensor, &sets, &layout, &step, (next, prev), reliable, &cfg)?;
+            bytes_sent += sent;
+            let Some(mut part) = got else { continue };
             // Reliable: the partial from `prev` at step s sums ranks prev-s..=prev.
             let in_sets = part.sets.take().unwrap_or_else(|| {
                 let mut c = Contributors::none(rb.len(), n);
@@ -412,20 +417,17 @@ impl Communicator {
         for s in 0..n - 1 {
             let send_c = (r + 1 + n - s) % n;
             let recv_c = (r + n - s) % n;
-            let sb = layout.chunk_blocks(n, send_c);
             let rb = layout.chunk_blocks(n, recv_c);
-            let out_vals = slice_tensor(tensor, &layout, &sb);
-            let out_sets = (!reliable).then(|| sets.encode(sb.clone()));
-            let (ol, il) = self.links.out_and_in(next, prev)?;
-            let send_x = xfer(KIND_GATHER, s, send_c, Stage::Pull);
-            let recv_x = xfer(KIND_GATHER, s, recv_c, Stage::Pull);
-            let (sent, got) = std::thread::scope(|sc| {
-                let h = sc.spawn(|| send_part(ol, &out_vals, out_sets.as_deref(), &send_x, &cfg));
-                let got = recv_part(il, dtype, &layout, &rb, n, !reliable, false, &recv_x, &cfg);
-                (h.join().map_err(|_| CollectiveError::ThreadPanicked), got)
-            });
-            bytes_sent += sent??;
-            let Some(mut part) = got? else { continue };
+            let step = RingStep {
+                send: layout.chunk_blocks(n, send_c),
+                recv: rb.clone(),
+                send_x: xfer(KIND_GATHER, s, send_c, Stage::Pull),
+                recv_x: xfer(KIND_GATHER, s, recv_c, Stage::Pull),
+            };
+            let (sent, got) =
+                self.ring_step(tensor, &sets, &layout, &step, (next, prev), reliable, &cfg)?;
+            bytes_sent += sent;
+            let Some(mut part) = got else { continue };
             let in_sets = part
                 .sets
                 .take()
@@ -456,6 +458,41 @@ impl Communicator {
             started.elapsed(),
             bytes_sent,
         ))
+    }
+
+    /// One ring step: send the `send` blocks of `tensor` (with their sets unless reliable)
+    /// to `next` while receiving the `recv` blocks from `prev`.
+    #[allow(clippy::too_many_arguments)]
+    fn ring_step(
+        &mut self,
+        tensor: &Tensor,
+        sets: &Contributors,
+        layout: &BlockLayout,
+        step: &RingStep,
+        (next, prev): (usize, usize),
+        reliable: bool,
+        cfg: &TransferConfig,
+    ) -> Result<(u64, Option<Part>), CollectiveError> {
+        let (n, dtype) = (self.world(), tensor.dtype());
+        let out_vals = slice_tensor(tensor, layout, &step.send);
+        let out_sets = (!reliable).then(|| sets.encode(step.send.clone()));
+        let (ol, il) = self.links.out_and_in(next, prev)?;
+        let (sent, got) = std::thread::scope(|sc| {
+            let h = sc.spawn(|| send_part(ol, &out_vals, out_sets.as_deref(), &step.send_x, cfg));
+            let got = recv_part(
+                il,
+                dtype,
+                layout,
+                &step.recv,
+                n,
+                !reliable,
+                false,
+                &step.recv_x,
+                cfg,
+            );
+            (h.join().map_err(|_| CollectiveError::ThreadPanicked), got)
+        });
+        Ok((sent??, got?))
     }
 
     fn tree_all_reduce(
