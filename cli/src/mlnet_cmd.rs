@@ -62,8 +62,6 @@ pub fn mlnet(a: &MlnetArgs) -> Res {
         }
     }
     if let Some(dir) = &a.out {
-        std::fs::create_dir_all(dir)?;
-        std::fs::write(dir.join("mlnet.json"), serde_json::to_vec_pretty(&report)?)?;
         let mut csv = String::from("strategy,servers,makespan_ms,vs_star,cross_rack_edges,valid\n");
         for r in &report.results {
             csv.push_str(&format!(
@@ -71,17 +69,34 @@ pub fn mlnet(a: &MlnetArgs) -> Res {
                 r.strategy, r.servers, r.makespan_ms, r.vs_star, r.cross_rack_edges, r.valid
             ));
         }
-        std::fs::write(dir.join("mlnet.csv"), csv)?;
-        register_font()?;
-        plot_mlnet(&report, &dir.join("mlnet.png"))?;
-        eprintln!(
-            "wrote {0}/mlnet.json, {0}/mlnet.csv and {0}/mlnet.png",
-            dir.display()
-        );
+        write_outputs(dir, "mlnet", &report, &csv, |p| plot_mlnet(&report, p))?;
     }
     if report.results.iter().any(|r| r.error.is_some()) {
         return Err("some runs failed (see the error column)".into());
     }
+    Ok(())
+}
+
+/// `DIR/NAME.json` (the report), `DIR/NAME.csv` and `DIR/NAME.png` (drawn by `plot`).
+fn write_outputs(
+    dir: &Path,
+    name: &str,
+    report: &impl serde::Serialize,
+    csv: &str,
+    plot: impl FnOnce(&Path) -> Res,
+) -> Res {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(
+        dir.join(format!("{name}.json")),
+        serde_json::to_vec_pretty(report)?,
+    )?;
+    std::fs::write(dir.join(format!("{name}.csv")), csv)?;
+    register_font()?;
+    plot(&dir.join(format!("{name}.png")))?;
+    eprintln!(
+        "wrote {0}/{name}.json, {0}/{name}.csv and {0}/{name}.png",
+        dir.display()
+    );
     Ok(())
 }
 
@@ -225,11 +240,6 @@ pub fn priority(a: &PriorityArgs) -> Res {
         }
     }
     if let Some(dir) = &a.out {
-        std::fs::create_dir_all(dir)?;
-        std::fs::write(
-            dir.join("priority.json"),
-            serde_json::to_vec_pretty(&report)?,
-        )?;
         let mut csv = String::from("mode,repetition,job,priority,makespan_ms,valid\n");
         for r in &report.results {
             csv.push_str(&format!(
@@ -237,13 +247,9 @@ pub fn priority(a: &PriorityArgs) -> Res {
                 r.mode, r.repetition, r.job, r.priority, r.makespan_ms, r.valid
             ));
         }
-        std::fs::write(dir.join("priority.csv"), csv)?;
-        register_font()?;
-        plot_priority(&report, &dir.join("priority.png"))?;
-        eprintln!(
-            "wrote {0}/priority.json, {0}/priority.csv and {0}/priority.png",
-            dir.display()
-        );
+        write_outputs(dir, "priority", &report, &csv, |p| {
+            plot_priority(&report, p)
+        })?;
     }
     if report.results.iter().any(|r| r.error.is_some())
         || report.pair.as_ref().is_some_and(|p| p.error.is_some())
