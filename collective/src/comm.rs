@@ -210,6 +210,8 @@ pub struct Communicator {
     job: u32,
     /// Operations so far: the round of every flow of the next one.
     seq: u32,
+    /// Why an earlier operation failed: its links may be mid-flow, so no later one runs.
+    failed: Option<String>,
 }
 
 /// A chunk as it travels: values and, unless the operation is reliable, contributor sets.
@@ -257,6 +259,7 @@ impl Communicator {
             cfg,
             job,
             seq: 0,
+            failed: None,
         })
     }
 
@@ -275,6 +278,30 @@ impl Communicator {
         &self.cfg
     }
 
+    /// Refuse to start an operation after one failed.
+    fn usable(&self) -> Result<(), CollectiveError> {
+        match &self.failed {
+            Some(why) => Err(CollectiveError::Unusable(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Remember a failure: the links are left mid-flow and the peers' operation counters
+    /// may differ, so this communicator runs nothing more.
+    fn note<T>(&mut self, r: Result<T, CollectiveError>) -> Result<T, CollectiveError> {
+        // Errors found before any transfer started (bad arguments, a missing link) leave
+        // the links as they were.
+        if let Err(
+            e @ (CollectiveError::Link { .. }
+            | CollectiveError::Aggregate { .. }
+            | CollectiveError::ThreadPanicked),
+        ) = &r
+        {
+            self.failed.get_or_insert_with(|| e.to_string());
+        }
+        r
+    }
+
     fn next_round(&mut self) -> u32 {
         let r = self.seq;
         self.seq = self.seq.wrapping_add(1);
@@ -284,7 +311,8 @@ impl Communicator {
     /// Elements per block for `dtype`: the configured size, or one segment of the links.
     fn block_elems(&mut self, dtype: DType, peer: usize) -> Result<usize, CollectiveError> {
         if let Some(b) = self.cfg.block_elems {
-            return Ok(b.max(1));
+            // At most the largest tensor a block could describe (no overflow in bytes).
+            return Ok(b.clamp(1, isize::MAX as usize / 8));
         }
         let mtu = self.cfg.transfer.mtu;
         let payload = self
@@ -306,13 +334,15 @@ impl Communicator {
                 "all-reduce needs f32, f16 or bf16 elements, not raw bytes".into(),
             ));
         }
-        match &opts.algorithm {
+        self.usable()?;
+        let r = match &opts.algorithm {
             Algorithm::Ring => self.ring_all_reduce(tensor, opts),
             Algorithm::Tree(tree) => {
                 let tree = tree.clone();
                 self.tree_all_reduce(tensor, opts, &tree)
             }
-        }
+        };
+        self.note(r)
     }
 
     fn ring_all_reduce(
@@ -532,6 +562,7 @@ impl Communicator {
         let bound = opts.loss_bound.unwrap_or(self.cfg.loss_bound);
         let reliable = bound == LossBound::RELIABLE;
         let chunks = layout.pipeline_chunks(self.cfg.pipeline_blocks);
+        check_chunks(chunks.len())?;
         let cfg = self.cfg.transfer.clone();
         let job = self.job;
         let xfer = |kind, chunk, stage| Xfer {
@@ -633,7 +664,7 @@ impl Communicator {
                 let op = opts.op;
                 handles.push(sc.spawn(move || -> Result<u64, CollectiveError> {
                     let mut down_in = down_in;
-                    for (k, blocks) in chunks.iter().enumerate() {
+                    'chunks: for (k, blocks) in chunks.iter().enumerate() {
                         let Ok((mut vals, mut csets)) = partial_rx.recv() else {
                             break;
                         };
@@ -672,11 +703,12 @@ impl Communicator {
                             }
                             None => finish(&mut local, bb, op, n),
                         }
+                        // A child's sender that is gone failed (its thread reports why): stop
+                        // feeding every child, so none gets a later chunk under this one's id.
+                        let s = (!reliable).then(|| csets.encode(0..blocks.len()));
                         for tx in &down_txs {
-                            let t = tensor_of(dtype, &vals);
-                            let s = (!reliable).then(|| csets.encode(0..blocks.len()));
-                            if tx.send((t, s)).is_err() {
-                                break;
+                            if tx.send((tensor_of(dtype, &vals), s.clone())).is_err() {
+                                break 'chunks;
                             }
                         }
                         if done_tx.send((blocks.clone(), vals, csets)).is_err() {
@@ -790,6 +822,17 @@ impl Communicator {
         root: usize,
         loss_bound: Option<LossBound>,
     ) -> Result<BroadcastReport, CollectiveError> {
+        self.usable()?;
+        let r = self.broadcast_inner(tensor, root, loss_bound);
+        self.note(r)
+    }
+
+    fn broadcast_inner(
+        &mut self,
+        tensor: &mut Tensor,
+        root: usize,
+        loss_bound: Option<LossBound>,
+    ) -> Result<BroadcastReport, CollectiveError> {
         let started = Instant::now();
         let (n, r) = (self.world(), self.rank());
         if root >= n {
@@ -815,6 +858,7 @@ impl Communicator {
         let bound = loss_bound.unwrap_or(self.cfg.loss_bound);
         let reliable = bound == LossBound::RELIABLE;
         let chunks = layout.pipeline_chunks(self.cfg.pipeline_blocks);
+        check_chunks(chunks.len())?;
         let cfg = self.cfg.transfer.clone();
         let job = self.job;
         let xfer = |chunk| Xfer {
@@ -923,6 +967,12 @@ impl Communicator {
     /// Wait until every rank has entered the barrier: a reliable token goes around the ring
     /// twice (the first lap proves everyone arrived, the second releases everyone).
     pub fn barrier(&mut self) -> Result<(), CollectiveError> {
+        self.usable()?;
+        let r = self.barrier_inner();
+        self.note(r)
+    }
+
+    fn barrier_inner(&mut self) -> Result<(), CollectiveError> {
         let (n, r) = (self.world(), self.rank());
         let round = self.next_round();
         if n == 1 {
@@ -1031,6 +1081,16 @@ impl Xfer {
             ..*self
         }
     }
+}
+
+/// A flow id has 16 bits for the chunk: more chunks per operation would reuse ids.
+fn check_chunks(chunks: usize) -> Result<(), CollectiveError> {
+    if chunks > 0xffff {
+        return Err(CollectiveError::Config(format!(
+            "{chunks} pipeline chunks: at most 65535 per operation (raise pipeline_blocks or block_elems)"
+        )));
+    }
+    Ok(())
 }
 
 fn tensor_of(dtype: DType, bytes: &[u8]) -> Tensor {

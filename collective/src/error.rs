@@ -51,6 +51,10 @@ pub enum CollectiveError {
     /// A tree could not be built or repaired.
     #[error(transparent)]
     Tree(#[from] TreeError),
+    /// An earlier operation of this communicator failed: its links may be mid-flow and the
+    /// ranks' operation counters may differ.
+    #[error("this communicator failed earlier ({0}); build a new one (new links) to go on")]
+    Unusable(String),
     /// A helper thread of an operation panicked (a bug: please report it).
     #[error("an internal thread of the collective operation panicked")]
     ThreadPanicked,

@@ -185,7 +185,8 @@ impl Default for MemLinkConfig {
 /// How network links are set up.
 #[derive(Debug, Clone)]
 pub struct NetLinkConfig {
-    /// Longest wait for the rendezvous and for every link to connect.
+    /// Longest wait for the whole set-up: the rendezvous (at most its own timeout too) and
+    /// every link's connect and accept.
     pub connect_timeout: Duration,
     /// The UDP datapath of each link end.
     pub udp: UdpConfig,
@@ -331,10 +332,15 @@ impl Links {
                     "edge {from} -> {to} is not between two ranks of a {world}-rank job"
                 )));
             }
-            // Distinct loopback addresses per rank, distinct ports per link.
-            let port = 20_000 + i as u16;
-            let a = SocketAddr::new(IpAddr::from([127, 0, 0, 1 + from as u8]), port);
-            let b = SocketAddr::new(IpAddr::from([127, 0, 0, 1 + to as u8]), port);
+            // Distinct loopback addresses per rank (127.0.0.1 + rank), a port per link.
+            let port = 20_000 + (i % 40_000) as u16;
+            let loopback = |rank: usize| {
+                IpAddr::from(std::net::Ipv4Addr::from(
+                    0x7f00_0001u32 + (rank as u32 & 0x00ff_ffff),
+                ))
+            };
+            let a = SocketAddr::new(loopback(from), port);
+            let b = SocketAddr::new(loopback(to), port);
             let (dp_a, dp_b) = Loopback::pair(a, b, cfg.max_datagram, cfg.queue);
             let (ctl_a, ctl_b) = MemCtrl::pair();
             let dp_b: BoxDatapath = match &cfg.fault {
@@ -383,6 +389,9 @@ impl Links {
                 "rank {rank} is not below the world size {world}"
             )));
         }
+        // One deadline for the whole set-up: rendezvous, connects and accepts.
+        let deadline = Instant::now() + cfg.connect_timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
         let edges: BTreeSet<(usize, usize)> = edges.iter().copied().collect();
         let incoming: Vec<usize> = edges.iter().filter(|e| e.1 == rank).map(|e| e.0).collect();
         let outgoing: Vec<usize> = edges.iter().filter(|e| e.0 == rank).map(|e| e.1).collect();
@@ -415,7 +424,11 @@ impl Links {
         };
         let payload = serde_json::to_vec(&me)
             .map_err(|e| CollectiveError::Setup(format!("endpoint encoding: {e}")))?;
-        let table = rendezvous::exchange(master, job, rank, world, &payload, &cfg.rendezvous)?;
+        let rcfg = RendezvousConfig {
+            timeout: cfg.rendezvous.timeout.min(left()),
+            ..cfg.rendezvous.clone()
+        };
+        let table = rendezvous::exchange(master, job, rank, world, &payload, &rcfg)?;
         let mut endpoints = Vec::with_capacity(world);
         for (r, bytes) in table.iter().enumerate() {
             let e: Endpoint = serde_json::from_slice(bytes).map_err(|e| {
@@ -445,12 +458,11 @@ impl Links {
                     ))
                 })?;
             let addr = SocketAddr::new(endpoints[q].ip, port);
-            let ctrl =
-                TcpCtrl::connect_with(addr, cfg.connect_timeout, cfg.control_dscp, key.as_ref())
-                    .map_err(|e| CollectiveError::Link {
-                        peer: q,
-                        source: TransferError::Channel(e),
-                    })?;
+            let ctrl = TcpCtrl::connect_with(addr, left(), cfg.control_dscp, key.as_ref())
+                .map_err(|e| CollectiveError::Link {
+                    peer: q,
+                    source: TransferError::Channel(e),
+                })?;
             links.out[q] = Some(OutLink {
                 peer: q,
                 dp: Box::new(udp("sending datapath")?),
@@ -459,11 +471,9 @@ impl Links {
                 last_rate_bps: None,
             });
         }
-        let deadline = Instant::now() + cfg.connect_timeout;
         for (p, listener, dp) in listeners {
             let ctrl = loop {
-                let left = deadline.saturating_duration_since(Instant::now());
-                let c = listener.accept(left).map_err(|e| CollectiveError::Link {
+                let c = listener.accept(left()).map_err(|e| CollectiveError::Link {
                     peer: p,
                     source: TransferError::Channel(e),
                 })?;

@@ -335,9 +335,20 @@ fn a_dead_rank_is_an_error_naming_it_not_a_hang() {
                     let r = l.rank();
                     let mut comm = Communicator::new(l, 3, c).unwrap();
                     let mut t = tensor_for(DType::F32, r, 1_000);
-                    comm.all_reduce(&mut t, &AllReduceOptions::default())
+                    let e = comm
+                        .all_reduce(&mut t, &AllReduceOptions::default())
                         .unwrap_err()
-                        .to_string()
+                        .to_string();
+                    // The links are mid-flow now: the communicator refuses further work.
+                    let again = comm.barrier().unwrap_err();
+                    assert!(
+                        matches!(
+                            again,
+                            gradwire_collective::error::CollectiveError::Unusable(_)
+                        ),
+                        "{again}"
+                    );
+                    e
                 })
             })
             .collect();
