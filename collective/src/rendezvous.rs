@@ -13,7 +13,9 @@
 //! The rendezvous is **not authenticated**: anyone who can reach the master port can join
 //! as a missing rank or answer as a fake rank 0. That is acceptable because it only
 //! distributes addresses: the links set up from the table are authenticated when the job
-//! has a secret, so a forged entry can make the job fail to connect, never inject data.
+//! has a secret, so in such a job a forged entry can make the job fail to connect, never
+//! inject data. In a plain job, whoever joins first as rank k takes rank k's place (the real
+//! rank k is refused as a duplicate): use a secret where that matters.
 //! Rank 0 refuses joins for another job id or world size, out-of-range and duplicate ranks
 //! (the right rank can still join afterwards).
 //!

@@ -13,10 +13,10 @@
 //!
 //! Every rank of every tree is a thread inside its host's namespace with its own
 //! communicator and links (kernel UDP datapaths, TCP control), found through a rendezvous
-//! at its server; receivers of one host and job share a grant pool of the host link's
-//! capacity. Nothing blocks without a bound: connecting, every transfer, and the gates that
-//! start jobs and iterations have timeouts, and a failing rank breaks its job's gates so the
-//! others fail fast with the reason.
+//! at its server; all receivers of one host (every job's) share one grant pool of the host
+//! link's capacity. Nothing blocks without a bound: connecting, every transfer, and the
+//! gates that start the run and each iteration have timeouts, and a failing rank breaks the
+//! gates it waits on so the others fail fast with the reason.
 //!
 //! Priorities: a job's priority (0 = most urgent, as gradwire-qos's data priorities) picks
 //! the DSCP of its data packets, so the fabric's strict-priority queues serve the urgent
@@ -219,7 +219,6 @@ pub fn run_jobs(
         let mut handles = Vec::new();
         let mut setup_error = None;
         let mut cross = 0;
-        let job_gate = Gate::new(plan.servers.len() * (plan.workers.len() + 1));
         // Per-host iteration gates: a worker's trees wait for each other every iteration.
         let mut host_gates = std::collections::BTreeMap::new();
         for j in 0..plan.servers.len() {
@@ -238,6 +237,7 @@ pub fn run_jobs(
                 Ok(t) => t,
                 Err(e) => {
                     setup_error = Some(e);
+                    start_gate.break_all();
                     break;
                 }
             };
@@ -251,6 +251,7 @@ pub fn run_jobs(
             for (local, &h) in hosts.iter().enumerate() {
                 let Some(ns) = net.host_ns(h) else {
                     setup_error = Some(format!("no namespace for host {h}"));
+                    start_gate.break_all();
                     break;
                 };
                 let ip = IpAddr::V4(topo.hosts[h].ip);
@@ -285,7 +286,7 @@ pub fn run_jobs(
                     },
                     ..NetLinkConfig::default()
                 };
-                let (edges, gate, job_gate) = (edges.clone(), start_gate.clone(), job_gate.clone());
+                let (edges, gate) = (edges.clone(), start_gate.clone());
                 let host_gate = host_gates[&h].clone();
                 let (job, iterations, shard, timeout) = (
                     plan.job,
@@ -295,7 +296,6 @@ pub fn run_jobs(
                 );
                 let run = move || -> Done {
                     let fail = |e: String| {
-                        job_gate.break_all();
                         host_gate.break_all();
                         gate.break_all();
                         e
@@ -439,14 +439,14 @@ pub struct MlnetConfig {
 
 impl MlnetConfig {
     /// Defaults with files under the repository root `root`: STAR, RACK, BINARY; 1, 2 and 4
-    /// servers; 8 workers; a 1 MiB model; 3 iterations; seed 1.
+    /// servers; 8 workers; a 512 KiB model; 3 iterations; seed 1.
     pub fn new(root: &std::path::Path) -> MlnetConfig {
         MlnetConfig {
             topology: root.join("testbeds/mlnet.toml"),
             strategies: vec![Strategy::Star, Strategy::Rack, Strategy::BINARY],
             servers: vec![1, 2, 4],
             workers: 8,
-            model_bytes: 1 << 20,
+            model_bytes: 512 << 10,
             iterations: 3,
             seed: 1,
             settings: RunSettings::default(),
