@@ -1,0 +1,114 @@
+//! MLNET's parameter server over real network namespaces (root): a server and four workers,
+//! one of them slow, with staleness 2, on a BINARY tree over kernel UDP and TCP. Every pull
+//! keeps the SSP bound and the final model is exactly the sequential result.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use gradwire::tensor::{DType, Tensor};
+use gradwire_collective::link::{tree_edges, Links, NetLinkConfig};
+use gradwire_collective::ps::{PsConfig, PsNode};
+use gradwire_collective::rendezvous::RendezvousConfig;
+use gradwire_collective::tree::{Strategy, Tree};
+use gradwire_netns::testbed::{host_ipv4, Testbed, TestbedConfig};
+use gradwire_netns::require_root;
+
+const WORLD: usize = 5;
+const ITERATIONS: u64 = 6;
+const STALENESS: u64 = 2;
+const ELEMS: usize = 20_000;
+const SLOW: usize = 4;
+
+/// Worker `r`'s gradient of clock `c`: small integers, so every sum and the average over 4
+/// workers are exact in f32.
+fn grad(r: usize, c: u64, e: usize) -> f32 {
+    ((r + c as usize * 3 + e) % 7) as f32 - 3.0
+}
+
+#[test]
+fn a_slow_worker_never_makes_a_pull_staler_than_allowed() {
+    if !require_root("a_slow_worker_never_makes_a_pull_staler_than_allowed") {
+        return;
+    }
+    let tb = Testbed::up(&TestbedConfig::with_hosts(WORLD)).unwrap();
+    let members: Vec<usize> = (0..WORLD).collect();
+    let tree = Tree::build(Strategy::BINARY, 0, &members, &[0; WORLD]).unwrap();
+    let master = SocketAddr::new(IpAddr::V4(host_ipv4(0)), 29_611);
+    let lr = 0.5f32;
+    let handles: Vec<_> = (0..WORLD)
+        .map(|r| {
+            let tree = tree.clone();
+            tb.spawn_in(r, move || {
+                let timeout = Duration::from_secs(20);
+                let link_cfg = NetLinkConfig {
+                    connect_timeout: timeout,
+                    rendezvous: RendezvousConfig {
+                        timeout,
+                        ..RendezvousConfig::default()
+                    },
+                    ..NetLinkConfig::default()
+                };
+                let ip = IpAddr::V4(host_ipv4(r));
+                let links =
+                    Links::connect(11, r, WORLD, ip, master, &tree_edges(&tree), None, &link_cfg)
+                        .unwrap();
+                let cfg = PsConfig {
+                    staleness: STALENESS,
+                    learning_rate: lr,
+                    op_timeout: timeout,
+                    ..PsConfig::default()
+                };
+                let initial = Tensor::zeros(DType::F32, ELEMS);
+                let mut node = PsNode::start(links, tree, 11, &initial, cfg).unwrap();
+                let mut pulls = Vec::new();
+                if r == 0 {
+                    node.wait_clock(ITERATIONS, Duration::from_secs(60)).unwrap();
+                    let (clock, w) = node.weights();
+                    node.shutdown().unwrap();
+                    return (clock, w.as_f32().unwrap().to_vec(), pulls);
+                }
+                let mut w = Tensor::zeros(DType::F32, ELEMS);
+                for c in 0..ITERATIONS {
+                    let report = node.pull(&mut w, None).unwrap();
+                    pulls.push((node.worker_clock(), report.weights_clock));
+                    let mut g = Tensor::zeros(DType::F32, ELEMS);
+                    for (e, x) in g.as_f32_mut().unwrap().iter_mut().enumerate() {
+                        *x = grad(r, c, e);
+                    }
+                    if r == SLOW {
+                        std::thread::sleep(Duration::from_millis(60));
+                    }
+                    node.push(&g).unwrap();
+                    node.clock();
+                }
+                node.shutdown().unwrap();
+                (0, Vec::new(), pulls)
+            })
+            .unwrap()
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    tb.down().unwrap();
+
+    for (r, (_, _, pulls)) in results.iter().enumerate().skip(1) {
+        for &(c_worker, v) in pulls {
+            assert!(
+                v + STALENESS >= c_worker,
+                "rank {r} at clock {c_worker} pulled version {v}: staler than s = {STALENESS}"
+            );
+        }
+    }
+    // w_{c+1} = w_c - lr * mean over the 4 workers of their gradients of clock c.
+    let (clock, w, _) = &results[0];
+    assert!(*clock >= ITERATIONS);
+    for (e, &got) in w.iter().enumerate() {
+        let mut want = 0.0f32;
+        for c in 0..ITERATIONS {
+            let mean = (1..WORLD).map(|r| grad(r, c, e)).sum::<f32>() / (WORLD - 1) as f32;
+            want -= lr * mean;
+        }
+        assert_eq!(got, want, "element {e}");
+    }
+}
