@@ -148,8 +148,14 @@ pub struct JobWorkerArgs {
 
 #[derive(Debug, Args)]
 pub struct JobRunArgs {
-    /// Job file (TOML or JSON); its hosts become namespaces on one bridge.
+    /// Job file (TOML or JSON); its hosts become namespaces on one bridge, or the hosts of
+    /// --topology.
     pub file: PathBuf,
+    /// Run the ranks on this testbed topology's hosts (emulated switches, links and QoS, as
+    /// `gradwire testbed`) instead of one bridge: every job host must be one of its host
+    /// addresses (198.18.1.1, 198.18.1.2, ... in the file's host order).
+    #[arg(long, value_name = "FILE")]
+    pub topology: Option<PathBuf>,
     #[command(flatten)]
     pub opts: JobOptions,
     /// Authenticated job: the job secret's key file (mode 0600), handed to every rank.

@@ -721,6 +721,76 @@ fn plan(
     Ok((hosts, host_of, master))
 }
 
+/// Where the ranks run.
+enum Place {
+    /// Namespaces on one bridge.
+    Bridge(NamespaceSet),
+    /// A testbed topology's namespaces with its emulated fabric running.
+    Fabric {
+        net: gradwire_fabric::netns::FabricNet,
+        fabric: gradwire_fabric::run::FabricHandle,
+    },
+}
+
+impl Place {
+    /// Stop the fabric (if any) and remove the namespaces.
+    fn down(self) -> Res {
+        match self {
+            Place::Bridge(set) => set.down()?,
+            Place::Fabric { net, fabric } => {
+                let stats = fabric.stop();
+                if stats.as_ref().is_some_and(|s| s.lag.behind) {
+                    eprintln!(
+                        "gradwire job run: the emulated fabric fell behind its clock: timings of this run are not valid"
+                    );
+                }
+                net.down()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The namespaces of `topology`'s hosts (with its fabric running) for the job's `hosts`, each
+/// of which must be one of the topology's host addresses.
+fn on_topology(topology: &Path, hosts: &[Ipv4Addr]) -> Res<(Place, Vec<String>)> {
+    let topo = gradwire_fabric::supervise::load_topology(topology)?;
+    let mut index = Vec::with_capacity(hosts.len());
+    for h in hosts {
+        let i = topo.hosts.iter().position(|t| t.ip == *h).ok_or_else(|| {
+            let known: Vec<String> = topo
+                .hosts
+                .iter()
+                .map(|t| format!("{} = {}", t.name, t.ip))
+                .collect();
+            format!(
+                "job host {h} is not a host of {}: its hosts are {}",
+                topology.display(),
+                known.join(", ")
+            )
+        })?;
+        index.push(i);
+    }
+    let net = gradwire_fabric::netns::FabricNet::up(&topo)?;
+    let fabric = match gradwire_fabric::run::spawn(
+        &topo,
+        net.switch_namespaces(),
+        gradwire_fabric::run::FabricConfig::default(),
+    ) {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = net.down();
+            return Err(format!("starting the emulated fabric: {e}").into());
+        }
+    };
+    let host_ns = index
+        .iter()
+        .map(|&i| net.host_ns(i).map(str::to_owned))
+        .collect::<Option<Vec<_>>>()
+        .ok_or("the testbed has fewer namespaces than hosts")?;
+    Ok((Place::Fabric { net, fabric }, host_ns))
+}
+
 /// One namespace per host, each with `gw0` on one bridge in a switch namespace; removed when
 /// the returned set is dropped or torn down (and by the kit's reaper if this process dies).
 fn build_namespaces(hosts: &[Ipv4Addr]) -> gradwire_netns::Result<(NamespaceSet, Vec<String>)> {
@@ -857,16 +927,22 @@ pub fn run(a: &JobRunArgs) -> Res {
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         signal_hook::flag::register(sig, Arc::clone(&stop))?;
     }
-    let (namespaces, host_ns) = build_namespaces(&hosts)?;
+    let (place, host_ns) = match &a.topology {
+        Some(t) => on_topology(t, &hosts)?,
+        None => {
+            let (set, ns) = build_namespaces(&hosts)?;
+            (Place::Bridge(set), ns)
+        }
+    };
     if !a.json {
         let elements: usize = layers.iter().map(|l| l.1).sum();
         println!(
-            "job {}: {} ranks on {} hosts (namespaces {}h*), master {master}, {} all-reduce ({}) \
+            "job {}: {} ranks on {} hosts (namespaces {}...), master {master}, {} all-reduce ({}) \
              of {} x {}: {} layers, {elements} f32 elements, {} iterations, loss bound {}",
             spec.job,
             spec.world(),
             hosts.len(),
-            host_ns[0].trim_end_matches("h0"),
+            host_ns.first().map_or("", String::as_str),
             a.opts.algorithm,
             op_name(a.opts.op),
             model_name,
@@ -879,7 +955,7 @@ pub fn run(a: &JobRunArgs) -> Res {
     let outcome = run_ranks(
         a, &spec, &exe, &args, &host_ns, &host_of, master, deadline, &stop,
     );
-    let down = namespaces.down();
+    let down = place.down();
     let reports = outcome?;
     down?;
     if a.json {

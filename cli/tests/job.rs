@@ -417,6 +417,50 @@ fn job_run_runs_the_shipped_job_file() {
 }
 
 #[test]
+fn job_run_on_a_testbed_topology() {
+    if !gradwire_netns::require_root("job_run_on_a_testbed_topology") {
+        return;
+    }
+    let job = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/job-mlnet6.toml");
+    let topology = concat!(env!("CARGO_MANIFEST_DIR"), "/../testbeds/mlnet.toml");
+    let e = run_plain(
+        Command::new(BIN)
+            .args([
+                "job",
+                "run",
+                job,
+                "--topology",
+                topology,
+                "--algorithm",
+                "rack",
+            ])
+            .args(["--iterations", "1", "--scale", "0.0005", "--model", MODEL])
+            .args(["--timeout", "15", "--deadline", "60", "--json"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    let v = json_of(&e);
+    let reports = v.as_array().unwrap();
+    assert_eq!(reports.len(), 6);
+    for rep in reports {
+        assert_eq!(rep["verified"], true, "{rep}");
+    }
+    // A job host that is not one of the topology's hosts is refused before anything runs.
+    let e = run_plain(
+        Command::new(BIN)
+            .args(["job", "run", JOB4, "--topology", topology, "--model", MODEL])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    assert!(!e.status.success());
+    assert!(
+        e.stderr.contains("198.18.50.1 is not a host of"),
+        "{}",
+        e.stderr
+    );
+}
+
+#[test]
 fn job_run_names_a_rank_that_died() {
     if !gradwire_netns::require_root("job_run_names_a_rank_that_died") {
         return;
