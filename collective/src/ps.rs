@@ -21,13 +21,42 @@
 //!   forwards its cache to its children. The root multicasts version 0 (its `initial`) at
 //!   start, so every replica starts from the server's model. A child link that is busy
 //!   forwards only the newest version (older ones are superseded).
-//! - *Heartbeats* on every idle link (every `op_timeout / 4`, at most 1 s) keep a slow but
-//!   live peer apart from a dead one: a link silent for `op_timeout` is dead. A node that
-//!   fails tells its neighbours (a *fail* message, passed on through the tree), so every rank
+//! - *Heartbeats* on every idle link (every [`PsConfig::heartbeat`], 200 ms by default) keep
+//!   a slow but live peer apart from a dead one: a link silent for
+//!   [`PsConfig::failure_timeout`] (1 s) has failed. A node that fails on its own (a protocol
+//!   error, a bad update) tells its neighbours (a *fail* message, passed on), so every rank
 //!   learns which rank failed instead of only timing out.
-//! - *Bye* ends a link: a worker's shutdown waits for its subtree's pushes, sends its last
-//!   sum and Bye upstream; its parent answers with Bye downstream. A node's shutdown thus
-//!   waits for its subtree and its parent's answer, the root's for the whole tree.
+//! - *Bye* ends a link: a node leaves once it was told to stop, its children have left and
+//!   its sums are sent; it says Bye on every link and each peer answers with Bye. A node's
+//!   shutdown thus waits for its subtree and its neighbours' answers, the root's for the
+//!   whole tree.
+//!
+//! **Routing around failures (MLNET §3.1, [`PsConfig::reroute`]).** Every node also holds
+//! the spare links of [`fault_tolerant_edges`] (to its grandparent, and between the root and
+//! every member), idle but for heartbeats. The root alone declares a rank dead: when its link
+//! with it fails (closed, or silent for `failure_timeout`). It then floods a *tree update*
+//! (the dead set; its size is the tree version) over every live link, each node passing it
+//! on once, and every node computes the same tree from the original one and the dead set
+//! ([`repaired_tree`]): the dead node's children re-attach to their grandparent, or, after
+//! more than [`PsConfig::max_reparents`] failures, everyone becomes a child of the root
+//! (STAR). A dead server cannot be routed around: MLNET waits for a replacement; here every
+//! worker fails with an error naming it (its link closes or falls silent).
+//!
+//! *Exchanging clocks.* A node that takes in a child (its grandparent, or the root in STAR)
+//! sends it an *adopt* message: "send me your sums from clock `k` on". After a re-parenting,
+//! `k` is the number of sums the new parent received from the dead node: the dead node's
+//! sums of clocks below `k` already hold the child's subtree, the later ones never arrived,
+//! so the child re-sends its buffered sums of clocks `k..` (a worker keeps its sums until a
+//! version says they were applied) and nothing is counted twice or lost. After the STAR
+//! fallback the partial sums in the tree mix workers that now send on their own, so the root
+//! discards its pending (unapplied) clocks and every worker re-sends its own pushes from the
+//! root's next clock. Sums carry the tree version their sender attached at; a parent ignores
+//! a dead node's late sums and sums sent before a child's re-attachment. Until the adopt
+//! message arrives a re-attached child keeps its sums. The dead node's contributions of the
+//! clocks its parent had not received are lost: the server averages over the workers whose
+//! sums arrived, as always, and [`UpdateRecord`] names them. Pulls are still served only
+//! under [`pull_allowed`], so the staleness bound holds throughout; [`PsStats`] names the
+//! dead ranks, the tree version and whether the job fell back to STAR.
 //!
 //! **Why the staleness bound holds.** A pull by a worker at `c_worker` is answered from the
 //! local cache only when [`pull_allowed`]`(v, c_worker, s)` holds for the version `v` the
@@ -55,11 +84,16 @@
 //! returned version is exactly that version. With `p = 0` nothing is lost and no set or
 //! block clock is sent.
 //!
-//! **Limits.** One server (one tree). A failed rank is reported to every rank, not routed
-//! around (no re-parenting). Each message is one flow of the whole model (no pipelining in
+//! **Limits.** One server (one tree), and no replacement for it. Only the root declares
+//! deaths, so a failure must break a link with the root: without the spare links (links of
+//! [`crate::link::tree_edges`] only) a failure deeper in the tree is not repaired and the
+//! ranks waiting on it time out. A rank the root declared dead by mistake (silent for
+//! `failure_timeout` under load) is cut off: its sums are ignored and its calls time out. A
+//! child that left before its parent died is not re-attached (its new parent's later clocks
+//! are dropped at shutdown). Each message is one flow of the whole model (no pipelining in
 //! chunks, unlike the communicator's tree all-reduce).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -78,7 +112,7 @@ use crate::aggregate::{
 use crate::clock::{pull_allowed, WeightCache};
 use crate::error::CollectiveError;
 use crate::link::{InLink, Links, OutLink};
-use crate::tree::Tree;
+use crate::tree::{Tree, TreeError};
 
 /// How a parameter-server node runs.
 #[derive(Debug, Clone)]
@@ -91,10 +125,21 @@ pub struct PsConfig {
     pub loss_bound: LossBound,
     /// Transport configuration of every transfer.
     pub transfer: TransferConfig,
-    /// Longest wait of a blocking call (pull, wait_clock, each phase of shutdown), and the
-    /// silence after which a link's peer counts as dead (it is also the transport's
-    /// connect timeout).
+    /// Longest wait of a blocking call (pull, wait_clock, each phase of shutdown).
     pub op_timeout: Duration,
+    /// Period of the heartbeats on every idle link (default 200 ms).
+    pub heartbeat: Duration,
+    /// Silence after which a link's peer counts as dead (default 1 s; it is also the
+    /// transport's connect timeout). Must exceed `heartbeat`.
+    pub failure_timeout: Duration,
+    /// Route around failed workers (MLNET §3.1, default true): the root declares a rank
+    /// dead when its link fails or stays silent for `failure_timeout`, and the tree is
+    /// repaired ([`repaired_tree`]). Needs the links of [`fault_tolerant_edges`]. Off: a
+    /// failed rank is an error at every rank.
+    pub reroute: bool,
+    /// Failures repaired by re-attaching children to their grandparent (default 1); one
+    /// more and the job falls back to STAR (every worker a child of the server).
+    pub max_reparents: usize,
     /// Elements per aggregation block; `None`: exactly one transport segment.
     pub block_elems: Option<usize>,
     /// The server keeps the contributor sets of its last `keep_updates` updates (returned in
@@ -110,6 +155,10 @@ impl Default for PsConfig {
             loss_bound: LossBound::RELIABLE,
             transfer: TransferConfig::default(),
             op_timeout: Duration::from_secs(30),
+            heartbeat: Duration::from_millis(200),
+            failure_timeout: Duration::from_secs(1),
+            reroute: true,
+            max_reparents: 1,
             block_elems: None,
             keep_updates: 0,
         }
@@ -179,6 +228,12 @@ pub struct PsStats {
     /// The server's last updates (see [`PsConfig::keep_updates`]).
     #[serde(skip)]
     pub updates: Vec<UpdateRecord>,
+    /// Ranks this node knows have failed (routed around), ascending.
+    pub dead: Vec<usize>,
+    /// Tree version: the number of failures repaired (0: the original tree).
+    pub tree_version: u64,
+    /// Whether the job fell back to STAR after more than `max_reparents` failures.
+    pub fell_back_to_star: bool,
 }
 
 /// Why a parameter-server call failed.
@@ -252,6 +307,7 @@ const T_HEADER: u32 = 7 << 27;
 const T_PUSH: u32 = 8 << 27;
 const T_WEIGHTS: u32 = 9 << 27;
 const T_FAIL: u32 = 10 << 27;
+const T_TREE: u32 = 11 << 27;
 const SIDE_BIT: u32 = 1 << 31;
 
 const HEADER_LEN: usize = 16;
@@ -272,6 +328,8 @@ enum Kind {
     Push = 3,
     Weights = 4,
     Fail = 5,
+    Tree = 6,
+    Adopt = 7,
 }
 
 /// The header flow of every message: `[magic, kind, flags, 0, len u32, clock u64]`, LE.
@@ -279,9 +337,11 @@ enum Kind {
 struct Header {
     kind: Kind,
     flags: u8,
-    /// Fail: reason bytes.
+    /// Fail: reason bytes; tree: dead ranks; push: the sender's tree version at attachment;
+    /// adopt: the tree version.
     len: u32,
-    /// Push and weights: the clock; fail: the rank that failed.
+    /// Push and weights: the clock; fail: the rank that failed; tree: the version; adopt:
+    /// the first clock the new parent wants.
     clock: u64,
 }
 
@@ -315,6 +375,8 @@ impl Header {
             3 => Kind::Push,
             4 => Kind::Weights,
             5 => Kind::Fail,
+            6 => Kind::Tree,
+            7 => Kind::Adopt,
             k => return Err(format!("unknown message kind {k}")),
         };
         let flags = b[2];
@@ -356,12 +418,18 @@ struct VersionMsg {
 /// What a link's sending thread is asked to do.
 #[derive(Debug)]
 enum Out {
-    Push(Arc<PushMsg>),
+    /// A sum, stamped with the tree version the sender attached at.
+    Push(Arc<PushMsg>, u64),
     Weights(Arc<VersionMsg>),
-    /// The peer left (`bye`: answer with Bye) or its link failed (just stop).
-    Finish {
-        bye: bool,
+    /// The dead ranks (the tree version is their number).
+    Tree(Arc<Vec<usize>>),
+    /// "Send me your sums from clock `from` on" (tree version `version`).
+    Adopt {
+        version: u64,
+        from: u64,
     },
+    /// Say Bye and end.
+    Finish,
 }
 
 /// A child's sum as received.
@@ -380,11 +448,25 @@ enum AggIn {
         grads: Option<Tensor>,
     },
     Child {
-        idx: usize,
+        peer: usize,
+        epoch: u64,
         clock: u64,
         sum: Option<ChildSum>,
     },
-    ChildDone(usize),
+    /// A new version reached the cache.
+    Version,
+    Tree(Vec<usize>),
+    Adopt {
+        peer: usize,
+        version: u64,
+        from: u64,
+    },
+    Bye(usize),
+    /// The link with `peer` failed.
+    Down {
+        peer: usize,
+        reason: String,
+    },
     Stop,
 }
 
@@ -411,6 +493,9 @@ struct State {
     updates: VecDeque<UpdateRecord>,
     updates_applied: u64,
     stopped: bool,
+    dead: Vec<usize>,
+    tree_version: u64,
+    fell_back: bool,
 }
 
 #[derive(Debug, Default)]
@@ -487,12 +572,14 @@ struct Ctx {
     rank: usize,
     world: usize,
     job: u32,
-    parent: Option<usize>,
-    children: Vec<usize>,
-    /// Per child: a one-block set of the workers in its subtree.
-    subtree: Vec<Contributors>,
-    /// Workers in this node's subtree (itself included, unless it is the root).
-    my_subtree: usize,
+    root: usize,
+    /// The tree the job started with.
+    tree0: Tree,
+    /// The ranks this node has links with (both ways).
+    peers: Vec<usize>,
+    /// Per rank: a one-block set of the workers in its subtree of `tree0` (a repair only
+    /// moves nodes up, so a subtree never gains workers outside it).
+    subtree0: Vec<Contributors>,
     workers: usize,
     dtype: DType,
     layout: BlockLayout,
@@ -502,9 +589,12 @@ struct Ctx {
     hop_bound: LossBound,
     transfer: TransferConfig,
     heartbeat: Duration,
+    failure_timeout: Duration,
     poll: Duration,
     learning_rate: f32,
     keep_updates: usize,
+    reroute: bool,
+    max_reparents: usize,
     shared: Arc<Shared>,
 }
 
@@ -698,18 +788,20 @@ impl Tx<'_> {
         Ok(())
     }
 
-    fn push(&mut self, m: &PushMsg, ctx: &Ctx) -> Result<(), PsError> {
+    fn push(&mut self, m: &PushMsg, epoch: u64, ctx: &Ctx) -> Result<(), PsError> {
         let mut flags = 0;
         if m.values.is_none() {
             flags |= F_EMPTY;
         } else if m.sets.is_some() {
             flags |= F_SIDE;
         }
-        self.header(&Header::new(Kind::Push, flags, m.clock), ctx)?;
+        let mut h = Header::new(Kind::Push, flags, m.clock);
+        h.len = u32::try_from(epoch).unwrap_or(u32::MAX);
+        self.header(&h, ctx)?;
         let round = m.clock as u32;
         let mut bytes = 0;
         if let Some(v) = &m.values {
-            bytes += send_flow(self.ol, v, T_PUSH, round, self.stage, ctx.hop_bound, ctx)?;
+            bytes += send_flow(self.ol, v, T_PUSH, round, Stage::Push, ctx.hop_bound, ctx)?;
             if let Some(s) = &m.sets {
                 let t = raw_tensor(s);
                 bytes += send_flow(
@@ -717,7 +809,7 @@ impl Tx<'_> {
                     &t,
                     T_PUSH | SIDE_BIT,
                     round,
-                    self.stage,
+                    Stage::Push,
                     LossBound::RELIABLE,
                     ctx,
                 )?;
@@ -768,6 +860,27 @@ impl Tx<'_> {
         Ok(())
     }
 
+    fn tree(&mut self, dead: &[usize], ctx: &Ctx) -> Result<(), PsError> {
+        let mut h = Header::new(Kind::Tree, 0, dead.len() as u64);
+        h.len = u32::try_from(dead.len()).unwrap_or(u32::MAX);
+        let round = self.seq;
+        self.header(&h, ctx)?;
+        let bytes: Vec<u8> = dead
+            .iter()
+            .flat_map(|&r| (r as u64).to_le_bytes())
+            .collect();
+        send_flow(
+            self.ol,
+            &raw_tensor(&bytes),
+            T_TREE,
+            round,
+            self.stage,
+            LossBound::RELIABLE,
+            ctx,
+        )?;
+        Ok(())
+    }
+
     fn fail(&mut self, note: &FailNote, ctx: &Ctx) -> Result<(), PsError> {
         let mut reason = note.reason.clone();
         if reason.is_empty() {
@@ -798,17 +911,35 @@ impl Tx<'_> {
     }
 }
 
+/// What a link thread's error means: with route-around, a link failure marks the peer as
+/// suspect (the aggregator decides); otherwise, and for protocol errors, the node fails.
+fn link_error(ctx: &Ctx, peer: usize, e: PsError, agg: &Sender<AggIn>) {
+    if ctx.shared.forced() {
+        return;
+    }
+    match e {
+        PsError::Collective(c) if ctx.reroute => {
+            let _ = agg.send(AggIn::Down {
+                peer,
+                reason: c.to_string(),
+            });
+        }
+        e => ctx.fail(e),
+    }
+}
+
 /// A link's sending thread: messages from `rx` in order (newest weights only), heartbeats
 /// when idle, failure news once, Bye at the end.
-fn sender_loop(ol: &mut OutLink, rx: Receiver<Out>, stage: Stage, ctx: &Ctx) {
+fn sender_loop(ol: &mut OutLink, rx: Receiver<Out>, ctx: &Ctx, agg: Sender<AggIn>) {
     let peer = ol.peer();
     let mut tx = Tx {
         ol,
         seq: 0,
-        stage,
+        stage: Stage::Pull,
         last: Instant::now(),
     };
     let mut told_fail = false;
+    let mut stash: Option<Out> = None;
     let r = (|| -> Result<(), PsError> {
         loop {
             if !told_fail {
@@ -820,65 +951,69 @@ fn sender_loop(ol: &mut OutLink, rx: Receiver<Out>, stage: Stage, ctx: &Ctx) {
             if ctx.shared.forced() {
                 return Ok(());
             }
-            let msg = match rx.recv_timeout(ctx.poll) {
-                Ok(m) => m,
-                Err(RecvTimeoutError::Timeout) => {
-                    if tx.last.elapsed() >= ctx.heartbeat {
-                        tx.header(&Header::new(Kind::Heartbeat, 0, 0), ctx)?;
-                        ctx.shared
-                            .counters
-                            .heartbeats_sent
-                            .fetch_add(1, Ordering::Relaxed);
+            let msg = match stash.take() {
+                Some(m) => m,
+                None => match rx.recv_timeout(ctx.poll) {
+                    Ok(m) => m,
+                    Err(RecvTimeoutError::Timeout) => {
+                        if tx.last.elapsed() >= ctx.heartbeat {
+                            tx.header(&Header::new(Kind::Heartbeat, 0, 0), ctx)?;
+                            ctx.shared
+                                .counters
+                                .heartbeats_sent
+                                .fetch_add(1, Ordering::Relaxed);
+                        }
+                        continue;
                     }
-                    continue;
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    tx.header(&Header::new(Kind::Bye, 0, 0), ctx)?;
-                    return Ok(());
-                }
+                    Err(RecvTimeoutError::Disconnected) => {
+                        // A forced stop leaves without a word (the peer must see a failure).
+                        if !ctx.shared.forced() {
+                            tx.header(&Header::new(Kind::Bye, 0, 0), ctx)?;
+                        }
+                        return Ok(());
+                    }
+                },
             };
-            // Only the newest version matters; a finish ends the link at once.
+            // Only the newest of consecutive versions matters.
             let msg = match msg {
                 Out::Weights(mut v) => {
-                    let mut finish = None;
                     while let Ok(m) = rx.try_recv() {
                         match m {
                             Out::Weights(newer) => v = newer,
                             other => {
-                                finish = Some(other);
+                                stash = Some(other);
                                 break;
                             }
                         }
                     }
-                    match finish {
-                        Some(f) => f,
-                        None => Out::Weights(v),
-                    }
+                    Out::Weights(v)
                 }
                 other => other,
             };
             match msg {
-                Out::Push(p) => {
-                    tx.push(&p, ctx)?;
+                Out::Push(p, epoch) => {
+                    tx.push(&p, epoch, ctx)?;
                     ctx.shared
                         .counters
                         .sums_sent
                         .fetch_add(1, Ordering::Relaxed);
                 }
                 Out::Weights(v) => tx.weights(&v, ctx)?,
-                Out::Finish { bye } => {
-                    if bye {
-                        tx.header(&Header::new(Kind::Bye, 0, 0), ctx)?;
-                    }
+                Out::Tree(dead) => tx.tree(&dead, ctx)?,
+                Out::Adopt { version, from } => {
+                    let mut h = Header::new(Kind::Adopt, 0, from);
+                    h.len = u32::try_from(version).unwrap_or(u32::MAX);
+                    tx.header(&h, ctx)?;
+                }
+                Out::Finish => {
+                    tx.header(&Header::new(Kind::Bye, 0, 0), ctx)?;
                     return Ok(());
                 }
             }
         }
     })();
     if let Err(e) = r {
-        if !ctx.shared.forced() {
-            ctx.fail(e);
-        }
+        link_error(ctx, peer, e, &agg);
     }
 }
 
@@ -924,6 +1059,36 @@ impl Rx<'_> {
         Ok(String::from_utf8_lossy(t.as_bytes()).into_owned())
     }
 
+    /// A tree update: the dead ranks.
+    fn tree(&mut self, h: &Header, ctx: &Ctx) -> Result<Vec<usize>, PsError> {
+        let n = h.len as usize;
+        if n == 0 || n > ctx.world || h.clock != n as u64 {
+            return Err(self.protocol(format!(
+                "a tree update of version {} naming {n} dead rank(s)",
+                h.clock
+            )));
+        }
+        let mut t = Tensor::zeros(DType::Raw, n * 8);
+        recv_flow(
+            self.il,
+            &mut t,
+            T_TREE,
+            self.seq.wrapping_sub(1),
+            LossBound::RELIABLE,
+            ctx,
+        )?;
+        let mut dead = Vec::with_capacity(n);
+        for w in t.as_bytes().chunks_exact(8) {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(w);
+            match usize::try_from(u64::from_le_bytes(a)) {
+                Ok(r) if r < ctx.world => dead.push(r),
+                _ => return Err(self.protocol("a tree update names a rank out of range".into())),
+            }
+        }
+        Ok(dead)
+    }
+
     fn protocol(&self, what: String) -> PsError {
         PsError::Protocol {
             peer: self.il.peer(),
@@ -931,7 +1096,7 @@ impl Rx<'_> {
         }
     }
 
-    /// A child's sum of clock `h.clock`; `subtree`: the workers it may name.
+    /// A sum of clock `h.clock`; `subtree`: the workers it may name.
     fn push(
         &mut self,
         h: &Header,
@@ -987,7 +1152,7 @@ impl Rx<'_> {
         }))
     }
 
-    /// A version from the parent: its values, per-block clocks and which blocks arrived.
+    /// A version: its values, per-block clocks and which blocks arrived.
     fn weights(&mut self, h: &Header, ctx: &Ctx) -> Result<(Tensor, Vec<u64>, Vec<bool>), PsError> {
         let blocks = ctx.blocks();
         let round = h.clock as u32;
@@ -1013,25 +1178,18 @@ impl Rx<'_> {
     }
 }
 
-/// A child link's receiving thread: the child's sums to the aggregator, in clock order.
-fn child_recv(
-    il: &mut InLink,
-    idx: usize,
-    ctx: &Ctx,
-    agg: Sender<AggIn>,
-    down: Option<Sender<Out>>,
-) {
+/// A link's receiving thread: every message to the aggregator (versions merged into the
+/// cache here), until the peer's Bye or the link fails.
+fn peer_recv(il: &mut InLink, ctx: &Ctx, agg: Sender<AggIn>) {
     let peer = il.peer();
     let mut rx = Rx { il, seq: 0 };
-    let mut expect = 0u64;
-    let mut clean = false;
     let r = (|| -> Result<(), PsError> {
         loop {
             let h = rx.header(ctx)?;
-            match h.kind {
-                Kind::Heartbeat => {}
+            let msg = match h.kind {
+                Kind::Heartbeat => None,
                 Kind::Bye => {
-                    clean = true;
+                    let _ = agg.send(AggIn::Bye(peer));
                     return Ok(());
                 }
                 Kind::Fail => {
@@ -1039,62 +1197,16 @@ fn child_recv(
                     let rank = usize::try_from(h.clock).unwrap_or(usize::MAX);
                     ctx.shared
                         .fail(ctx.rank, PsError::Peer { rank, reason }, Some(peer));
+                    None
                 }
                 Kind::Push => {
-                    if h.clock != expect {
-                        return Err(rx.protocol(format!(
-                            "sent the sum of clock {} where clock {expect} was due",
-                            h.clock
-                        )));
-                    }
-                    let sum = rx.push(&h, &ctx.subtree[idx], ctx)?;
-                    expect += 1;
-                    if agg
-                        .send(AggIn::Child {
-                            idx,
-                            clock: h.clock,
-                            sum,
-                        })
-                        .is_err()
-                    {
-                        return Ok(());
-                    }
-                }
-                Kind::Weights => {
-                    return Err(rx.protocol("a child sent weights upstream".into()));
-                }
-            }
-            if ctx.shared.forced() {
-                return Ok(());
-            }
-        }
-    })();
-    if let Err(e) = r {
-        if !ctx.shared.forced() {
-            ctx.fail(e);
-        }
-    }
-    let _ = agg.send(AggIn::ChildDone(idx));
-    if let Some(d) = down {
-        let _ = d.send(Out::Finish { bye: clean });
-    }
-}
-
-/// The parent link's receiving thread: versions into the cache, then to the children.
-fn down_recv(il: &mut InLink, ctx: &Ctx, downs: Vec<Sender<Out>>) {
-    let peer = il.peer();
-    let mut rx = Rx { il, seq: 0 };
-    let r = (|| -> Result<(), PsError> {
-        loop {
-            let h = rx.header(ctx)?;
-            match h.kind {
-                Kind::Heartbeat => {}
-                Kind::Bye => return Ok(()),
-                Kind::Fail => {
-                    let reason = rx.reason(&h, ctx)?;
-                    let rank = usize::try_from(h.clock).unwrap_or(usize::MAX);
-                    ctx.shared
-                        .fail(ctx.rank, PsError::Peer { rank, reason }, Some(peer));
+                    let sum = rx.push(&h, &ctx.subtree0[peer], ctx)?;
+                    Some(AggIn::Child {
+                        peer,
+                        epoch: u64::from(h.len),
+                        clock: h.clock,
+                        sum,
+                    })
                 }
                 Kind::Weights => {
                     let (values, clocks, arrived) = rx.weights(&h, ctx)?;
@@ -1102,7 +1214,7 @@ fn down_recv(il: &mut InLink, ctx: &Ctx, downs: Vec<Sender<Out>>) {
                         .counters
                         .versions_received
                         .fetch_add(1, Ordering::Relaxed);
-                    let forward = {
+                    {
                         let mut st = ctx.shared.lock();
                         let st = &mut *st;
                         merge_blocks(
@@ -1114,27 +1226,20 @@ fn down_recv(il: &mut InLink, ctx: &Ctx, downs: Vec<Sender<Out>>) {
                             ctx.bb,
                         );
                         st.cache.on_weights(h.clock);
-                        let version = st.cache.weights_clock().unwrap_or(h.clock);
-                        (!downs.is_empty()).then(|| {
-                            let (c, explicit) = block_clocks(&st.have, version);
-                            VersionMsg {
-                                clock: version,
-                                weights: st.weights.clone(),
-                                block_clocks: explicit.then(|| encode_clocks(&c)),
-                            }
-                        })
-                    };
-                    ctx.shared.cv.notify_all();
-                    if let Some(v) = forward {
-                        let v = Arc::new(v);
-                        for d in &downs {
-                            let _ = d.send(Out::Weights(v.clone()));
-                        }
                     }
+                    ctx.shared.cv.notify_all();
+                    Some(AggIn::Version)
                 }
-                Kind::Push => {
-                    return Err(rx.protocol("the parent sent a push downstream".into()));
-                }
+                Kind::Tree => Some(AggIn::Tree(rx.tree(&h, ctx)?)),
+                Kind::Adopt => Some(AggIn::Adopt {
+                    peer,
+                    version: u64::from(h.len),
+                    from: h.clock,
+                }),
+            };
+            if let Some(m) = msg {
+                // The aggregator may have left already: then only the Bye matters.
+                let _ = agg.send(m);
             }
             if ctx.shared.forced() {
                 return Ok(());
@@ -1142,9 +1247,7 @@ fn down_recv(il: &mut InLink, ctx: &Ctx, downs: Vec<Sender<Out>>) {
         }
     })();
     if let Err(e) = r {
-        if !ctx.shared.forced() {
-            ctx.fail(e);
-        }
+        link_error(ctx, peer, e, &agg);
     }
 }
 
@@ -1153,7 +1256,8 @@ struct Pending {
     values: Vec<u8>,
     sets: Contributors,
     own: bool,
-    got: Vec<bool>,
+    /// The children whose sums are in.
+    got: BTreeSet<usize>,
 }
 
 impl Pending {
@@ -1162,130 +1266,584 @@ impl Pending {
             values: vec![0u8; ctx.layout.elems() * ctx.dtype.elem_size()],
             sets: Contributors::none(ctx.blocks(), ctx.world),
             own: false,
-            got: vec![false; ctx.children.len()],
+            got: BTreeSet::new(),
+        }
+    }
+}
+
+/// The tree after the failures in `dead`: each dead node's children re-attached to the
+/// nearest live ancestor ([`Tree::reparent`]), or MLNET's STAR fallback ([`Tree::star`], the
+/// `bool` is then true) once more than `max_reparents` nodes failed or when a re-attachment
+/// needs a link [`fault_tolerant_edges`] does not provide (a dead parent and grandparent).
+/// Every rank computes it from the same inputs, so all survivors agree on the tree.
+pub fn repaired_tree(
+    original: &Tree,
+    dead: &[usize],
+    max_reparents: usize,
+) -> Result<(Tree, bool), TreeError> {
+    let mut dead = dead.to_vec();
+    dead.sort_unstable();
+    dead.dedup();
+    let mut t = original.clone();
+    for &d in &dead {
+        t = t.reparent(d)?;
+    }
+    if dead.is_empty() {
+        return Ok((t, false));
+    }
+    let ft: BTreeSet<(usize, usize)> = fault_tolerant_edges(original).into_iter().collect();
+    if dead.len() > max_reparents || t.edges().iter().any(|e| !ft.contains(e)) {
+        return Ok((t.star(), true));
+    }
+    Ok((t, false))
+}
+
+/// The links a route-around job needs ([`PsConfig::reroute`]), directed `(from, to)`, each
+/// once: the tree's edges both ways, every node <-> its grandparent (where children re-attach
+/// when their parent dies), and the root <-> every member (failure news, and the STAR
+/// fallback). The extra links stay idle, kept alive by heartbeats, until a failure needs them.
+pub fn fault_tolerant_edges(tree: &Tree) -> Vec<(usize, usize)> {
+    let root = tree.root();
+    let mut set = BTreeSet::new();
+    for m in tree.members() {
+        let ups = [
+            tree.parent(m),
+            tree.grandparent(m),
+            (m != root).then_some(root),
+        ];
+        for q in ups.into_iter().flatten() {
+            set.insert((m, q));
+            set.insert((q, m));
+        }
+    }
+    set.into_iter().collect()
+}
+
+/// The aggregator's state, on the node's owning thread: it alone changes the tree and decides
+/// what goes up and down.
+struct Agg<'a> {
+    ctx: &'a Ctx,
+    outs: BTreeMap<usize, Sender<Out>>,
+    tree: Tree,
+    dead: BTreeSet<usize>,
+    fell_back: bool,
+    pending: BTreeMap<u64, Pending>,
+    /// The next clock to complete.
+    next: u64,
+    /// Own pushes of clocks not applied yet as far as this node knows (for a STAR re-send).
+    own: BTreeMap<u64, Option<Tensor>>,
+    own_next: u64,
+    /// Completed sums of clocks not applied yet (a worker re-sends them to a new parent).
+    completed: BTreeMap<u64, Arc<PushMsg>>,
+    /// The parent sums go to (None: the root, or detached until a new parent adopts it).
+    up: Option<usize>,
+    /// The tree version this node attached to `up` at (stamped on its sums).
+    epoch: u64,
+    sent_next: u64,
+    detached_at: Option<u64>,
+    adopt_wait: Option<(usize, u64, u64)>,
+    /// Per child: the first clock it sends here directly, the next one due, the oldest tree
+    /// version of its sums accepted.
+    from: BTreeMap<usize, u64>,
+    expect: BTreeMap<usize, u64>,
+    accept: BTreeMap<usize, u64>,
+    done: BTreeSet<usize>,
+    bye_sent: BTreeSet<usize>,
+    stop: bool,
+    left: bool,
+    broken: bool,
+}
+
+impl<'a> Agg<'a> {
+    fn new(ctx: &'a Ctx, outs: BTreeMap<usize, Sender<Out>>) -> Agg<'a> {
+        let tree = ctx.tree0.clone();
+        let children = tree.children(ctx.rank).to_vec();
+        Agg {
+            ctx,
+            outs,
+            up: tree.parent(ctx.rank),
+            tree,
+            dead: BTreeSet::new(),
+            fell_back: false,
+            pending: BTreeMap::new(),
+            next: 0,
+            own: BTreeMap::new(),
+            own_next: 0,
+            completed: BTreeMap::new(),
+            epoch: 0,
+            sent_next: 0,
+            detached_at: None,
+            adopt_wait: None,
+            from: children.iter().map(|&c| (c, 0)).collect(),
+            expect: children.iter().map(|&c| (c, 0)).collect(),
+            accept: children.iter().map(|&c| (c, 0)).collect(),
+            done: BTreeSet::new(),
+            bye_sent: BTreeSet::new(),
+            stop: false,
+            left: false,
+            broken: false,
         }
     }
 
-    fn complete(&self, worker: bool) -> bool {
-        (self.own || !worker) && self.got.iter().all(|&g| g)
+    fn worker(&self) -> bool {
+        self.ctx.rank != self.ctx.root
+    }
+
+    fn send(&self, peer: usize, m: Out) {
+        if let Some(tx) = self.outs.get(&peer) {
+            let _ = tx.send(m);
+        }
+    }
+
+    fn fatal(&mut self, e: PsError) {
+        self.ctx.fail(e);
+        self.broken = true;
+    }
+
+    fn children(&self) -> Vec<usize> {
+        self.tree.children(self.ctx.rank).to_vec()
+    }
+
+    fn handle(&mut self, msg: AggIn) {
+        match msg {
+            AggIn::Stop => self.stop = true,
+            AggIn::Own { clock, grads } => self.on_own(clock, grads),
+            AggIn::Child {
+                peer,
+                epoch,
+                clock,
+                sum,
+            } => self.on_child(peer, epoch, clock, sum),
+            AggIn::Version => self.on_version(),
+            AggIn::Tree(dead) => {
+                let mut all = self.dead.clone();
+                all.extend(dead);
+                if all.len() > self.dead.len() {
+                    // Pass the news on (flooding: the root may not reach everyone directly).
+                    let list: Arc<Vec<usize>> = Arc::new(all.iter().copied().collect());
+                    for &q in self.outs.keys() {
+                        if !all.contains(&q) && !self.bye_sent.contains(&q) {
+                            self.send(q, Out::Tree(list.clone()));
+                        }
+                    }
+                    self.apply_tree(all);
+                }
+            }
+            AggIn::Adopt {
+                peer,
+                version,
+                from,
+            } => {
+                if self.up.is_none() || version > self.epoch {
+                    self.adopt_wait = Some((peer, version, from));
+                    self.try_attach();
+                }
+            }
+            AggIn::Bye(peer) => {
+                self.done.insert(peer);
+                if self.up == Some(peer) {
+                    self.up = None;
+                }
+                if !self.left && self.bye_sent.insert(peer) {
+                    self.send(peer, Out::Finish);
+                }
+            }
+            AggIn::Down { peer, reason } => self.on_down(peer, reason),
+        }
+        self.drain();
+    }
+
+    fn on_own(&mut self, clock: u64, grads: Option<Tensor>) {
+        self.own_next = clock + 1;
+        if self.ctx.reroute {
+            self.own.insert(clock, grads.clone());
+        }
+        let ctx = self.ctx;
+        let p = self
+            .pending
+            .entry(clock)
+            .or_insert_with(|| Pending::new(ctx));
+        p.own = true;
+        if let Some(g) = grads {
+            if let Err(e) = add_into(ctx.dtype, &mut p.values, g.as_bytes()) {
+                self.fatal(PsError::Config(format!("own push: {e}")));
+                return;
+            }
+            for b in 0..ctx.blocks() {
+                p.sets.insert(b, ctx.rank);
+            }
+        }
+    }
+
+    fn on_child(&mut self, peer: usize, epoch: u64, clock: u64, sum: Option<ChildSum>) {
+        let ctx = self.ctx;
+        // A dead node's late sum, a former child's, or one sent before its re-attachment:
+        // what it holds reaches the root another way (or is lost with the dead node).
+        if self.dead.contains(&peer)
+            || !self.tree.children(ctx.rank).contains(&peer)
+            || epoch < self.accept.get(&peer).copied().unwrap_or(0)
+        {
+            log::debug!(
+                "parameter server rank {}: ignored rank {peer}'s sum of clock {clock} (tree version {epoch})",
+                ctx.rank
+            );
+            return;
+        }
+        let due = self.expect.get(&peer).copied().unwrap_or(0);
+        if clock != due {
+            self.fatal(PsError::Protocol {
+                peer,
+                what: format!("sent the sum of clock {clock} where clock {due} was due"),
+            });
+            return;
+        }
+        self.expect.insert(peer, due + 1);
+        let p = self
+            .pending
+            .entry(clock)
+            .or_insert_with(|| Pending::new(ctx));
+        p.got.insert(peer);
+        if let Some(s) = sum {
+            let mut local = Partial {
+                dtype: ctx.dtype,
+                values: &mut p.values,
+                contributors: &mut p.sets,
+                first_block: 0,
+            };
+            if let Err(source) =
+                accumulate(&mut local, s.values.as_bytes(), &s.sets, &s.arrived, ctx.bb)
+            {
+                self.fatal(CollectiveError::Aggregate { peer, source }.into());
+            }
+        }
+    }
+
+    /// A new version reached the cache: prune what it makes useless, pass it on.
+    fn on_version(&mut self) {
+        let v = self.ctx.shared.lock().cache.weights_clock().unwrap_or(0);
+        self.own.retain(|&c, _| c >= v);
+        self.completed.retain(|&c, _| c >= v);
+        for c in self.children() {
+            self.send_version(c);
+        }
+    }
+
+    /// This node's cache to `peer`.
+    fn send_version(&self, peer: usize) {
+        let msg = {
+            let st = self.ctx.shared.lock();
+            let Some(version) = st.cache.weights_clock() else {
+                return;
+            };
+            let (c, explicit) = block_clocks(&st.have, version);
+            VersionMsg {
+                clock: version,
+                weights: st.weights.clone(),
+                block_clocks: explicit.then(|| encode_clocks(&c)),
+            }
+        };
+        self.send(peer, Out::Weights(Arc::new(msg)));
+    }
+
+    fn on_down(&mut self, peer: usize, reason: String) {
+        let ctx = self.ctx;
+        if self.done.contains(&peer) || self.dead.contains(&peer) {
+            return;
+        }
+        if !self.worker() {
+            if ctx.tree0.contains(peer) {
+                log::warn!("parameter server: rank {peer} failed ({reason}); routing around it");
+                let mut all = self.dead.clone();
+                all.insert(peer);
+                let list: Arc<Vec<usize>> = Arc::new(all.iter().copied().collect());
+                for &q in self.outs.keys() {
+                    if !all.contains(&q) && !self.bye_sent.contains(&q) {
+                        self.send(q, Out::Tree(list.clone()));
+                    }
+                }
+                self.apply_tree(all);
+            }
+            return;
+        }
+        if peer == ctx.root {
+            self.fatal(PsError::Peer {
+                rank: peer,
+                reason: format!(
+                    "the parameter server (rank {peer}) is gone: {reason} (MLNET waits for a replacement server; this job reports it: restart the job)"
+                ),
+            });
+            return;
+        }
+        // Wait for the root's tree update; sums stay buffered meanwhile.
+        if self.up == Some(peer) {
+            self.up = None;
+            self.detached_at = Some(self.dead.len() as u64);
+        }
+    }
+
+    /// Switch to the tree without the `dead` ranks.
+    fn apply_tree(&mut self, dead: BTreeSet<usize>) {
+        let ctx = self.ctx;
+        let me = ctx.rank;
+        if dead.contains(&ctx.root) {
+            self.fatal(PsError::Peer {
+                rank: ctx.root,
+                reason: "the parameter server is gone (MLNET waits for a replacement server; this job reports it: restart the job)".into(),
+            });
+            return;
+        }
+        if dead.contains(&me) {
+            self.fatal(PsError::Peer {
+                rank: me,
+                reason: format!(
+                    "the server declared this rank dead (its links were silent for {:?}); restart it",
+                    ctx.failure_timeout
+                ),
+            });
+            return;
+        }
+        let list: Vec<usize> = dead.iter().copied().collect();
+        let (tree, star) = match repaired_tree(&ctx.tree0, &list, ctx.max_reparents) {
+            Ok(x) => x,
+            Err(e) => {
+                self.fatal(PsError::Config(format!("tree repair: {e}")));
+                return;
+            }
+        };
+        let old = std::mem::replace(&mut self.tree, tree);
+        let newly: Vec<usize> = dead.difference(&self.dead).copied().collect();
+        self.dead = dead;
+        let version = self.dead.len() as u64;
+        let star_switch = star && !self.fell_back;
+        self.fell_back |= star;
+        // How far each dead child's sums got here: its children resume from there.
+        let mut reached = BTreeMap::new();
+        for d in &newly {
+            if let Some(k) = self.expect.remove(d) {
+                reached.insert(*d, k);
+            }
+            self.from.remove(d);
+            self.accept.remove(d);
+        }
+        log::warn!(
+            "parameter server rank {me}: tree version {version} without rank(s) {:?}{}",
+            self.dead,
+            if star { " (STAR fallback)" } else { "" }
+        );
+        let worker = self.worker();
+        if star_switch {
+            if worker {
+                // Everything is re-sent from the own pushes: the partial sums mix workers
+                // that now send to the root themselves.
+                self.pending.clear();
+                self.completed.clear();
+                let own: Vec<(u64, Option<Tensor>)> =
+                    self.own.iter().map(|(&c, g)| (c, g.clone())).collect();
+                for (c, g) in own {
+                    let mut p = Pending::new(ctx);
+                    p.own = true;
+                    if let Some(g) = g {
+                        p.values.copy_from_slice(g.as_bytes());
+                        for b in 0..ctx.blocks() {
+                            p.sets.insert(b, me);
+                        }
+                    }
+                    self.completed.insert(c, Arc::new(self.sum_msg(c, &p)));
+                }
+                self.next = self.own_next;
+                for c in old.children(me) {
+                    self.from.remove(c);
+                    self.expect.remove(c);
+                    self.accept.remove(c);
+                }
+                self.detach(version);
+            } else {
+                self.pending.clear();
+                for c in self.children() {
+                    self.adopt(c, version, self.next);
+                }
+            }
+        } else {
+            let before: BTreeSet<usize> = old.children(me).iter().copied().collect();
+            for c in self.children() {
+                if !before.contains(&c) {
+                    let from = old
+                        .parent(c)
+                        .and_then(|d| reached.get(&d).copied())
+                        .unwrap_or(self.next);
+                    self.adopt(c, version, from);
+                }
+            }
+            if worker && self.tree.parent(me) != old.parent(me) {
+                self.detach(version);
+            }
+        }
+        {
+            let mut st = ctx.shared.lock();
+            st.dead = self.dead.iter().copied().collect();
+            st.tree_version = version;
+            st.fell_back = self.fell_back;
+        }
+        self.try_attach();
+    }
+
+    /// Take `child` in: it sends its sums of clocks `from..` here (the earlier ones reached
+    /// this node through its dead parent, or were applied).
+    fn adopt(&mut self, child: usize, version: u64, from: u64) {
+        self.from.insert(child, from);
+        self.expect.insert(child, from);
+        self.accept.insert(child, version);
+        self.send(child, Out::Adopt { version, from });
+        self.send_version(child);
+    }
+
+    fn detach(&mut self, version: u64) {
+        self.up = None;
+        self.detached_at = Some(version);
+    }
+
+    fn try_attach(&mut self) {
+        let Some((peer, version, from)) = self.adopt_wait else {
+            return;
+        };
+        let ok = self.tree.parent(self.ctx.rank) == Some(peer)
+            && self.detached_at.is_some_and(|d| version >= d);
+        if ok {
+            self.adopt_wait = None;
+            self.up = Some(peer);
+            self.epoch = version;
+            self.detached_at = None;
+            self.sent_next = from;
+        }
+    }
+
+    fn complete(&self, clock: u64) -> bool {
+        let Some(p) = self.pending.get(&clock) else {
+            return false;
+        };
+        (p.own || !self.worker())
+            && self
+                .tree
+                .children(self.ctx.rank)
+                .iter()
+                .all(|c| self.from.get(c).copied().unwrap_or(0) > clock || p.got.contains(c))
+    }
+
+    /// Complete every clock that can be, in order; send what is due upstream.
+    fn drain(&mut self) {
+        if self.broken {
+            return;
+        }
+        while self.complete(self.next) {
+            let Some(p) = self.pending.remove(&self.next) else {
+                break;
+            };
+            if self.worker() {
+                let m = self.sum_msg(self.next, &p);
+                self.completed.insert(self.next, Arc::new(m));
+            } else if let Err(e) = apply(self.ctx, self.next, p) {
+                self.fatal(e);
+                return;
+            } else {
+                for c in self.children() {
+                    self.send_version(c);
+                }
+            }
+            self.next += 1;
+        }
+        if let Some(up) = self.up {
+            while self.sent_next < self.next {
+                if let Some(m) = self.completed.get(&self.sent_next) {
+                    self.send(up, Out::Push(m.clone(), self.epoch));
+                }
+                self.sent_next += 1;
+            }
+        }
+        let waiting_on: Vec<usize> = match self.pending.get(&self.next) {
+            Some(p) => self
+                .children()
+                .into_iter()
+                .filter(|c| !p.got.contains(c))
+                .collect(),
+            None => self.children(),
+        };
+        self.ctx.shared.lock().waiting = Some((self.next, waiting_on));
+    }
+
+    fn sum_msg(&self, clock: u64, p: &Pending) -> PushMsg {
+        let ctx = self.ctx;
+        let blocks = ctx.blocks();
+        let mine = ctx.subtree0[ctx.rank].count(0);
+        let empty = (0..blocks).all(|b| p.sets.count(b) == 0);
+        let explicit = !ctx.reliable || (0..blocks).any(|b| p.sets.count(b) != mine);
+        PushMsg {
+            clock,
+            values: (!empty).then(|| tensor_of(ctx.dtype, &p.values)),
+            sets: (explicit && !empty).then(|| p.sets.encode(0..blocks)),
+        }
+    }
+
+    /// Whether the node may leave: stopped, its children gone, its sums sent.
+    fn may_leave(&self) -> bool {
+        self.stop
+            && self
+                .children()
+                .iter()
+                .all(|c| self.done.contains(c) || self.dead.contains(c))
+            && (!self.worker() || (self.up.is_some() && self.sent_next >= self.next))
+    }
+
+    fn leave(&mut self) {
+        self.left = true;
+        let peers: Vec<usize> = self.outs.keys().copied().collect();
+        for q in peers {
+            if self.bye_sent.insert(q) {
+                self.send(q, Out::Finish);
+            }
+        }
     }
 }
 
 /// The aggregator, on the node's owning thread: sums each clock's pushes in clock order and
-/// sends the sum up (a worker) or applies it (the server).
-fn aggregate(ctx: &Ctx, rx: Receiver<AggIn>, up: Option<Sender<Out>>, down: Vec<Sender<Out>>) {
-    let worker = ctx.parent.is_some();
-    let n = ctx.children.len();
-    let mut pending: BTreeMap<u64, Pending> = BTreeMap::new();
-    let mut next = 0u64;
-    let mut done = vec![false; n];
-    let mut stop = false;
-    if !worker {
-        publish(ctx, None, &down);
+/// sends the sum up (a worker) or applies it (the server); repairs the tree on failures.
+fn aggregate(ctx: &Ctx, rx: Receiver<AggIn>, outs: BTreeMap<usize, Sender<Out>>) {
+    let mut agg = Agg::new(ctx, outs);
+    if !agg.worker() {
+        publish(ctx, None);
+        for c in agg.children() {
+            agg.send_version(c);
+        }
     }
     loop {
-        if ctx.shared.forced() || (stop && done.iter().all(|&d| d)) {
+        if ctx.shared.forced() || agg.broken {
             break;
         }
-        let msg = match rx.recv_timeout(ctx.poll) {
-            Ok(m) => m,
+        if agg.may_leave() {
+            agg.leave();
+            break;
+        }
+        match rx.recv_timeout(ctx.poll) {
+            Ok(m) => agg.handle(m),
             Err(RecvTimeoutError::Timeout) => continue,
             Err(RecvTimeoutError::Disconnected) => break,
-        };
-        match msg {
-            AggIn::Stop => stop = true,
-            AggIn::ChildDone(i) => {
-                if let Some(d) = done.get_mut(i) {
-                    *d = true;
-                }
-            }
-            AggIn::Own { clock, grads } => {
-                let p = pending.entry(clock).or_insert_with(|| Pending::new(ctx));
-                p.own = true;
-                if let Some(g) = grads {
-                    if let Err(e) = add_into(ctx.dtype, &mut p.values, g.as_bytes()) {
-                        ctx.fail(PsError::Config(format!("own push: {e}")));
-                        break;
-                    }
-                    for b in 0..ctx.blocks() {
-                        p.sets.insert(b, ctx.rank);
-                    }
-                }
-            }
-            AggIn::Child { idx, clock, sum } => {
-                let p = pending.entry(clock).or_insert_with(|| Pending::new(ctx));
-                if let Some(g) = p.got.get_mut(idx) {
-                    *g = true;
-                }
-                if let Some(s) = sum {
-                    let mut local = Partial {
-                        dtype: ctx.dtype,
-                        values: &mut p.values,
-                        contributors: &mut p.sets,
-                        first_block: 0,
-                    };
-                    if let Err(source) =
-                        accumulate(&mut local, s.values.as_bytes(), &s.sets, &s.arrived, ctx.bb)
-                    {
-                        let peer = ctx.children.get(idx).copied().unwrap_or(0);
-                        ctx.fail(CollectiveError::Aggregate { peer, source }.into());
-                        break;
-                    }
-                }
-            }
         }
-        while pending.get(&next).is_some_and(|p| p.complete(worker)) {
-            let Some(p) = pending.remove(&next) else {
-                break;
-            };
-            if worker {
-                send_up(ctx, next, p, up.as_ref());
-            } else {
-                apply(ctx, next, p, &down);
-            }
-            next += 1;
-        }
-        let waiting_on: Vec<usize> = match pending.get(&next) {
-            Some(p) => ctx
-                .children
-                .iter()
-                .zip(&p.got)
-                .filter(|(_, &g)| !g)
-                .map(|(&c, _)| c)
-                .collect(),
-            None => ctx.children.clone(),
-        };
-        ctx.shared.lock().waiting = Some((next, waiting_on));
     }
-    if !pending.is_empty() {
+    if !agg.pending.is_empty() {
         log::warn!(
-            "parameter server rank {}: stopped with {} clock(s) incomplete (from clock {next}): some push never came",
+            "parameter server rank {}: stopped with {} clock(s) incomplete (from clock {}): some push never came",
             ctx.rank,
-            pending.len()
+            agg.pending.len(),
+            agg.next
         );
         ctx.shared
             .counters
             .dropped_clocks
-            .fetch_add(pending.len() as u64, Ordering::Relaxed);
+            .fetch_add(agg.pending.len() as u64, Ordering::Relaxed);
     }
 }
 
-fn send_up(ctx: &Ctx, clock: u64, p: Pending, up: Option<&Sender<Out>>) {
-    let blocks = ctx.blocks();
-    let empty = (0..blocks).all(|b| p.sets.count(b) == 0);
-    let explicit = !ctx.reliable || (0..blocks).any(|b| p.sets.count(b) != ctx.my_subtree);
-    let msg = PushMsg {
-        clock,
-        values: (!empty).then(|| tensor_of(ctx.dtype, &p.values)),
-        sets: (explicit && !empty).then(|| p.sets.encode(0..blocks)),
-    };
-    if let Some(up) = up {
-        let _ = up.send(Out::Push(Arc::new(msg)));
-    }
-}
-
-/// The server's update for `clock`, then the new version down the tree.
-fn apply(ctx: &Ctx, clock: u64, mut p: Pending, down: &[Sender<Out>]) {
+/// The server's update for `clock`; its weights become version `clock + 1`.
+fn apply(ctx: &Ctx, clock: u64, mut p: Pending) -> Result<(), PsError> {
     let blocks = ctx.blocks();
     {
         let mut local = Partial {
@@ -1308,16 +1866,12 @@ fn apply(ctx: &Ctx, clock: u64, mut p: Pending, down: &[Sender<Out>]) {
             / blocks as f64
     };
     let mut st = ctx.shared.lock();
-    if let Err(e) = apply_update(
+    apply_update(
         ctx.dtype,
         st.weights.as_bytes_mut(),
         &p.values,
         ctx.learning_rate,
-    ) {
-        drop(st);
-        ctx.fail(e);
-        return;
-    }
+    )?;
     if ctx.keep_updates > 0 {
         if st.updates.len() >= ctx.keep_updates {
             st.updates.pop_front();
@@ -1331,55 +1885,31 @@ fn apply(ctx: &Ctx, clock: u64, mut p: Pending, down: &[Sender<Out>]) {
     }
     st.updates_applied += 1;
     drop(st);
-    publish(ctx, Some(clock + 1), down);
+    publish(ctx, Some(clock + 1));
+    Ok(())
 }
 
-/// The server's weights become version `clock` (None: version 0, the initial weights) and go
-/// down the tree.
-fn publish(ctx: &Ctx, clock: Option<u64>, down: &[Sender<Out>]) {
+/// The server's weights become version `clock` (None: version 0, the initial weights).
+fn publish(ctx: &Ctx, clock: Option<u64>) {
     let version = clock.unwrap_or(0);
-    let msg = {
+    {
         let mut st = ctx.shared.lock();
         st.cache.on_weights(version);
         st.have.fill(version + 1);
-        VersionMsg {
-            clock: version,
-            weights: st.weights.clone(),
-            block_clocks: None,
-        }
-    };
-    ctx.shared.cv.notify_all();
-    let msg = Arc::new(msg);
-    for d in down {
-        let _ = d.send(Out::Weights(msg.clone()));
     }
+    ctx.shared.cv.notify_all();
 }
 
-/// The node's owning thread: every link gets a sub-thread; the aggregator runs here.
+/// The node's owning thread: every link gets a sending and a receiving sub-thread; the
+/// aggregator runs here.
 fn node_main(mut links: Links, ctx: &Ctx, agg_tx: Sender<AggIn>, agg_rx: Receiver<AggIn>) {
-    let n = ctx.children.len();
-    let mut to: Vec<usize> = ctx.parent.into_iter().collect();
-    to.extend(&ctx.children);
-    let mut from = ctx.children.clone();
-    from.extend(ctx.parent);
-    let (outs, ins) = match links.many(&to, &from) {
+    let (outs, ins) = match links.many(&ctx.peers, &ctx.peers) {
         Ok(x) => x,
         Err(e) => {
             ctx.fail(e.into());
             return;
         }
     };
-    let mut outs = outs.into_iter();
-    let mut ins = ins.into_iter();
-    let up_out = if ctx.parent.is_some() {
-        outs.next()
-    } else {
-        None
-    };
-    let down_outs: Vec<&mut OutLink> = outs.collect();
-    let child_ins: Vec<&mut InLink> = ins.by_ref().take(n).collect();
-    let down_in = ins.next();
-
     std::thread::scope(|sc| {
         let mut handles = Vec::new();
         let spawn_err = |e: std::io::Error| {
@@ -1388,46 +1918,27 @@ fn node_main(mut links: Links, ctx: &Ctx, agg_tx: Sender<AggIn>, agg_rx: Receive
             )));
         };
         let name = |what: &str| format!("gw-ps{}-{what}", ctx.rank);
-        let mut down_txs = Vec::new();
-        for ol in down_outs {
+        let mut txs = BTreeMap::new();
+        for ol in outs {
             let (tx, rx) = mpsc::channel::<Out>();
-            down_txs.push(tx);
-            let b = std::thread::Builder::new().name(name(&format!("to{}", ol.peer())));
-            match b.spawn_scoped(sc, move || sender_loop(ol, rx, Stage::Pull, ctx)) {
-                Ok(h) => handles.push(h),
-                Err(e) => spawn_err(e),
-            }
-        }
-        let (up_tx, up_rx) = mpsc::channel::<Out>();
-        if let Some(ol) = up_out {
-            let b = std::thread::Builder::new().name(name("up"));
-            match b.spawn_scoped(sc, move || sender_loop(ol, up_rx, Stage::Push, ctx)) {
-                Ok(h) => handles.push(h),
-                Err(e) => spawn_err(e),
-            }
-        }
-        for (i, il) in child_ins.into_iter().enumerate() {
+            txs.insert(ol.peer(), tx);
             let agg = agg_tx.clone();
-            let down = down_txs.get(i).cloned();
+            let b = std::thread::Builder::new().name(name(&format!("to{}", ol.peer())));
+            match b.spawn_scoped(sc, move || sender_loop(ol, rx, ctx, agg)) {
+                Ok(h) => handles.push(h),
+                Err(e) => spawn_err(e),
+            }
+        }
+        for il in ins {
+            let agg = agg_tx.clone();
             let b = std::thread::Builder::new().name(name(&format!("from{}", il.peer())));
-            match b.spawn_scoped(sc, move || child_recv(il, i, ctx, agg, down)) {
+            match b.spawn_scoped(sc, move || peer_recv(il, ctx, agg)) {
                 Ok(h) => handles.push(h),
                 Err(e) => spawn_err(e),
             }
         }
         drop(agg_tx);
-        let agg_down = match down_in {
-            Some(il) => {
-                let b = std::thread::Builder::new().name(name("down"));
-                match b.spawn_scoped(sc, move || down_recv(il, ctx, down_txs)) {
-                    Ok(h) => handles.push(h),
-                    Err(e) => spawn_err(e),
-                }
-                Vec::new()
-            }
-            None => down_txs,
-        };
-        aggregate(ctx, agg_rx, ctx.parent.map(|_| up_tx), agg_down);
+        aggregate(ctx, agg_rx, txs);
         for h in handles {
             if h.join().is_err() {
                 ctx.fail(CollectiveError::ThreadPanicked.into());
@@ -1511,25 +2022,39 @@ impl PsNode {
         if cfg.op_timeout.is_zero() {
             return Err(PsError::Config("op_timeout must be positive".into()));
         }
+        if cfg.heartbeat.is_zero() || cfg.failure_timeout <= cfg.heartbeat {
+            return Err(PsError::Config(format!(
+                "heartbeat {:?} must be positive and below failure_timeout {:?} (a live peer must be heard before it counts as dead)",
+                cfg.heartbeat, cfg.failure_timeout
+            )));
+        }
         if cfg.block_elems == Some(0) {
             return Err(PsError::Config("block_elems must be at least 1".into()));
         }
         let mut transfer = cfg.transfer.clone();
-        transfer.connect_timeout = cfg.op_timeout;
+        transfer.connect_timeout = cfg.failure_timeout;
         transfer
             .validate()
             .map_err(|e| PsError::Config(e.to_string()))?;
         let parent = tree.parent(rank);
-        let children = tree.children(rank).to_vec();
-        // Every link must exist before the threads start.
+        // The tree's links must exist; with route-around, so may the spare ones.
+        let mut peers: Vec<usize> = parent.into_iter().collect();
+        peers.extend(tree.children(rank));
         {
-            let mut to: Vec<usize> = parent.into_iter().collect();
-            to.extend(&children);
-            let mut from = children.clone();
-            from.extend(parent);
-            links.many(&to, &from)?;
+            links.many(&peers, &peers)?;
         }
-        let any_peer = parent.or(children.first().copied()).unwrap_or(0);
+        if cfg.reroute {
+            for (from, to) in fault_tolerant_edges(&tree) {
+                if from == rank
+                    && !peers.contains(&to)
+                    && links.out(to).is_ok()
+                    && links.inn(to).is_ok()
+                {
+                    peers.push(to);
+                }
+            }
+        }
+        let any_peer = peers.first().copied().unwrap_or(0);
         let block_elems = match cfg.block_elems {
             Some(b) => b,
             None => {
@@ -1546,6 +2071,9 @@ impl PsNode {
         let root = tree.root();
         let subtree_of = |c: usize| {
             let mut s = Contributors::none(1, world);
+            if !tree.contains(c) {
+                return s;
+            }
             let mut stack = vec![c];
             while let Some(q) = stack.pop() {
                 if q != root {
@@ -1555,11 +2083,9 @@ impl PsNode {
             }
             s
         };
-        let subtree: Vec<Contributors> = children.iter().map(|&c| subtree_of(c)).collect();
-        let my_subtree = subtree_of(rank).count(0);
+        let subtree0: Vec<Contributors> = (0..world).map(subtree_of).collect();
         let hop = hop_bound(cfg.loss_bound, tree.height());
-        let heartbeat =
-            (cfg.op_timeout / 4).clamp(Duration::from_millis(1), Duration::from_secs(1));
+        let heartbeat = cfg.heartbeat;
         let server = parent.is_none();
         let mut cache = WeightCache::new();
         let mut have = vec![0u64; blocks];
@@ -1579,6 +2105,9 @@ impl PsNode {
                 updates: VecDeque::new(),
                 updates_applied: 0,
                 stopped: false,
+                dead: Vec::new(),
+                tree_version: 0,
+                fell_back: false,
             }),
             cv: Condvar::new(),
             force: AtomicBool::new(false),
@@ -1588,11 +2117,11 @@ impl PsNode {
             rank,
             world,
             job,
-            parent,
-            children,
-            subtree,
-            my_subtree,
+            root,
             workers: tree.len() - 1,
+            tree0: tree,
+            peers,
+            subtree0,
             dtype,
             layout,
             bb: block_elems * dtype.elem_size(),
@@ -1600,9 +2129,12 @@ impl PsNode {
             hop_bound: hop,
             transfer,
             heartbeat,
+            failure_timeout: cfg.failure_timeout,
             poll: heartbeat.min(Duration::from_millis(50)),
             learning_rate: cfg.learning_rate,
             keep_updates: cfg.keep_updates,
+            reroute: cfg.reroute,
+            max_reparents: cfg.max_reparents,
             shared: shared.clone(),
         });
         let (agg_tx, agg_rx) = mpsc::channel();
@@ -1941,6 +2473,9 @@ impl PsNode {
             bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
             dropped_clocks: c.dropped_clocks.load(Ordering::Relaxed),
             updates: st.updates.iter().cloned().collect(),
+            dead: st.dead.clone(),
+            tree_version: st.tree_version,
+            fell_back_to_star: st.fell_back,
         }
     }
 }
@@ -2075,6 +2610,60 @@ mod tests {
         assert!(!sets_within(&sets, &allowed));
     }
 
+    #[test]
+    fn one_failure_reparents_more_fall_back_to_star() {
+        let members: Vec<usize> = (0..7).collect();
+        let t = Tree::build(Strategy::BINARY, 0, &members, &[0; 7]).unwrap();
+        let interior: Vec<usize> = (1..7).filter(|&r| !t.children(r).is_empty()).collect();
+        let d = interior[0];
+        let (r, star) = repaired_tree(&t, &[d], 1).unwrap();
+        assert!(!star);
+        assert_eq!(r, t.reparent(d).unwrap());
+        assert_eq!(repaired_tree(&t, &[], 1).unwrap(), (t.clone(), false));
+        // Two failures: STAR over the survivors.
+        let (s, star) = repaired_tree(&t, &[interior[1], d, d], 1).unwrap();
+        assert!(star);
+        assert_eq!(s.height(), 1);
+        assert!(!s.contains(d) && !s.contains(interior[1]));
+        assert_eq!(s.len(), 5);
+        // Allowed two re-parentings, siblings both go to the root (links exist) ...
+        let (two, star) = repaired_tree(&t, &interior, 2).unwrap();
+        assert!(!star);
+        assert_eq!(two.height(), 1);
+        // ... but a dead parent and grandparent would need a link nobody has.
+        let chain = Tree::build(Strategy::Degree(1), 0, &[0, 1, 2, 3, 4], &[0; 5]).unwrap();
+        let (c, star) = repaired_tree(&chain, &[1], 3).unwrap();
+        assert!(!star && c.parent(2) == Some(0));
+        let (c, star) = repaired_tree(&chain, &[2, 3], 3).unwrap();
+        assert!(star, "{c:?}");
+        assert_eq!(
+            repaired_tree(&chain, &[0], 3).unwrap_err(),
+            TreeError::RootFailed(0)
+        );
+    }
+
+    #[test]
+    fn spare_links_cover_every_repair() {
+        let members: Vec<usize> = (0..9).collect();
+        for strat in [Strategy::BINARY, Strategy::Degree(1), Strategy::Degree(3)] {
+            let t = Tree::build(strat, 0, &members, &[0; 9]).unwrap();
+            let e: BTreeSet<(usize, usize)> = fault_tolerant_edges(&t).into_iter().collect();
+            assert_eq!(e.len(), fault_tolerant_edges(&t).len());
+            for d in 1..9 {
+                let (r, _) = repaired_tree(&t, &[d], 1).unwrap();
+                for (c, p) in r.edges() {
+                    assert!(
+                        e.contains(&(c, p)) && e.contains(&(p, c)),
+                        "{strat}: {c}-{p}"
+                    );
+                }
+            }
+            for (c, p) in t.star().edges() {
+                assert!(e.contains(&(c, p)) && e.contains(&(p, c)));
+            }
+        }
+    }
+
     proptest! {
         /// Whatever order and loss versions arrive with, each block holds the newest
         /// version whose block reached it, and never goes back.
@@ -2166,6 +2755,16 @@ mod tests {
             ..cfg.clone()
         };
         assert!(is_config(start(&t, &model, zero_timeout)));
+        let no_heartbeat = PsConfig {
+            heartbeat: Duration::ZERO,
+            ..cfg.clone()
+        };
+        assert!(is_config(start(&t, &model, no_heartbeat)));
+        let deaf = PsConfig {
+            failure_timeout: Duration::from_millis(100),
+            ..cfg.clone()
+        };
+        assert!(is_config(start(&t, &model, deaf)));
         // A tree whose edges the links do not have: rank 1 under rank 2.
         let chain = Tree::build(Strategy::Degree(1), 0, &[0, 2, 1], &[0; 3]).unwrap();
         let r = start(&chain, &model, cfg);

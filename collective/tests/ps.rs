@@ -495,8 +495,10 @@ fn a_clock_without_a_push_contributes_nothing() {
     }
 }
 
+/// A failed rank is an error here (no route-around, see `tests/ps_failures.rs` for that).
 fn short_cfg() -> PsConfig {
     let mut c = cfg();
+    c.reroute = false;
     c.op_timeout = Duration::from_secs(2);
     c.transfer.idle_timeout = Duration::from_secs(2);
     c
