@@ -12,8 +12,8 @@ use gradwire_collective::link::{tree_edges, Links, NetLinkConfig};
 use gradwire_collective::ps::{PsConfig, PsNode};
 use gradwire_collective::rendezvous::RendezvousConfig;
 use gradwire_collective::tree::{Strategy, Tree};
-use gradwire_netns::testbed::{host_ipv4, Testbed, TestbedConfig};
 use gradwire_netns::require_root;
+use gradwire_netns::testbed::{host_ipv4, Testbed, TestbedConfig};
 
 const WORLD: usize = 5;
 const ITERATIONS: u64 = 6;
@@ -51,9 +51,17 @@ fn a_slow_worker_never_makes_a_pull_staler_than_allowed() {
                     ..NetLinkConfig::default()
                 };
                 let ip = IpAddr::V4(host_ipv4(r));
-                let links =
-                    Links::connect(11, r, WORLD, ip, master, &tree_edges(&tree), None, &link_cfg)
-                        .unwrap();
+                let links = Links::connect(
+                    11,
+                    r,
+                    WORLD,
+                    ip,
+                    master,
+                    &tree_edges(&tree),
+                    None,
+                    &link_cfg,
+                )
+                .unwrap();
                 let cfg = PsConfig {
                     staleness: STALENESS,
                     learning_rate: lr,
@@ -64,7 +72,8 @@ fn a_slow_worker_never_makes_a_pull_staler_than_allowed() {
                 let mut node = PsNode::start(links, tree, 11, &initial, cfg).unwrap();
                 let mut pulls = Vec::new();
                 if r == 0 {
-                    node.wait_clock(ITERATIONS, Duration::from_secs(60)).unwrap();
+                    node.wait_clock(ITERATIONS, Duration::from_secs(60))
+                        .unwrap();
                     let (clock, w) = node.weights();
                     node.shutdown().unwrap();
                     return (clock, w.as_f32().unwrap().to_vec(), pulls);
