@@ -432,9 +432,11 @@ pub fn worker(a: &JobWorkerArgs) -> Res {
     let priority = spec.as_ref().map_or(0, |s| s.priority);
     let cfg = CommConfig {
         transfer: TransferConfig {
-            sender: SenderConfig::new(o.rate),
+            sender: SenderConfig {
+                priority,
+                ..SenderConfig::new(o.rate)
+            },
             idle_timeout: timeout.min(MAX_IDLE),
-            grant_class: priority,
             ..TransferConfig::default()
         },
         loss_bound: bound,

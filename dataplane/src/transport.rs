@@ -99,10 +99,6 @@ pub struct TransferConfig {
     /// A [`Sender`] starts each flow at the rate its previous flow to the same receiver
     /// ended at (until the first grant, or as the ECN mode's start).
     pub rate_memory: bool,
-    /// The priority class of this receiver's flows in its grant pool (0 = most urgent):
-    /// while flows of a more urgent class share the pool, these only trickle. A job's
-    /// receivers all use the job's priority (MLNET's job prioritization at the receiver).
-    pub grant_class: u8,
 }
 
 impl Default for TransferConfig {
@@ -122,7 +118,6 @@ impl Default for TransferConfig {
             receive_capacity_bps: None,
             grant_pool: None,
             rate_memory: true,
-            grant_class: 0,
         }
     }
 }
@@ -757,7 +752,10 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     // This flow's share of the downlink, announced right after FlowAccept (by `poll`).
     let pool = cfg.grant_pool();
     let remaining = |f: &ReceiverFlow| f.layout().size_bytes().saturating_sub(f.stats().bytes);
-    let mut membership = pool.join_class(flow.layout().size_bytes(), cfg.grant_class);
+    // The job priority the sender announced is the flow's class in the downlink's pool: the
+    // most urgent flows present share it, the others trickle (MLNET §3.2).
+    let class = start.priority;
+    let mut membership = pool.join_class(flow.layout().size_bytes(), class);
     flow.set_grant(membership.grant_bps(remaining(&flow)));
     let flow_id = flow.id();
     let proto = |source| TransferError::Protocol {
@@ -766,7 +764,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     };
     ctrl.send(&accept)?;
     // The grant goes right behind the acceptance: the sender paces at it from the start.
-    send_due(&mut flow, ctrl, &pool, cfg.grant_class, now())?;
+    send_due(&mut flow, ctrl, &pool, class, now())?;
 
     let period = Duration::from_nanos(cfg.rate().period_ns);
     let mut last_progress = Instant::now();
@@ -795,7 +793,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         } else {
             membership.leave();
         }
-        send_due(&mut flow, ctrl, &pool, cfg.grant_class, now())?;
+        send_due(&mut flow, ctrl, &pool, class, now())?;
         while !flow.is_done() {
             let Some(m) = ctrl.recv(Duration::ZERO)? else {
                 break;
@@ -816,7 +814,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
                         break;
                     }
                 }
-                send_due(&mut flow, ctrl, &pool, cfg.grant_class, now())?;
+                send_due(&mut flow, ctrl, &pool, class, now())?;
             }
             if let Some(reply) = flow.on_ctrl(m, now()).map_err(proto)? {
                 ctrl.send(&reply)?;

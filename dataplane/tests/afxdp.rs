@@ -347,6 +347,7 @@ fn malformed_and_foreign_packets_are_dropped_counted_and_touch_nothing() {
                 segment_count: 10,
                 loss_bound: LossBound::RELIABLE,
                 stage: Stage::Push,
+                priority: 0,
                 flow_nonce: [0; 16],
                 // The data socket below: peer binding accepts data from it only.
                 sources: vec![gradwire::message::DataSource::single(SocketAddr::new(

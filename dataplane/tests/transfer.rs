@@ -338,6 +338,7 @@ fn sender_that_disappears_mid_transfer_is_an_error_not_a_hang() {
                 segment_count: layout.count(),
                 loss_bound: LossBound::RELIABLE,
                 stage: gradwire::message::Stage::Push,
+                priority: 0,
                 flow_nonce: [0; 16],
                 sources: vec![gradwire::message::DataSource::single(a)],
             }))
@@ -438,6 +439,7 @@ fn protocol_violation_aborts_with_a_reason_the_peer_sees() {
                 segment_count: layout.count(),
                 loss_bound: LossBound::RELIABLE,
                 stage: gradwire::message::Stage::Push,
+                priority: 0,
                 flow_nonce: [0; 16],
                 sources: vec![gradwire::message::DataSource::single(a)],
             }))

@@ -58,7 +58,8 @@ pub struct JobPlan {
     pub priority: u8,
     /// DSCP of its data packets.
     pub dscp: u8,
-    /// Its receivers' class in their host's grant pool (0 = most urgent).
+    /// The priority its senders announce, i.e. its flows' class in the receiving hosts'
+    /// grant pools (0 = most urgent).
     pub grant_class: u8,
     /// Server hosts (topology host indices).
     pub servers: Vec<usize>,
@@ -259,12 +260,14 @@ pub fn run_jobs(
                 let rate = link_rate(topo, h);
                 let mut sender = SenderConfig::new(rate);
                 sender.rate.period_ns = settings.period_ns;
+                // Announced in every FlowStart: the receiving hosts' grant pools serve the
+                // most urgent job's flows first.
+                sender.priority = plan.grant_class;
                 let comm_cfg = CommConfig {
                     transfer: TransferConfig {
                         sender,
                         idle_timeout: Duration::from_secs(20),
                         grant_pool: pools.get(h).cloned(),
-                        grant_class: plan.grant_class,
                         ..TransferConfig::default()
                     },
                     loss_bound: settings.loss_bound,

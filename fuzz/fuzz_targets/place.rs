@@ -94,6 +94,7 @@ fuzz_target!(|data: &[u8]| {
         },
         loss_bound: sender_bound,
         stage: Stage::Push,
+        priority: 0,
         flow_nonce: [0; 16],
         sources: vec![gradwire_proto::message::DataSource::single(SENDER)],
     };

@@ -15,8 +15,9 @@ use thiserror::Error;
 
 /// Protocol version carried in every body. Version 2 added the connection handshake
 /// (`Hello` .. `Welcome`), the sealed frames of authenticated jobs and the data sources and
-/// flow nonce of `FlowStart`; a version-1 peer is refused with [`CtrlError::BadVersion`].
-pub const VERSION: u8 = 2;
+/// flow nonce of `FlowStart`; version 3 the job priority in `FlowStart`'s flags. An older
+/// peer is refused with [`CtrlError::BadVersion`].
+pub const VERSION: u8 = 3;
 /// Bytes in the length prefix that precedes each body.
 pub const LEN_PREFIX: usize = 4;
 /// Largest body accepted or produced (1 MiB); bounds the receiver's buffering.
@@ -115,6 +116,9 @@ pub enum CtrlError {
     /// A reason string longer than [`MAX_REASON`] bytes.
     #[error("reason of {0} bytes exceeds the 1024-byte limit")]
     ReasonTooLong(usize),
+    /// A `FlowStart` priority above [`MAX_PRIORITY`].
+    #[error("FlowStart priority {0} is above the least urgent, 7")]
+    BadPriority(u8),
     /// `FlowStart` flags with reserved bits set.
     #[error("reserved flag bits set: {0:#04x}")]
     BadFlags(u8),
@@ -253,6 +257,10 @@ impl DataSource {
 
 /// `FlowStart` flag bit marking the pull stage.
 const FLAG_PULL: u8 = 0x01;
+/// Where `FlowStart`'s flags carry the priority (bits 1-3).
+const PRIORITY_SHIFT: u8 = 1;
+/// Least urgent priority a `FlowStart` can carry (0 is the most urgent).
+pub const MAX_PRIORITY: u8 = 7;
 
 /// The rendezvous a sender opens a tensor transfer with (kind 1).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -277,6 +285,9 @@ pub struct FlowStart {
     pub loss_bound: LossBound,
     /// Push or pull stage.
     pub stage: Stage,
+    /// The job's priority, 0 (most urgent) ..= [`MAX_PRIORITY`] (flags bits 1-3): the
+    /// receiver's grant pool serves the most urgent flows first (MLNET §3.2).
+    pub priority: u8,
     /// Random per flow: with an authenticated job it keys the flow's data (with the session's
     /// nonces); otherwise it tells two flows of the same ids apart in traces.
     pub flow_nonce: [u8; FLOW_NONCE_LEN],
@@ -549,6 +560,9 @@ impl CtrlMsg {
             }
             CtrlMsg::RetransmitRequest { ranges, .. } => check_ranges(ranges),
             CtrlMsg::RateGrant { rate_bps: 0 } => Err(CtrlError::ZeroGrant),
+            CtrlMsg::FlowStart(f) if f.priority > MAX_PRIORITY => {
+                Err(CtrlError::BadPriority(f.priority))
+            }
             CtrlMsg::FlowStart(f)
                 if f.sources.is_empty()
                     || f.sources.len() > MAX_SOURCES
@@ -614,10 +628,13 @@ impl CtrlMsg {
                 out.extend_from_slice(&f.segment_payload.to_be_bytes());
                 out.extend_from_slice(&f.segment_count.to_be_bytes());
                 out.extend_from_slice(&f.loss_bound.ppm().to_be_bytes());
-                out.push(match f.stage {
-                    Stage::Push => 0,
-                    Stage::Pull => FLAG_PULL,
-                });
+                // validate() capped the priority at MAX_PRIORITY.
+                out.push(
+                    match f.stage {
+                        Stage::Push => 0,
+                        Stage::Pull => FLAG_PULL,
+                    } | (f.priority << PRIORITY_SHIFT),
+                );
                 out.extend_from_slice(&f.flow_nonce);
                 // validate() capped the count at MAX_SOURCES.
                 out.push(f.sources.len() as u8);
@@ -758,11 +775,16 @@ impl CtrlMsg {
                 let segment_count = r.u32()?;
                 let loss_bound = LossBound::from_ppm(r.u32()?)?;
                 let flags = r.u8()?;
-                let stage = match flags {
-                    0 => Stage::Push,
-                    FLAG_PULL => Stage::Pull,
-                    other => return Err(CtrlError::BadFlags(other)),
+                // Bit 0: the stage; bits 1-3: the priority; the rest reserved.
+                if flags >> (PRIORITY_SHIFT + 3) != 0 {
+                    return Err(CtrlError::BadFlags(flags));
+                }
+                let stage = if flags & FLAG_PULL != 0 {
+                    Stage::Pull
+                } else {
+                    Stage::Push
                 };
+                let priority = (flags >> PRIORITY_SHIFT) & MAX_PRIORITY;
                 let flow_nonce = r.array()?;
                 let count = usize::from(r.u8()?);
                 if count == 0 || count > MAX_SOURCES {
@@ -796,6 +818,7 @@ impl CtrlMsg {
                     segment_count,
                     loss_bound,
                     stage,
+                    priority,
                     flow_nonce,
                     sources,
                 })
@@ -1067,6 +1090,7 @@ mod tests {
             segment_count: 10,
             loss_bound: LossBound::from_ppm(50_000).unwrap(),
             stage: Stage::Pull,
+            priority: 0,
             flow_nonce: std::array::from_fn(|i| i as u8 + 1),
             sources: vec![DataSource {
                 addr: std::net::IpAddr::from([198, 18, 0, 2]),
@@ -1271,9 +1295,11 @@ mod tests {
 
     #[test]
     fn error_version_kind_trailing() {
-        // A version-1 peer (before the handshake and data sources) is refused by version.
+        // Older peers (version 1: before the handshake and data sources; version 2: before
+        // the priority) and newer ones are refused by version.
         assert_eq!(CtrlMsg::decode_body(&[1, 7]), Err(CtrlError::BadVersion(1)));
-        assert_eq!(CtrlMsg::decode_body(&[3, 7]), Err(CtrlError::BadVersion(3)));
+        assert_eq!(CtrlMsg::decode_body(&[2, 7]), Err(CtrlError::BadVersion(2)));
+        assert_eq!(CtrlMsg::decode_body(&[4, 7]), Err(CtrlError::BadVersion(4)));
         assert_eq!(
             CtrlMsg::decode_body(&[VERSION, 0]),
             Err(CtrlError::UnknownKind(0))
@@ -1304,10 +1330,24 @@ mod tests {
         );
         b[33..37].copy_from_slice(&1_000_000u32.to_be_bytes());
         assert!(CtrlMsg::decode_body(&b).is_ok());
-        b[37] = 0x03;
-        assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::BadFlags(3)));
+        // Bit 0 the stage, bits 1-3 the priority (here 5), the rest reserved.
+        b[37] = 0x0b;
+        match CtrlMsg::decode_body(&b) {
+            Ok(CtrlMsg::FlowStart(f)) => {
+                assert_eq!((f.stage, f.priority), (Stage::Pull, 5));
+            }
+            other => panic!("{other:?}"),
+        }
+        b[37] = 0x10;
+        assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::BadFlags(0x10)));
         b[37] = 0x80;
         assert_eq!(CtrlMsg::decode_body(&b), Err(CtrlError::BadFlags(0x80)));
+        let mut f = sample_start();
+        f.priority = 8;
+        assert_eq!(
+            CtrlMsg::FlowStart(f).validate(),
+            Err(CtrlError::BadPriority(8))
+        );
         let mut h = body_of(&CtrlMsg::Hello {
             auth: false,
             nonce: [0; HANDSHAKE_NONCE_LEN],
@@ -1702,12 +1742,13 @@ mod tests {
                 (
                     0..=1_000_000u32,
                     any::<[u8; FLOW_NONCE_LEN]>(),
-                    any::<bool>()
+                    any::<bool>(),
+                    0..=MAX_PRIORITY,
                 ),
                 arb_sources(),
             )
                 .prop_map(
-                    |((j, t, r, l), (d, s, p, c), (ppm, nonce, pull), sources)| {
+                    |((j, t, r, l), (d, s, p, c), (ppm, nonce, pull, prio), sources)| {
                         CtrlMsg::FlowStart(FlowStart {
                             job_id: j,
                             tensor_id: t,
@@ -1719,6 +1760,7 @@ mod tests {
                             segment_count: c,
                             loss_bound: LossBound::from_ppm(ppm).unwrap(),
                             stage: if pull { Stage::Pull } else { Stage::Push },
+                            priority: prio,
                             flow_nonce: nonce,
                             sources,
                         })

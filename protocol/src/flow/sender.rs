@@ -34,6 +34,9 @@ pub struct SenderConfig {
     /// switch threshold): the segments the loss bound still needs are important. Only safe
     /// with a mode that reacts to marks (grant or ECN).
     pub retransmit_ect: bool,
+    /// The job's priority, 0 (most urgent) ..= 7, announced in every `FlowStart`: the
+    /// receiving host's grant pool serves the most urgent flows first (MLNET §3.2).
+    pub priority: u8,
 }
 
 /// Full-size frame on the wire (1500-byte MTU, Ethernet header, FCS, preamble, gap).
@@ -59,6 +62,7 @@ impl SenderConfig {
             burst_bytes: if fig7 { 64 } else { 32 } * WIRE_FRAME,
             initial_rate_bps: None,
             retransmit_ect: !fig7,
+            priority: 0,
         }
     }
 }
@@ -211,6 +215,7 @@ impl SenderFlow {
             segment_count: layout.count(),
             loss_bound,
             stage,
+            priority: cfg.priority.min(crate::message::MAX_PRIORITY),
             flow_nonce: origin.flow_nonce,
             sources: origin.sources,
         });

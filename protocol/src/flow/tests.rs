@@ -445,6 +445,31 @@ fn foreign_and_malicious_packets_are_refused_distinctly_and_write_nothing() {
 }
 
 #[test]
+fn flow_start_announces_the_job_priority() {
+    for (asked, announced) in [(0, 0), (5, 5), (200, 7)] {
+        let cfg = SenderConfig {
+            priority: asked,
+            ..SenderConfig::new(1_000_000_000)
+        };
+        let (_, start) = SenderFlow::new(
+            ID,
+            layout(10),
+            DType::F32,
+            0,
+            bound(0.0),
+            Stage::Push,
+            DataOrigin::single(SENDER),
+            &cfg,
+            0,
+        );
+        let CtrlMsg::FlowStart(fs) = start else {
+            panic!()
+        };
+        assert_eq!(fs.priority, announced, "asked for {asked}");
+    }
+}
+
+#[test]
 fn rendezvous_rejects_mismatches_with_reasons() {
     let cfg = SenderConfig::new(1_000_000_000);
     let (_, start) = SenderFlow::new(
