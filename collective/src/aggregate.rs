@@ -443,20 +443,27 @@ pub fn finish(local: &mut Partial<'_>, block_bytes: usize, op: ReduceOp, world: 
     }
 }
 
+/// Little-endian f32 bytes to and from values, for the crate's tests.
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+pub(crate) mod test_bytes {
+    /// The bytes of `v`.
+    pub(crate) fn f32_bytes(v: &[f32]) -> Vec<u8> {
         v.iter().flat_map(|x| x.to_le_bytes()).collect()
     }
 
-    fn f32_of(b: &[u8]) -> Vec<f32> {
+    /// The values in `b`.
+    pub(crate) fn f32_of(b: &[u8]) -> Vec<f32> {
         b.chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect()
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_bytes::{f32_bytes, f32_of};
+    use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn layout_blocks_and_chunks_cover_the_tensor_once() {

@@ -991,60 +991,44 @@ impl Communicator {
         };
         let token = Tensor::from_f32(&[1.0]);
         let layout = BlockLayout::new(1, 1);
+        let pass_on = |links: &mut Links, lap: usize| -> Result<(), CollectiveError> {
+            let prio = fixed_priority(Tag {
+                dscp: 0,
+                ect: false,
+            });
+            links
+                .out(next)?
+                .send(&token, &x(lap).send_opts(), &prio, &cfg)
+                .map_err(CollectiveError::link(next))?;
+            Ok(())
+        };
+        let wait_for = |links: &mut Links, lap: usize| -> Result<(), CollectiveError> {
+            let inn = links.inn(prev)?;
+            recv_part(
+                inn,
+                DType::F32,
+                &layout,
+                &(0..1),
+                n,
+                false,
+                false,
+                &x(lap),
+                &cfg,
+            )?;
+            Ok(())
+        };
         for lap in 0..2 {
             // Rank 0 starts each lap and ends it by receiving the token back (the second
             // lap stops at the last rank: everyone has been released by then).
             if r == 0 {
-                self.links
-                    .out(next)?
-                    .send(
-                        &token,
-                        &x(lap).send_opts(),
-                        &fixed_priority(Tag {
-                            dscp: 0,
-                            ect: false,
-                        }),
-                        &cfg,
-                    )
-                    .map_err(CollectiveError::link(next))?;
+                pass_on(&mut self.links, lap)?;
                 if lap == 0 {
-                    recv_part(
-                        self.links.inn(prev)?,
-                        DType::F32,
-                        &layout,
-                        &(0..1),
-                        n,
-                        false,
-                        false,
-                        &x(lap),
-                        &cfg,
-                    )?;
+                    wait_for(&mut self.links, lap)?;
                 }
             } else {
-                recv_part(
-                    self.links.inn(prev)?,
-                    DType::F32,
-                    &layout,
-                    &(0..1),
-                    n,
-                    false,
-                    false,
-                    &x(lap),
-                    &cfg,
-                )?;
+                wait_for(&mut self.links, lap)?;
                 if lap == 0 || next != 0 {
-                    self.links
-                        .out(next)?
-                        .send(
-                            &token,
-                            &x(lap).send_opts(),
-                            &fixed_priority(Tag {
-                                dscp: 0,
-                                ect: false,
-                            }),
-                            &cfg,
-                        )
-                        .map_err(CollectiveError::link(next))?;
+                    pass_on(&mut self.links, lap)?;
                 }
             }
         }

@@ -2507,19 +2507,10 @@ impl Drop for PsNode {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::aggregate::test_bytes::{f32_bytes, f32_of};
     use crate::link::{tree_edges, MemLinkConfig};
     use crate::tree::Strategy;
     use proptest::prelude::*;
-
-    fn f32_bytes(v: &[f32]) -> Vec<u8> {
-        v.iter().flat_map(|x| x.to_le_bytes()).collect()
-    }
-
-    fn f32_of(b: &[u8]) -> Vec<f32> {
-        b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
-    }
 
     #[test]
     fn header_round_trip_and_refusals() {
