@@ -100,6 +100,11 @@ fn write_outputs(
     Ok(())
 }
 
+/// The largest finite value (0 when there is none): the top of a plot's axis.
+fn largest(values: impl Iterator<Item = f64>) -> f64 {
+    values.filter(|x| x.is_finite()).fold(0.0, f64::max)
+}
+
 /// Makespan against the number of servers, one line per strategy; runs that are not valid
 /// drawn as hollow points.
 fn plot_mlnet(r: &MlnetReport, path: &Path) -> Res {
@@ -107,14 +112,7 @@ fn plot_mlnet(r: &MlnetReport, path: &Path) -> Res {
     let root = BitMapBackend::new(path, (1000, 650)).into_drawing_area();
     root.fill(&WHITE).map_err(|x| e(&x))?;
     let max_s = r.results.iter().map(|x| x.servers).max().unwrap_or(1);
-    let top = r
-        .results
-        .iter()
-        .map(|x| x.makespan_ms)
-        .filter(|x| x.is_finite())
-        .fold(0.0, f64::max)
-        * 1.15
-        + 1.0;
+    let top = largest(r.results.iter().map(|x| x.makespan_ms)) * 1.15 + 1.0;
     let mut chart = ChartBuilder::on(&root)
         .caption(
             format!(
@@ -264,14 +262,7 @@ fn plot_priority(r: &PriorityReport, path: &Path) -> Res {
     let e = |err: &dyn std::fmt::Display| format!("plot {}: {err}", path.display());
     let root = BitMapBackend::new(path, (1000, 650)).into_drawing_area();
     root.fill(&WHITE).map_err(|x| e(&x))?;
-    let top = r
-        .results
-        .iter()
-        .map(|x| x.makespan_ms)
-        .filter(|x| x.is_finite())
-        .fold(0.0, f64::max)
-        * 1.05
-        + 1.0;
+    let top = largest(r.results.iter().map(|x| x.makespan_ms)) * 1.05 + 1.0;
     let mut chart = ChartBuilder::on(&root)
         .caption(
             format!(
