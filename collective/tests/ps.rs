@@ -12,30 +12,17 @@ use gradwire::datapath::fault::FaultConfig;
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire_collective::link::{tree_edges, Links, MemLinkConfig};
-use gradwire_collective::ps::{PsConfig, PsError, PsNode, PsStats, PullReport, UpdateRecord};
+use gradwire_collective::ps::{PsConfig, PsError, PsNode, PsStats, PullReport};
 use gradwire_collective::tree::{Strategy, Tree};
 use half::f16;
 
-const LR: f32 = 0.5;
+mod common;
+use common::{grad, initial, replay, LR};
+
 const JOB: u32 = 11;
-
-/// Initial weight of element `e`: a small integer.
-fn init(e: usize) -> f32 {
-    (e % 11) as f32 - 5.0
-}
-
-/// Worker `r`'s gradient of clock `c` at element `e`: a small integer, so every sum, mean
-/// over 4 workers and step of `LR` is exact in f32 (and f16).
-fn grad(r: usize, c: u64, e: usize) -> f32 {
-    ((r * 3 + c as usize * 5 + e * 7) % 9) as f32 - 4.0
-}
 
 fn f32_tensor(v: &[f32]) -> Tensor {
     Tensor::from_f32(v)
-}
-
-fn initial(elems: usize) -> Vec<f32> {
-    (0..elems).map(init).collect()
 }
 
 fn grads(r: usize, c: u64, elems: usize) -> Vec<f32> {
@@ -327,28 +314,6 @@ fn stale_synchronous_pulls_stay_within_the_bound_and_end_exact() {
         assert!(lead <= 2, "{strategy}: a worker ran {lead} clocks ahead");
         assert!(lead >= 1, "{strategy}: no worker ever ran ahead ({lead})");
     }
-}
-
-/// The server's weights after each recorded update: every block averaged over exactly the
-/// workers the record names (a block nobody reached is not updated).
-fn replay(updates: &[UpdateRecord], block_elems: usize, elems: usize) -> Vec<Vec<f32>> {
-    let mut out = vec![initial(elems)];
-    for (c, u) in updates.iter().enumerate() {
-        assert_eq!(u.clock, c as u64);
-        let prev = out.last().unwrap();
-        let next = (0..elems)
-            .map(|e| {
-                let ranks = u.contributors.ranks(e / block_elems);
-                if ranks.is_empty() {
-                    return prev[e];
-                }
-                let sum: f32 = ranks.iter().map(|&r| grad(r, u.clock, e)).sum();
-                prev[e] - LR * (sum / ranks.len() as f32)
-            })
-            .collect();
-        out.push(next);
-    }
-    out
 }
 
 fn close(a: f32, b: f32) -> bool {

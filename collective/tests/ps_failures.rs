@@ -18,22 +18,12 @@ use gradwire_collective::ps::{
 };
 use gradwire_collective::tree::{Strategy, Tree};
 
-const LR: f32 = 0.5;
+mod common;
+use common::{grad, initial, LR};
+
 const JOB: u32 = 12;
 /// Generous bound on anything that must not hang.
 const BOUND: Duration = Duration::from_secs(15);
-
-fn init(e: usize) -> f32 {
-    (e % 11) as f32 - 5.0
-}
-
-fn grad(r: usize, c: u64, e: usize) -> f32 {
-    ((r * 3 + c as usize * 5 + e * 7) % 9) as f32 - 4.0
-}
-
-fn initial(elems: usize) -> Vec<f32> {
-    (0..elems).map(init).collect()
-}
 
 fn grads(r: usize, c: u64, elems: usize) -> Tensor {
     Tensor::from_f32(&(0..elems).map(|e| grad(r, c, e)).collect::<Vec<_>>())
@@ -46,21 +36,7 @@ fn values(t: &Tensor) -> Vec<f32> {
 /// The weights after the recorded updates: every block averaged over exactly the workers
 /// the record names.
 fn replay(updates: &[UpdateRecord], block_elems: usize, elems: usize) -> Vec<f32> {
-    let mut w = initial(elems);
-    for (c, u) in updates.iter().enumerate() {
-        assert_eq!(u.clock, c as u64, "the server keeps every update, in order");
-        w = (0..elems)
-            .map(|e| {
-                let ranks = u.contributors.ranks(e / block_elems);
-                if ranks.is_empty() {
-                    return w[e];
-                }
-                let sum: f32 = ranks.iter().map(|&r| grad(r, u.clock, e)).sum();
-                w[e] - LR * (sum / ranks.len() as f32)
-            })
-            .collect();
-    }
-    w
+    common::replay(updates, block_elems, elems).pop().unwrap()
 }
 
 fn close(a: &[f32], b: &[f32]) -> bool {
