@@ -444,6 +444,25 @@ fn foreign_and_malicious_packets_are_refused_distinctly_and_write_nothing() {
     assert_eq!(p.r.bitmap().count_ones(), 0);
 }
 
+/// The `FlowStart` a sender with `cfg` opens a pull of `elems` f32 with bound `p` with.
+fn flow_start(cfg: &SenderConfig, elems: usize, p: f64) -> FlowStart {
+    let (_, start) = SenderFlow::new(
+        ID,
+        layout(elems),
+        DType::F32,
+        0,
+        bound(p),
+        Stage::Pull,
+        DataOrigin::single(SENDER),
+        cfg,
+        0,
+    );
+    let CtrlMsg::FlowStart(fs) = start else {
+        panic!("a sender opens with FlowStart")
+    };
+    fs
+}
+
 #[test]
 fn flow_start_announces_the_job_priority() {
     for (asked, announced) in [(0, 0), (5, 5), (200, 7)] {
@@ -451,41 +470,17 @@ fn flow_start_announces_the_job_priority() {
             priority: asked,
             ..SenderConfig::new(1_000_000_000)
         };
-        let (_, start) = SenderFlow::new(
-            ID,
-            layout(10),
-            DType::F32,
-            0,
-            bound(0.0),
-            Stage::Push,
-            DataOrigin::single(SENDER),
-            &cfg,
-            0,
+        assert_eq!(
+            flow_start(&cfg, 10, 0.0).priority,
+            announced,
+            "asked for {asked}"
         );
-        let CtrlMsg::FlowStart(fs) = start else {
-            panic!()
-        };
-        assert_eq!(fs.priority, announced, "asked for {asked}");
     }
 }
 
 #[test]
 fn rendezvous_rejects_mismatches_with_reasons() {
-    let cfg = SenderConfig::new(1_000_000_000);
-    let (_, start) = SenderFlow::new(
-        ID,
-        layout(1000),
-        DType::F32,
-        0,
-        bound(0.1),
-        Stage::Pull,
-        DataOrigin::single(SENDER),
-        &cfg,
-        0,
-    );
-    let CtrlMsg::FlowStart(fs) = start else {
-        panic!()
-    };
+    let fs = flow_start(&SenderConfig::new(1_000_000_000), 1000, 0.1);
     let check = |fs: &FlowStart, spec: &RecvSpec, code: RejectCode| match ReceiverFlow::accept(
         fs,
         spec,
