@@ -1,6 +1,8 @@
-//! MLNET's parameter server over real network namespaces (root): a server and four workers,
-//! one of them slow, with staleness 2, on a BINARY tree over kernel UDP and TCP. Every pull
-//! keeps the SSP bound and the final model is exactly the sequential result.
+//! MLNET's parameter server over real network namespaces (root), kernel UDP and TCP:
+//! - a server and four workers, one of them slow, with staleness 2 on a BINARY tree: every
+//!   pull keeps the SSP bound and the final model is exactly the sequential result;
+//! - an aggregator process that dies mid-run is routed around (its children re-attach to
+//!   their grandparent) and the final model is exactly what the applied contributions give.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -9,10 +11,12 @@ use std::time::Duration;
 
 use gradwire::tensor::{DType, Tensor};
 use gradwire_collective::link::{tree_edges, Links, NetLinkConfig};
-use gradwire_collective::ps::{PsConfig, PsNode};
+use gradwire_collective::ps::{fault_tolerant_edges, PsConfig, PsNode};
 use gradwire_collective::rendezvous::RendezvousConfig;
 use gradwire_collective::tree::{Strategy, Tree};
 use gradwire_netns::require_root;
+
+mod common;
 use gradwire_netns::testbed::{host_ipv4, Testbed, TestbedConfig};
 
 const WORLD: usize = 5;
@@ -120,4 +124,94 @@ fn a_slow_worker_never_makes_a_pull_staler_than_allowed() {
         }
         assert_eq!(got, want, "element {e}");
     }
+}
+
+/// An aggregator process dies (its node is dropped without a word) mid-run, over kernel
+/// UDP/TCP between namespaces: the server declares it dead, its children re-attach to their
+/// grandparent, every survivor finishes every clock, and the final model is exactly what the
+/// applied contributions give.
+#[test]
+fn a_killed_aggregator_is_routed_around_over_namespaces() {
+    if !require_root("a_killed_aggregator_is_routed_around_over_namespaces") {
+        return;
+    }
+    const N: usize = 7;
+    const CLOCKS: u64 = 6;
+    const KILL_AFTER: u64 = 2;
+    let elems = 4_000;
+    let tb = Testbed::up(&TestbedConfig::with_hosts(N)).unwrap();
+    let members: Vec<usize> = (0..N).collect();
+    let tree = Tree::build(Strategy::BINARY, 0, &members, &[0; N]).unwrap();
+    let victim = (1..N).find(|&r| !tree.children(r).is_empty()).unwrap();
+    let master = SocketAddr::new(IpAddr::V4(host_ipv4(0)), 29_612);
+    let edges = fault_tolerant_edges(&tree);
+    let handles: Vec<_> = (0..N)
+        .map(|r| {
+            let (tree, edges) = (tree.clone(), edges.clone());
+            tb.spawn_in(r, move || {
+                let timeout = Duration::from_secs(20);
+                let link_cfg = NetLinkConfig {
+                    connect_timeout: timeout,
+                    rendezvous: RendezvousConfig {
+                        timeout,
+                        ..RendezvousConfig::default()
+                    },
+                    ..NetLinkConfig::default()
+                };
+                let ip = IpAddr::V4(host_ipv4(r));
+                let links = Links::connect(12, r, N, ip, master, &edges, None, &link_cfg).unwrap();
+                let cfg = PsConfig {
+                    learning_rate: common::LR,
+                    op_timeout: timeout,
+                    keep_updates: 64,
+                    ..PsConfig::default()
+                };
+                let initial = Tensor::from_f32(&common::initial(elems));
+                let mut node = PsNode::start(links, tree, 12, &initial, cfg).unwrap();
+                if r == 0 {
+                    node.wait_clock(CLOCKS, Duration::from_secs(60)).unwrap();
+                    let block_elems = node.block_elems();
+                    let w = node.weights().1.as_f32().unwrap().to_vec();
+                    let stats = node.shutdown().unwrap();
+                    return Some((w, block_elems, stats));
+                }
+                let mut w = Tensor::zeros(DType::F32, elems);
+                for c in 0..CLOCKS {
+                    node.pull(&mut w, None).unwrap();
+                    let g: Vec<f32> = (0..elems).map(|e| common::grad(r, c, e)).collect();
+                    node.push(&Tensor::from_f32(&g)).unwrap();
+                    node.clock();
+                    if r == victim && c == KILL_AFTER {
+                        drop(node); // the process dies
+                        return None;
+                    }
+                }
+                let stats = node.shutdown().unwrap();
+                assert_eq!(stats.dead, vec![victim], "rank {r}");
+                None
+            })
+            .unwrap()
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    tb.down().unwrap();
+
+    let (w, block_elems, stats) = results[0].clone().expect("the server's result");
+    assert_eq!(stats.dead, vec![victim]);
+    assert_eq!(stats.tree_version, 1);
+    assert!(!stats.fell_back_to_star);
+    assert_eq!(stats.updates.len(), CLOCKS as usize);
+    let want = common::replay(&stats.updates, block_elems, elems)
+        .pop()
+        .unwrap();
+    assert_eq!(w, want);
+    // Every survivor is in every update; the dead rank only in the first ones.
+    for u in &stats.updates {
+        for r in (1..N).filter(|&r| r != victim) {
+            assert!(u.contributors.contains(0, r), "clock {}: rank {r}", u.clock);
+        }
+    }
+    assert!(stats.updates[KILL_AFTER as usize + 1..]
+        .iter()
+        .all(|u| !u.contributors.contains(0, victim)));
 }
