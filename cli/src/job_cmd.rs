@@ -37,7 +37,6 @@ use gradwire_collective::comm::{
 use gradwire_collective::error::CollectiveError;
 use gradwire_collective::job::{JobError, JobSpec, LaunchEnv, LAUNCHER_VAR};
 use gradwire_collective::link::{ring_edges, tree_edges, Links, NetLinkConfig};
-use gradwire_collective::rendezvous::RendezvousConfig;
 use gradwire_collective::tree::Tree;
 use gradwire_netns::testbed::host_mac;
 use gradwire_netns::{IpBatch, NamespaceSet, Veth, VethEnd};
@@ -419,10 +418,6 @@ pub fn worker(a: &JobWorkerArgs) -> Res {
 
     let net = NetLinkConfig {
         connect_timeout: timeout,
-        rendezvous: RendezvousConfig {
-            timeout,
-            ..RendezvousConfig::default()
-        },
         ..NetLinkConfig::default()
     };
     let links = Links::connect(job, rank, world, ip, master, &edges, secret.as_ref(), &net)

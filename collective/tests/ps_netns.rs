@@ -12,7 +12,6 @@ use std::time::Duration;
 use gradwire::tensor::{DType, Tensor};
 use gradwire_collective::link::{tree_edges, Links, NetLinkConfig};
 use gradwire_collective::ps::{fault_tolerant_edges, PsConfig, PsNode};
-use gradwire_collective::rendezvous::RendezvousConfig;
 use gradwire_collective::tree::{Strategy, Tree};
 use gradwire_netns::require_root;
 
@@ -48,10 +47,6 @@ fn a_slow_worker_never_makes_a_pull_staler_than_allowed() {
                 let timeout = Duration::from_secs(20);
                 let link_cfg = NetLinkConfig {
                     connect_timeout: timeout,
-                    rendezvous: RendezvousConfig {
-                        timeout,
-                        ..RendezvousConfig::default()
-                    },
                     ..NetLinkConfig::default()
                 };
                 let ip = IpAddr::V4(host_ipv4(r));
@@ -152,10 +147,6 @@ fn a_killed_aggregator_is_routed_around_over_namespaces() {
                 let timeout = Duration::from_secs(20);
                 let link_cfg = NetLinkConfig {
                     connect_timeout: timeout,
-                    rendezvous: RendezvousConfig {
-                        timeout,
-                        ..RendezvousConfig::default()
-                    },
                     ..NetLinkConfig::default()
                 };
                 let ip = IpAddr::V4(host_ipv4(r));

@@ -39,7 +39,6 @@ use gradwire::transport::TransferConfig;
 use gradwire_collective::aggregate::ReduceOp;
 use gradwire_collective::comm::{Algorithm, AllReduceOptions, CommConfig, Communicator};
 use gradwire_collective::link::{tree_edges, Links, NetLinkConfig};
-use gradwire_collective::rendezvous::RendezvousConfig;
 use gradwire_collective::tree::{Strategy, Tree};
 use gradwire_fabric::netns::FabricNet;
 use gradwire_fabric::run::{spawn, FabricConfig};
@@ -283,10 +282,6 @@ pub fn run_jobs(
                 };
                 let link_cfg = NetLinkConfig {
                     connect_timeout: settings.timeout,
-                    rendezvous: RendezvousConfig {
-                        timeout: settings.timeout,
-                        ..RendezvousConfig::default()
-                    },
                     ..NetLinkConfig::default()
                 };
                 let (edges, gate) = (edges.clone(), start_gate.clone());
