@@ -788,6 +788,28 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// A message's data: `values` with the hop's loss bound, then, when there is one, its
+    /// side information (contributor sets or block clocks) as a reliable flow. Returns the
+    /// payload bytes sent.
+    fn data(
+        &mut self,
+        values: &Tensor,
+        side: Option<&[u8]>,
+        kind: u32,
+        clock: u64,
+        stage: Stage,
+        ctx: &Ctx,
+    ) -> Result<u64, PsError> {
+        let round = clock as u32;
+        let mut bytes = send_flow(self.ol, values, kind, round, stage, ctx.hop_bound, ctx)?;
+        if let Some(side) = side {
+            let t = raw_tensor(side);
+            let bound = LossBound::RELIABLE;
+            bytes += send_flow(self.ol, &t, kind | SIDE_BIT, round, stage, bound, ctx)?;
+        }
+        Ok(bytes)
+    }
+
     fn push(&mut self, m: &PushMsg, epoch: u64, ctx: &Ctx) -> Result<(), PsError> {
         let mut flags = 0;
         if m.values.is_none() {
@@ -798,23 +820,10 @@ impl Tx<'_> {
         let mut h = Header::new(Kind::Push, flags, m.clock);
         h.len = u32::try_from(epoch).unwrap_or(u32::MAX);
         self.header(&h, ctx)?;
-        let round = m.clock as u32;
-        let mut bytes = 0;
-        if let Some(v) = &m.values {
-            bytes += send_flow(self.ol, v, T_PUSH, round, Stage::Push, ctx.hop_bound, ctx)?;
-            if let Some(s) = &m.sets {
-                let t = raw_tensor(s);
-                bytes += send_flow(
-                    self.ol,
-                    &t,
-                    T_PUSH | SIDE_BIT,
-                    round,
-                    Stage::Push,
-                    LossBound::RELIABLE,
-                    ctx,
-                )?;
-            }
-        }
+        let bytes = match &m.values {
+            Some(v) => self.data(v, m.sets.as_deref(), T_PUSH, m.clock, Stage::Push, ctx)?,
+            None => 0,
+        };
         ctx.shared
             .counters
             .bytes_sent
@@ -826,28 +835,8 @@ impl Tx<'_> {
     fn weights(&mut self, m: &VersionMsg, ctx: &Ctx) -> Result<(), PsError> {
         let flags = if m.block_clocks.is_some() { F_SIDE } else { 0 };
         self.header(&Header::new(Kind::Weights, flags, m.clock), ctx)?;
-        let round = m.clock as u32;
-        let mut bytes = send_flow(
-            self.ol,
-            &m.weights,
-            T_WEIGHTS,
-            round,
-            self.stage,
-            ctx.hop_bound,
-            ctx,
-        )?;
-        if let Some(c) = &m.block_clocks {
-            let t = raw_tensor(c);
-            bytes += send_flow(
-                self.ol,
-                &t,
-                T_WEIGHTS | SIDE_BIT,
-                round,
-                self.stage,
-                LossBound::RELIABLE,
-                ctx,
-            )?;
-        }
+        let side = m.block_clocks.as_deref();
+        let bytes = self.data(&m.weights, side, T_WEIGHTS, m.clock, self.stage, ctx)?;
         ctx.shared
             .counters
             .bytes_sent
