@@ -25,10 +25,12 @@ use std::ops::Range;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use gradwire::flow::{fixed_priority, Tag};
+use gradwire::flow::{fixed_priority, PriorityFn, Tag};
 use gradwire::message::{LossBound, Stage};
 use gradwire::tensor::{DType, Tensor};
-use gradwire::transport::{MissingFill, RecvOptions, SendOptions, TransferConfig};
+use gradwire::transport::{
+    MissingFill, RecvOptions, RecvReport, SendOptions, SendReport, TransferConfig,
+};
 
 use crate::aggregate::{
     accumulate, adopt_or_finish, arrived_blocks, finish, BlockLayout, Contributors, Partial,
@@ -37,6 +39,58 @@ use crate::aggregate::{
 use crate::error::CollectiveError;
 use crate::link::{InLink, Links, OutLink};
 use crate::tree::Tree;
+
+/// A caller's buffer as the tensor an operation works on in place: an element type and the
+/// bytes. Operations read and write these bytes directly, so a binding can hand over the
+/// memory of a numpy array or a C array without copying it into a [`Tensor`] first.
+#[derive(Debug)]
+pub struct TensorMut<'a> {
+    dtype: DType,
+    bytes: &'a mut [u8],
+}
+
+impl<'a> TensorMut<'a> {
+    /// `bytes` as elements of `dtype`: its length must be a whole number of elements.
+    pub fn new(dtype: DType, bytes: &'a mut [u8]) -> Result<TensorMut<'a>, CollectiveError> {
+        if bytes.len() % dtype.elem_size() != 0 {
+            return Err(CollectiveError::Config(format!(
+                "a buffer of {} bytes is not a whole number of {dtype} elements ({} bytes each)",
+                bytes.len(),
+                dtype.elem_size()
+            )));
+        }
+        Ok(TensorMut { dtype, bytes })
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Number of elements.
+    pub fn elems(&self) -> usize {
+        self.bytes.len() / self.dtype.elem_size()
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.bytes
+    }
+
+    /// The bytes, mutably.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        self.bytes
+    }
+}
+
+impl<'a> From<&'a mut Tensor> for TensorMut<'a> {
+    fn from(t: &'a mut Tensor) -> TensorMut<'a> {
+        TensorMut {
+            dtype: t.dtype(),
+            bytes: t.as_bytes_mut(),
+        }
+    }
+}
 
 /// How a communicator runs its operations.
 #[derive(Debug, Clone)]
@@ -195,11 +249,26 @@ const KIND_UP: u32 = 3;
 const KIND_DOWN: u32 = 4;
 const KIND_BCAST: u32 = 5;
 const KIND_BARRIER: u32 = 6;
+const KIND_P2P: u32 = 7;
+/// Tensor ids a point-to-point transfer may use: the bits below the kind.
+pub const MAX_P2P_TENSOR: u32 = (1 << 27) - 1;
 /// Set on the contributor-set flow that follows a chunk.
 const SETS_BIT: u32 = 1 << 31;
 
 fn flow_tensor(kind: u32, step: usize, chunk: usize) -> u32 {
     (kind << 27) | (((step & 0x7ff) as u32) << 16) | (chunk & 0xffff) as u32
+}
+
+/// Options of one point-to-point transfer ([`Communicator::send`], [`Communicator::recv`]):
+/// both ends give the same tensor id.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct P2pOptions {
+    /// The caller's id of the tensor, at most [`MAX_P2P_TENSOR`].
+    pub tensor: u32,
+    /// The tensor's layer (the priority function sees it).
+    pub layer: u16,
+    /// Loss bound; `None`: the communicator's default.
+    pub loss_bound: Option<LossBound>,
 }
 
 /// One rank's end of a collective job.
@@ -210,6 +279,10 @@ pub struct Communicator {
     job: u32,
     /// Operations so far: the round of every flow of the next one.
     seq: u32,
+    /// Point-to-point transfers sent to and received from each peer so far: the round of
+    /// the next one (only the two ends count them, so they are apart from `seq`).
+    p2p_sent: Vec<u32>,
+    p2p_received: Vec<u32>,
     /// Why an earlier operation failed: its links may be mid-flow, so no later one runs.
     failed: Option<String>,
 }
@@ -244,6 +317,7 @@ struct Xfer {
 impl Communicator {
     /// A communicator over `links` for job `job`.
     pub fn new(links: Links, job: u32, cfg: CommConfig) -> Result<Communicator, CollectiveError> {
+        let world = links.world();
         let mut cfg = cfg;
         cfg.transfer.connect_timeout = cfg.op_timeout;
         cfg.transfer
@@ -259,6 +333,8 @@ impl Communicator {
             cfg,
             job,
             seq: 0,
+            p2p_sent: vec![0; world],
+            p2p_received: vec![0; world],
             failed: None,
         })
     }
@@ -324,11 +400,12 @@ impl Communicator {
     }
 
     /// All-reduce `tensor` in place over every rank.
-    pub fn all_reduce(
+    pub fn all_reduce<'t>(
         &mut self,
-        tensor: &mut Tensor,
+        tensor: impl Into<TensorMut<'t>>,
         opts: &AllReduceOptions,
     ) -> Result<AllReduceReport, CollectiveError> {
+        let tensor = &mut tensor.into();
         if tensor.dtype() == DType::Raw {
             return Err(CollectiveError::Config(
                 "all-reduce needs f32, f16 or bf16 elements, not raw bytes".into(),
@@ -347,7 +424,7 @@ impl Communicator {
 
     fn ring_all_reduce(
         &mut self,
-        tensor: &mut Tensor,
+        tensor: &mut TensorMut<'_>,
         opts: &AllReduceOptions,
     ) -> Result<AllReduceReport, CollectiveError> {
         let started = Instant::now();
@@ -495,7 +572,7 @@ impl Communicator {
     #[allow(clippy::too_many_arguments)]
     fn ring_step(
         &mut self,
-        tensor: &Tensor,
+        tensor: &TensorMut<'_>,
         sets: &Contributors,
         layout: &BlockLayout,
         step: &RingStep,
@@ -527,7 +604,7 @@ impl Communicator {
 
     fn tree_all_reduce(
         &mut self,
-        tensor: &mut Tensor,
+        tensor: &mut TensorMut<'_>,
         opts: &AllReduceOptions,
         tree: &Tree,
     ) -> Result<AllReduceReport, CollectiveError> {
@@ -816,12 +893,13 @@ impl Communicator {
     /// Broadcast `tensor` from `root` to every rank, pipelined along the ring in chunks.
     /// With a loss bound, blocks that did not arrive keep their previous contents here and
     /// are reported; a rank never forwards a block it does not hold.
-    pub fn broadcast(
+    pub fn broadcast<'t>(
         &mut self,
-        tensor: &mut Tensor,
+        tensor: impl Into<TensorMut<'t>>,
         root: usize,
         loss_bound: Option<LossBound>,
     ) -> Result<BroadcastReport, CollectiveError> {
+        let tensor = &mut tensor.into();
         self.usable()?;
         let r = self.broadcast_inner(tensor, root, loss_bound);
         self.note(r)
@@ -829,7 +907,7 @@ impl Communicator {
 
     fn broadcast_inner(
         &mut self,
-        tensor: &mut Tensor,
+        tensor: &mut TensorMut<'_>,
         root: usize,
         loss_bound: Option<LossBound>,
     ) -> Result<BroadcastReport, CollectiveError> {
@@ -964,6 +1042,81 @@ impl Communicator {
         })
     }
 
+    /// DLCP's send of one tensor to `peer` (the communicator must have a link to it), each
+    /// segment tagged by `prio`. Both ends must send and receive their point-to-point
+    /// transfers in the same order per pair.
+    pub fn send(
+        &mut self,
+        peer: usize,
+        tensor: &Tensor,
+        opts: &P2pOptions,
+        prio: &PriorityFn<'_>,
+    ) -> Result<SendReport, CollectiveError> {
+        self.usable()?;
+        let x = self.p2p_xfer(peer, opts, true)?;
+        let cfg = self.cfg.transfer.clone();
+        let r = self.links.out(peer).and_then(|l| {
+            l.send(tensor, &x.send_opts(), prio, &cfg)
+                .map_err(CollectiveError::link(peer))
+        });
+        self.note(r)
+    }
+
+    /// Receive one tensor from `peer` into `tensor` (the sender's size and type). Segments
+    /// still missing when the loss bound is met are zero; the report says which.
+    pub fn recv(
+        &mut self,
+        peer: usize,
+        tensor: &mut Tensor,
+        opts: &P2pOptions,
+    ) -> Result<RecvReport, CollectiveError> {
+        self.usable()?;
+        let x = self.p2p_xfer(peer, opts, false)?;
+        let cfg = self.cfg.transfer.clone();
+        let r = self.links.inn(peer).and_then(|l| {
+            l.recv(tensor, &x.recv_opts(), &cfg)
+                .map_err(CollectiveError::link(peer))
+        });
+        self.note(r)
+    }
+
+    /// The identity of the next point-to-point transfer with `peer` in one direction.
+    fn p2p_xfer(
+        &mut self,
+        peer: usize,
+        opts: &P2pOptions,
+        sending: bool,
+    ) -> Result<Xfer, CollectiveError> {
+        if peer >= self.world() || peer == self.rank() {
+            return Err(CollectiveError::Config(format!(
+                "rank {peer} is not another rank of this {}-rank job",
+                self.world()
+            )));
+        }
+        if opts.tensor > MAX_P2P_TENSOR {
+            return Err(CollectiveError::Config(format!(
+                "tensor id {} is above {MAX_P2P_TENSOR}",
+                opts.tensor
+            )));
+        }
+        let counter = if sending {
+            &mut self.p2p_sent[peer]
+        } else {
+            &mut self.p2p_received[peer]
+        };
+        let round = *counter;
+        *counter = counter.wrapping_add(1);
+        Ok(Xfer {
+            job: self.job,
+            round,
+            tensor: (KIND_P2P << 27) | opts.tensor,
+            bound: opts.loss_bound.unwrap_or(self.cfg.loss_bound),
+            layer: opts.layer,
+            dscp: 0,
+            stage: Stage::Push,
+        })
+    }
+
     /// Wait until every rank has entered the barrier: a reliable token goes around the ring
     /// twice (the first lap proves everyone arrived, the second releases everyone).
     pub fn barrier(&mut self) -> Result<(), CollectiveError> {
@@ -1083,7 +1236,7 @@ fn tensor_of(dtype: DType, bytes: &[u8]) -> Tensor {
     t
 }
 
-fn slice_tensor(t: &Tensor, layout: &BlockLayout, blocks: &Range<usize>) -> Tensor {
+fn slice_tensor(t: &TensorMut<'_>, layout: &BlockLayout, blocks: &Range<usize>) -> Tensor {
     let es = t.dtype().elem_size();
     let e = layout.elems_of(blocks);
     tensor_of(t.dtype(), &t.as_bytes()[e.start * es..e.end * es])

@@ -194,6 +194,8 @@ pub struct NetLinkConfig {
     pub control_dscp: Option<u8>,
     /// Rendezvous limits.
     pub rendezvous: RendezvousConfig,
+    /// Faults injected on every receiving datapath (tests and experiments; seeded per link).
+    pub fault: Option<FaultConfig>,
 }
 
 impl Default for NetLinkConfig {
@@ -203,6 +205,7 @@ impl Default for NetLinkConfig {
             udp: UdpConfig::default(),
             control_dscp: Some(gradwire_qos::CONTROL_DSCP),
             rendezvous: RendezvousConfig::default(),
+            fault: None,
         }
     }
 }
@@ -210,6 +213,8 @@ impl Default for NetLinkConfig {
 /// What each rank publishes in the rendezvous.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Endpoint {
+    /// The job: a table that mixes jobs is refused.
+    job: u32,
     rank: usize,
     ip: IpAddr,
     /// `(from rank, control port)` of each incoming link.
@@ -384,22 +389,47 @@ impl Links {
         secret: Option<&JobSecret>,
         cfg: &NetLinkConfig,
     ) -> Result<Links, CollectiveError> {
+        // One deadline for the whole set-up: rendezvous, connects and accepts.
+        let deadline = Instant::now() + cfg.connect_timeout;
+        let pending = Links::bind(job, rank, world, ip, edges, secret, cfg)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let rcfg = RendezvousConfig {
+            timeout: cfg.rendezvous.timeout.min(left),
+            ..cfg.rendezvous.clone()
+        };
+        let table = rendezvous::exchange(master, job, rank, world, pending.endpoint(), &rcfg)?;
+        pending.finish_by(&table, deadline)
+    }
+
+    /// The first half of [`Links::connect`] for callers with an all-gather of their own (a
+    /// training framework's store, MPI): bind this rank's listeners and datapaths. Every
+    /// rank then gives [`PendingLinks::endpoint`] to every other rank, and each calls
+    /// [`PendingLinks::finish`] with the table of all of them.
+    pub fn bind(
+        job: u32,
+        rank: usize,
+        world: usize,
+        ip: IpAddr,
+        edges: &[(usize, usize)],
+        secret: Option<&JobSecret>,
+        cfg: &NetLinkConfig,
+    ) -> Result<PendingLinks, CollectiveError> {
         if rank >= world {
             return Err(CollectiveError::Config(format!(
                 "rank {rank} is not below the world size {world}"
             )));
         }
-        // One deadline for the whole set-up: rendezvous, connects and accepts.
-        let deadline = Instant::now() + cfg.connect_timeout;
-        let left = || deadline.saturating_duration_since(Instant::now());
         let edges: BTreeSet<(usize, usize)> = edges.iter().copied().collect();
+        if let Some(&(from, to)) = edges
+            .iter()
+            .find(|&&(from, to)| from >= world || to >= world || from == to)
+        {
+            return Err(CollectiveError::Config(format!(
+                "edge {from} -> {to} is not between two ranks of a {world}-rank job"
+            )));
+        }
         let incoming: Vec<usize> = edges.iter().filter(|e| e.1 == rank).map(|e| e.0).collect();
         let outgoing: Vec<usize> = edges.iter().filter(|e| e.0 == rank).map(|e| e.1).collect();
-        let udp = |what: &str| {
-            UdpDatapath::bind(SocketAddr::new(ip, 0), cfg.udp.clone()).map_err(|e| {
-                CollectiveError::Setup(format!("{what}: {e} (is {ip} an address of this host?)"))
-            })
-        };
         let mut listeners = Vec::new();
         for &p in &incoming {
             let lcfg = ListenerConfig {
@@ -412,9 +442,23 @@ impl Links {
                     "control listener for rank {p} on {ip}: {e} (is {ip} an address of this host?)"
                 ))
             })?;
-            listeners.push((p, l, udp("receiving datapath")?));
+            let dp = bind_udp(ip, cfg, "receiving datapath")?;
+            let dp: BoxDatapath = match &cfg.fault {
+                Some(f) => {
+                    let mut f = f.clone();
+                    // Distinct, reproducible decisions per link.
+                    f.seed = f.seed.wrapping_add((rank * world + p) as u64 * 0x9e37_79b9);
+                    Box::new(
+                        FaultInjector::new(dp, f)
+                            .map_err(|e| CollectiveError::Config(e.to_string()))?,
+                    )
+                }
+                None => Box::new(dp),
+            };
+            listeners.push((p, l, dp));
         }
         let me = Endpoint {
+            job,
             rank,
             ip,
             listeners: listeners
@@ -422,31 +466,116 @@ impl Links {
                 .map(|(p, l, _)| (*p, l.local_addr().port()))
                 .collect(),
         };
-        let payload = serde_json::to_vec(&me)
+        let endpoint = serde_json::to_vec(&me)
             .map_err(|e| CollectiveError::Setup(format!("endpoint encoding: {e}")))?;
-        let rcfg = RendezvousConfig {
-            timeout: cfg.rendezvous.timeout.min(left()),
-            ..cfg.rendezvous.clone()
-        };
-        let table = rendezvous::exchange(master, job, rank, world, &payload, &rcfg)?;
+        Ok(PendingLinks {
+            job,
+            rank,
+            world,
+            ip,
+            outgoing,
+            listeners,
+            key: secret.map(JobKey::new),
+            cfg: cfg.clone(),
+            endpoint,
+        })
+    }
+}
+
+fn bind_udp(ip: IpAddr, cfg: &NetLinkConfig, what: &str) -> Result<UdpDatapath, CollectiveError> {
+    UdpDatapath::bind(SocketAddr::new(ip, 0), cfg.udp.clone()).map_err(|e| {
+        CollectiveError::Setup(format!("{what}: {e} (is {ip} an address of this host?)"))
+    })
+}
+
+/// A rank's links between [`Links::bind`] and [`PendingLinks::finish`]: sockets bound, the
+/// endpoint to publish ready.
+pub struct PendingLinks {
+    job: u32,
+    rank: usize,
+    world: usize,
+    ip: IpAddr,
+    outgoing: Vec<usize>,
+    listeners: Vec<(usize, CtrlListener, BoxDatapath)>,
+    key: Option<JobKey>,
+    cfg: NetLinkConfig,
+    endpoint: Vec<u8>,
+}
+
+impl std::fmt::Debug for PendingLinks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "PendingLinks(rank {} of {} at {}, {} in, {} out)",
+            self.rank,
+            self.world,
+            self.ip,
+            self.listeners.len(),
+            self.outgoing.len()
+        )
+    }
+}
+
+/// The most bytes an endpoint may take: a bound on what a peer's table entry may make us parse.
+pub const MAX_ENDPOINT_LEN: usize = 64 * 1024;
+
+impl PendingLinks {
+    /// This rank's endpoint: opaque bytes every other rank needs (at most
+    /// [`MAX_ENDPOINT_LEN`]).
+    pub fn endpoint(&self) -> &[u8] {
+        &self.endpoint
+    }
+
+    /// Connect every link, given every rank's endpoint (`table[r]` from rank `r`, this
+    /// rank's own included), within the configured connect timeout.
+    pub fn finish(self, table: &[Vec<u8>]) -> Result<Links, CollectiveError> {
+        let deadline = Instant::now() + self.cfg.connect_timeout;
+        self.finish_by(table, deadline)
+    }
+
+    fn finish_by(self, table: &[Vec<u8>], deadline: Instant) -> Result<Links, CollectiveError> {
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let (rank, world) = (self.rank, self.world);
+        if table.len() != world {
+            return Err(CollectiveError::Setup(format!(
+                "the endpoint table has {} entries for a {world}-rank job: every rank's endpoint is needed",
+                table.len()
+            )));
+        }
         let mut endpoints = Vec::with_capacity(world);
         for (r, bytes) in table.iter().enumerate() {
+            if bytes.len() > MAX_ENDPOINT_LEN {
+                return Err(CollectiveError::Setup(format!(
+                    "rank {r}'s endpoint is {} bytes, above the {MAX_ENDPOINT_LEN}-byte limit",
+                    bytes.len()
+                )));
+            }
             let e: Endpoint = serde_json::from_slice(bytes).map_err(|e| {
-                CollectiveError::Setup(format!("rank {r}'s rendezvous entry is not valid: {e}"))
+                CollectiveError::Setup(format!("rank {r}'s endpoint is not valid: {e}"))
             })?;
             if e.rank != r {
                 return Err(CollectiveError::Setup(format!(
-                    "rank {r}'s rendezvous entry claims rank {}",
+                    "the endpoint at position {r} of the table is rank {}'s: order the table by rank",
                     e.rank
+                )));
+            }
+            if e.job != self.job {
+                return Err(CollectiveError::Setup(format!(
+                    "rank {r}'s endpoint is for job {}, not job {}: do all ranks use the same job id?",
+                    e.job, self.job
                 )));
             }
             endpoints.push(e);
         }
+        if endpoints[rank].ip != self.ip {
+            return Err(CollectiveError::Setup(format!(
+                "the table's entry for this rank ({rank}) is not this rank's endpoint"
+            )));
+        }
         let mut links = Links::empty(rank, world);
-        let key = secret.map(JobKey::new);
         // Outgoing first: the peers' listeners run handshakes in the background, so connects
         // complete without the peers calling accept, and nobody waits on anybody in a cycle.
-        for &q in &outgoing {
+        for &q in &self.outgoing {
             let port = endpoints[q]
                 .listeners
                 .iter()
@@ -458,20 +587,21 @@ impl Links {
                     ))
                 })?;
             let addr = SocketAddr::new(endpoints[q].ip, port);
-            let ctrl = TcpCtrl::connect_with(addr, left(), cfg.control_dscp, key.as_ref())
-                .map_err(|e| CollectiveError::Link {
-                    peer: q,
-                    source: TransferError::Channel(e),
-                })?;
+            let ctrl =
+                TcpCtrl::connect_with(addr, left(), self.cfg.control_dscp, self.key.as_ref())
+                    .map_err(|e| CollectiveError::Link {
+                        peer: q,
+                        source: TransferError::Channel(e),
+                    })?;
             links.out[q] = Some(OutLink {
                 peer: q,
-                dp: Box::new(udp("sending datapath")?),
+                dp: Box::new(bind_udp(self.ip, &self.cfg, "sending datapath")?),
                 ctrl: Box::new(ctrl),
                 dst: endpoints[q].ip,
                 last_rate_bps: None,
             });
         }
-        for (p, listener, dp) in listeners {
+        for (p, listener, dp) in self.listeners {
             let ctrl = loop {
                 let c = listener.accept(left()).map_err(|e| CollectiveError::Link {
                     peer: p,
@@ -488,7 +618,7 @@ impl Links {
             };
             links.inn[p] = Some(InLink {
                 peer: p,
-                dp: Box::new(dp),
+                dp,
                 ctrl: Box::new(ctrl),
             });
         }

@@ -1,0 +1,538 @@
+//! gradwire for embedding: one rank's [`Session`] of a training job, the API under the C
+//! library (`capi/`) and the Python package (`python/`).
+//!
+//! A session is set up in two phases so that it can ride on the rendezvous the caller
+//! already has: [`Endpoint::bind`] binds this rank's sockets and gives the bytes every other
+//! rank needs ([`Endpoint::address`]); the caller all-gathers them (torch.distributed's
+//! store, `MPI_Allgatherv`, ...) and [`Endpoint::connect`] makes the links. Without such an
+//! engine, [`Session::rendezvous`] uses gradwire's own (rank 0 serves it).
+//!
+//! Operations work in place on the caller's bytes ([`Session::all_reduce`],
+//! [`Session::broadcast`]): a binding hands over the memory of a numpy array or a C array.
+//! Point-to-point [`Session::send`] and [`Session::recv`] copy once into and out of a
+//! segment-aligned transport buffer.
+//!
+//! Every error has a stable [`ErrorKind`]. A session is `Send` but runs one operation at a
+//! time (`&mut self`); share it behind a mutex.
+#![deny(unsafe_code)]
+
+mod error;
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use gradwire::auth::JobSecret;
+use gradwire::flow::SenderConfig;
+use gradwire::message::LossBound;
+use gradwire::tagging::DlcpTagger;
+use gradwire::transport::TransferConfig;
+use gradwire_collective::comm::{Algorithm, AllReduceOptions, CommConfig, Communicator, TensorMut};
+use gradwire_collective::link::{ring_edges, Links, NetLinkConfig, PendingLinks};
+
+pub use gradwire::datapath::fault::FaultConfig;
+pub use gradwire::flow::{SegmentInfo, Tag};
+pub use gradwire::tensor::DType;
+pub use gradwire_collective::aggregate::ReduceOp;
+pub use gradwire_collective::comm::MAX_P2P_TENSOR;
+pub use gradwire_collective::link::MAX_ENDPOINT_LEN;
+
+pub use error::{ErrorKind, SessionError};
+
+/// A priority function: the tag (DSCP, ECN-capable) of each segment of a sent tensor.
+pub type PriorityFn<'a> = gradwire::flow::PriorityFn<'a>;
+
+/// The longest idle wait inside one transfer before it counts as stalled (the operation's
+/// own timeout may be longer: a peer may still be computing before it starts).
+const MAX_IDLE: Duration = Duration::from_secs(5);
+
+/// How a session is set up and runs.
+#[derive(Debug, Clone)]
+pub struct SessionConfig {
+    /// The job's id: every rank gives the same.
+    pub job: u32,
+    /// This rank, below `world`.
+    pub rank: usize,
+    /// Ranks in the job.
+    pub world: usize,
+    /// This rank's address: every link binds there.
+    pub ip: IpAddr,
+    /// Loss bound of operations that name none, a fraction in [0, 1): 0 is reliable.
+    pub loss_bound: f64,
+    /// Set-up deadline, and the longest wait for a peer in an operation.
+    pub timeout: Duration,
+    /// The job's secret (at least 16 bytes): every link authenticated and its data packets
+    /// tagged; `None`: no authentication.
+    pub secret: Option<Vec<u8>>,
+    /// Testing: drop this fraction of arriving data packets (0: off).
+    pub inject_loss: f64,
+    /// Seed of `inject_loss`.
+    pub seed: u64,
+    /// Links between every pair of ranks, for [`Session::send`] and [`Session::recv`]; the
+    /// collectives need only the ring.
+    pub point_to_point: bool,
+    /// The senders' line rate in bit/s; `None`: the transport's default.
+    pub rate_bps: Option<u64>,
+}
+
+impl SessionConfig {
+    /// Rank `rank` of `world` at `ip`, with the defaults: job 1, reliable, 30 s timeout.
+    pub fn new(rank: usize, world: usize, ip: IpAddr) -> SessionConfig {
+        SessionConfig {
+            job: 1,
+            rank,
+            world,
+            ip,
+            loss_bound: 0.0,
+            timeout: Duration::from_secs(30),
+            secret: None,
+            inject_loss: 0.0,
+            seed: 0,
+            point_to_point: true,
+            rate_bps: None,
+        }
+    }
+
+    fn check(&self) -> Result<(), SessionError> {
+        let bad = |m: String| Err(SessionError::InvalidArgument(m));
+        if self.world == 0 {
+            return bad("the world size must be at least 1".into());
+        }
+        if self.rank >= self.world {
+            return bad(format!(
+                "rank {} is not below the world size {}",
+                self.rank, self.world
+            ));
+        }
+        if self.ip.is_unspecified() {
+            return bad(format!(
+                "{} is not an address peers can reach: give this rank's own address",
+                self.ip
+            ));
+        }
+        loss_bound(self.loss_bound)?;
+        if !(0.0..=1.0).contains(&self.inject_loss) {
+            return bad(format!(
+                "inject_loss {} is not a fraction in [0, 1]",
+                self.inject_loss
+            ));
+        }
+        if self.timeout.is_zero() {
+            return bad("the timeout must be above zero".into());
+        }
+        if self.rate_bps == Some(0) {
+            return bad("rate_bps must be above zero".into());
+        }
+        Ok(())
+    }
+
+    fn edges(&self) -> Vec<(usize, usize)> {
+        if self.point_to_point {
+            (0..self.world)
+                .flat_map(|a| (0..self.world).map(move |b| (a, b)))
+                .filter(|(a, b)| a != b)
+                .collect()
+        } else {
+            ring_edges(self.world)
+        }
+    }
+
+    fn link_config(&self) -> NetLinkConfig {
+        NetLinkConfig {
+            connect_timeout: self.timeout,
+            fault: (self.inject_loss > 0.0).then(|| FaultConfig {
+                drop: self.inject_loss,
+                seed: self.seed,
+                ..FaultConfig::default()
+            }),
+            ..NetLinkConfig::default()
+        }
+    }
+
+    fn comm_config(&self) -> Result<CommConfig, SessionError> {
+        let defaults = TransferConfig::default();
+        let sender = match self.rate_bps {
+            Some(r) => SenderConfig::new(r),
+            None => defaults.sender.clone(),
+        };
+        Ok(CommConfig {
+            transfer: TransferConfig {
+                sender,
+                idle_timeout: self.timeout.min(MAX_IDLE),
+                ..defaults
+            },
+            loss_bound: loss_bound(self.loss_bound)?,
+            op_timeout: self.timeout,
+            ..CommConfig::default()
+        })
+    }
+
+    fn secret(&self) -> Result<Option<JobSecret>, SessionError> {
+        self.secret
+            .as_ref()
+            .map(|s| {
+                JobSecret::new(s.clone())
+                    .map_err(|e| SessionError::InvalidArgument(format!("job secret: {e}")))
+            })
+            .transpose()
+    }
+}
+
+/// A loss bound from a fraction in [0, 1).
+fn loss_bound(p: f64) -> Result<LossBound, SessionError> {
+    if !(0.0..1.0).contains(&p) {
+        return Err(SessionError::InvalidArgument(format!(
+            "loss bound {p} is not a fraction in [0, 1)"
+        )));
+    }
+    LossBound::from_fraction(p).map_err(|e| SessionError::InvalidArgument(e.to_string()))
+}
+
+/// A session between its two set-up phases: sockets bound, the address to exchange ready.
+#[derive(Debug)]
+pub struct Endpoint {
+    cfg: SessionConfig,
+    pending: PendingLinks,
+}
+
+impl Endpoint {
+    /// Phase 1: check `cfg` and bind this rank's sockets.
+    pub fn bind(cfg: SessionConfig) -> Result<Endpoint, SessionError> {
+        cfg.check()?;
+        let secret = cfg.secret()?;
+        let pending = Links::bind(
+            cfg.job,
+            cfg.rank,
+            cfg.world,
+            cfg.ip,
+            &cfg.edges(),
+            secret.as_ref(),
+            &cfg.link_config(),
+        )?;
+        Ok(Endpoint { cfg, pending })
+    }
+
+    /// The bytes every other rank needs from this one (at most [`MAX_ENDPOINT_LEN`]).
+    pub fn address(&self) -> &[u8] {
+        self.pending.endpoint()
+    }
+
+    /// Phase 2: connect, given `table[r]` = rank `r`'s [`Endpoint::address`] for every rank
+    /// (this one's included).
+    pub fn connect(self, table: &[Vec<u8>]) -> Result<Session, SessionError> {
+        let comm_cfg = self.cfg.comm_config()?;
+        let links = self.pending.finish(table)?;
+        Session::over(links, self.cfg, comm_cfg)
+    }
+}
+
+/// Options of an all-reduce or a broadcast.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReduceOptions {
+    /// Sum or average (the average of each block is over the ranks summed in it).
+    pub op: ReduceOp,
+    /// Loss bound, a fraction in [0, 1); `None`: the session's.
+    pub loss_bound: Option<f64>,
+    /// The tensor's layer, 0 = front (DLCP tagging).
+    pub layer: u16,
+    /// Layers of the model: with the layer, picks the DSCP (front layers more urgent); 0:
+    /// unknown, the lowest data priority.
+    pub num_layers: u16,
+    /// DSCP of the data packets, instead of the layer's.
+    pub dscp: Option<u8>,
+}
+
+/// Options of a point-to-point transfer: both ends give the same tensor id.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct P2pOptions {
+    /// The caller's id of the tensor, at most [`MAX_P2P_TENSOR`].
+    pub tensor: u32,
+    /// The tensor's layer (the priority function sees it).
+    pub layer: u16,
+    /// Loss bound, a fraction in [0, 1); `None`: the session's.
+    pub loss_bound: Option<f64>,
+}
+
+/// What an all-reduce did: the per-layer loss telemetry.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReduceReport {
+    /// Elements reduced.
+    pub elems: usize,
+    /// Blocks (the unit of aggregation: one transport segment).
+    pub blocks: usize,
+    /// Elements per block: block `b` is elements `b * block_elems ..`.
+    pub block_elems: usize,
+    /// Blocks with every rank's contribution.
+    pub complete_blocks: usize,
+    /// Mean over blocks of the fraction of ranks summed in the block.
+    pub delivered_fraction: f64,
+    /// For each rank, the fraction of blocks its contribution reached.
+    pub rank_delivered: Vec<f64>,
+    /// For each block, the fraction of ranks summed in it.
+    pub block_delivered: Vec<f64>,
+    /// Wall time, seconds.
+    pub elapsed_s: f64,
+    /// Payload bytes this rank sent.
+    pub bytes_sent: u64,
+}
+
+/// What a broadcast delivered here.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BroadcastReport {
+    /// Blocks in the tensor.
+    pub blocks: usize,
+    /// Blocks that hold the root's values (the others kept their contents).
+    pub received_blocks: usize,
+    /// Wall time, seconds.
+    pub elapsed_s: f64,
+}
+
+/// What a send did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SendSummary {
+    /// Segments of the tensor.
+    pub segments: u32,
+    /// Bytes of the tensor.
+    pub bytes: u64,
+    /// Segments sent again (retransmission passes).
+    pub retransmitted_segments: u64,
+    /// FlowStart to FlowFinish, seconds.
+    pub elapsed_s: f64,
+    /// Paced rate at the end, bit/s.
+    pub final_rate_bps: u64,
+}
+
+/// What a receive delivered.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct RecvSummary {
+    /// Segments of the tensor.
+    pub segments: u32,
+    /// Segments received (the others are zero).
+    pub received_segments: u32,
+    /// Fraction of segments received.
+    pub delivered_fraction: f64,
+    /// The loss bound enforced.
+    pub loss_bound: f64,
+    /// Retransmission rounds asked for.
+    pub rounds: u32,
+    /// Wall time, seconds.
+    pub elapsed_s: f64,
+}
+
+/// One rank's end of a job.
+#[derive(Debug)]
+pub struct Session {
+    cfg: SessionConfig,
+    comm: Communicator,
+}
+
+impl Session {
+    /// Both phases with gradwire's own rendezvous at `master` (rank 0 serves it there).
+    pub fn rendezvous(cfg: SessionConfig, master: SocketAddr) -> Result<Session, SessionError> {
+        cfg.check()?;
+        let secret = cfg.secret()?;
+        let comm_cfg = cfg.comm_config()?;
+        let links = Links::connect(
+            cfg.job,
+            cfg.rank,
+            cfg.world,
+            cfg.ip,
+            master,
+            &cfg.edges(),
+            secret.as_ref(),
+            &cfg.link_config(),
+        )?;
+        Session::over(links, cfg, comm_cfg)
+    }
+
+    fn over(
+        links: Links,
+        cfg: SessionConfig,
+        comm_cfg: CommConfig,
+    ) -> Result<Session, SessionError> {
+        let comm = Communicator::new(links, cfg.job, comm_cfg)?;
+        Ok(Session { cfg, comm })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.cfg.rank
+    }
+
+    /// Ranks in the job.
+    pub fn world(&self) -> usize {
+        self.cfg.world
+    }
+
+    /// The configuration the session was made with.
+    pub fn config(&self) -> &SessionConfig {
+        &self.cfg
+    }
+
+    /// All-reduce `bytes` (elements of `dtype`: f32, f16 or bf16) in place over every rank.
+    pub fn all_reduce(
+        &mut self,
+        dtype: DType,
+        bytes: &mut [u8],
+        opts: &ReduceOptions,
+    ) -> Result<ReduceReport, SessionError> {
+        let tensor = float_tensor(dtype, bytes)?;
+        let o = AllReduceOptions {
+            op: opts.op,
+            loss_bound: opts.loss_bound.map(loss_bound).transpose()?,
+            layer: opts.layer,
+            dscp: data_dscp(opts)?,
+            algorithm: Algorithm::Ring,
+        };
+        let r = self.comm.all_reduce(tensor, &o)?;
+        let world = r.contributors.world();
+        let block_delivered = (0..r.blocks)
+            .map(|b| r.contributors.count(b) as f64 / world.max(1) as f64)
+            .collect();
+        Ok(ReduceReport {
+            elems: r.elems,
+            blocks: r.blocks,
+            block_elems: r.block_elems,
+            complete_blocks: r.complete_blocks,
+            delivered_fraction: r.delivered_fraction,
+            rank_delivered: r.rank_delivered,
+            block_delivered,
+            elapsed_s: r.elapsed.as_secs_f64(),
+            bytes_sent: r.bytes_sent,
+        })
+    }
+
+    /// Broadcast `bytes` from `root` to every rank, in place (`opts.op` is not used).
+    pub fn broadcast(
+        &mut self,
+        root: usize,
+        dtype: DType,
+        bytes: &mut [u8],
+        opts: &ReduceOptions,
+    ) -> Result<BroadcastReport, SessionError> {
+        let tensor = TensorMut::new(dtype, bytes)?;
+        let bound = opts.loss_bound.map(loss_bound).transpose()?;
+        let r = self.comm.broadcast(tensor, root, bound)?;
+        Ok(BroadcastReport {
+            blocks: r.blocks,
+            received_blocks: r.received_blocks,
+            elapsed_s: r.elapsed.as_secs_f64(),
+        })
+    }
+
+    /// Wait until every rank has entered the barrier.
+    pub fn barrier(&mut self) -> Result<(), SessionError> {
+        Ok(self.comm.barrier()?)
+    }
+
+    /// DLCP's send of one tensor to `peer`, each segment tagged by `priority` (`None`: DLCP's
+    /// default tagging, the layer's DSCP and ECN-capable by gradient magnitude).
+    pub fn send(
+        &mut self,
+        peer: usize,
+        dtype: DType,
+        bytes: &[u8],
+        opts: &P2pOptions,
+        priority: Option<&PriorityFn<'_>>,
+    ) -> Result<SendSummary, SessionError> {
+        let tensor = p2p_tensor(dtype, bytes.len()).map(|mut t| {
+            t.as_bytes_mut().copy_from_slice(bytes);
+            t
+        })?;
+        let o = p2p_options(opts)?;
+        let report = match priority {
+            Some(f) => self.comm.send(peer, &tensor, &o, f)?,
+            None => {
+                let tagger = DlcpTagger::for_tensor(
+                    &tensor,
+                    0,
+                    1,
+                    &gradwire::tagging::MagnitudeConfig::default(),
+                )
+                .map_err(|e| SessionError::InvalidArgument(e.to_string()))?;
+                self.comm.send(peer, &tensor, &o, &tagger.priority_fn())?
+            }
+        };
+        Ok(SendSummary {
+            segments: report.segments,
+            bytes: report.size_bytes,
+            retransmitted_segments: report.stats.retransmitted,
+            elapsed_s: report.fct.as_secs_f64(),
+            final_rate_bps: report.final_rate_bps,
+        })
+    }
+
+    /// Receive one tensor from `peer` into `bytes` (the sender's length and dtype).
+    pub fn recv(
+        &mut self,
+        peer: usize,
+        dtype: DType,
+        bytes: &mut [u8],
+        opts: &P2pOptions,
+    ) -> Result<RecvSummary, SessionError> {
+        let mut tensor = p2p_tensor(dtype, bytes.len())?;
+        let o = p2p_options(opts)?;
+        let r = self.comm.recv(peer, &mut tensor, &o)?;
+        bytes.copy_from_slice(tensor.as_bytes());
+        Ok(RecvSummary {
+            segments: r.segments,
+            received_segments: r.received_segments,
+            delivered_fraction: r.delivered_fraction,
+            loss_bound: r.loss_bound,
+            rounds: r.rounds,
+            elapsed_s: r.total.as_secs_f64(),
+        })
+    }
+}
+
+/// `bytes` as an f32, f16 or bf16 tensor.
+fn float_tensor(dtype: DType, bytes: &mut [u8]) -> Result<TensorMut<'_>, SessionError> {
+    if dtype == DType::Raw {
+        return Err(SessionError::InvalidArgument(
+            "an all-reduce needs f32, f16 or bf16 elements, not raw bytes".into(),
+        ));
+    }
+    Ok(TensorMut::new(dtype, bytes)?)
+}
+
+fn p2p_tensor(dtype: DType, len: usize) -> Result<gradwire::tensor::Tensor, SessionError> {
+    gradwire::tensor::Tensor::zeros_bytes(dtype, len).ok_or_else(|| {
+        SessionError::InvalidArgument(format!(
+            "a buffer of {len} bytes is not a whole number of {dtype} elements ({} bytes each)",
+            dtype.elem_size()
+        ))
+    })
+}
+
+fn p2p_options(opts: &P2pOptions) -> Result<gradwire_collective::comm::P2pOptions, SessionError> {
+    Ok(gradwire_collective::comm::P2pOptions {
+        tensor: opts.tensor,
+        layer: opts.layer,
+        loss_bound: opts.loss_bound.map(loss_bound).transpose()?,
+    })
+}
+
+/// The DSCP of an operation's data: the caller's, or its layer's (front layers more urgent).
+fn data_dscp(opts: &ReduceOptions) -> Result<u8, SessionError> {
+    if let Some(d) = opts.dscp {
+        if d > gradwire_qos::MAX_DSCP {
+            return Err(SessionError::InvalidArgument(format!(
+                "DSCP {d} is above {}",
+                gradwire_qos::MAX_DSCP
+            )));
+        }
+        return Ok(d);
+    }
+    if opts.num_layers == 0 {
+        return Ok(gradwire_qos::DATA_DSCP[0]);
+    }
+    if opts.layer >= opts.num_layers {
+        return Err(SessionError::InvalidArgument(format!(
+            "layer {} is not below num_layers {}",
+            opts.layer, opts.num_layers
+        )));
+    }
+    Ok(gradwire_qos::layer_dscp(
+        u32::from(opts.layer),
+        u32::from(opts.num_layers),
+    ))
+}
