@@ -519,6 +519,67 @@ impl std::fmt::Debug for PendingLinks {
 /// The most bytes an endpoint may take: a bound on what a peer's table entry may make us parse.
 pub const MAX_ENDPOINT_LEN: usize = 64 * 1024;
 
+/// Check a table of endpoints from the caller's all-gather (untrusted bytes: from every
+/// rank, through whatever exchanged them): `world` entries of at most [`MAX_ENDPOINT_LEN`]
+/// bytes, entry `r` from rank `r` of job `job`. Returns each rank's address and listener
+/// ports `(from rank, port)`.
+pub fn parse_endpoint_table(
+    table: &[Vec<u8>],
+    job: u32,
+    world: usize,
+) -> Result<Vec<EndpointInfo>, CollectiveError> {
+    if table.len() != world {
+        return Err(CollectiveError::Setup(format!(
+            "the endpoint table has {} entries for a {world}-rank job: every rank's endpoint is needed",
+            table.len()
+        )));
+    }
+    let mut endpoints = Vec::with_capacity(world);
+    for (r, bytes) in table.iter().enumerate() {
+        if bytes.len() > MAX_ENDPOINT_LEN {
+            return Err(CollectiveError::Setup(format!(
+                "rank {r}'s endpoint is {} bytes, above the {MAX_ENDPOINT_LEN}-byte limit",
+                bytes.len()
+            )));
+        }
+        let e: Endpoint = serde_json::from_slice(bytes).map_err(|e| {
+            CollectiveError::Setup(format!("rank {r}'s endpoint is not valid: {e}"))
+        })?;
+        if e.rank != r {
+            return Err(CollectiveError::Setup(format!(
+                "the endpoint at position {r} of the table is rank {}'s: order the table by rank",
+                e.rank
+            )));
+        }
+        if e.job != job {
+            return Err(CollectiveError::Setup(format!(
+                "rank {r}'s endpoint is for job {}, not job {job}: do all ranks use the same job id?",
+                e.job
+            )));
+        }
+        if e.listeners.len() > world {
+            return Err(CollectiveError::Setup(format!(
+                "rank {r}'s endpoint lists {} listeners in a {world}-rank job",
+                e.listeners.len()
+            )));
+        }
+        endpoints.push(EndpointInfo {
+            ip: e.ip,
+            listeners: e.listeners,
+        });
+    }
+    Ok(endpoints)
+}
+
+/// One rank's entry of a checked endpoint table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointInfo {
+    /// The rank's address.
+    pub ip: IpAddr,
+    /// `(from rank, control port)` of each of its incoming links.
+    pub listeners: Vec<(usize, u16)>,
+}
+
 impl PendingLinks {
     /// This rank's endpoint: opaque bytes every other rank needs (at most
     /// [`MAX_ENDPOINT_LEN`]).
@@ -536,37 +597,7 @@ impl PendingLinks {
     fn finish_by(self, table: &[Vec<u8>], deadline: Instant) -> Result<Links, CollectiveError> {
         let left = || deadline.saturating_duration_since(Instant::now());
         let (rank, world) = (self.rank, self.world);
-        if table.len() != world {
-            return Err(CollectiveError::Setup(format!(
-                "the endpoint table has {} entries for a {world}-rank job: every rank's endpoint is needed",
-                table.len()
-            )));
-        }
-        let mut endpoints = Vec::with_capacity(world);
-        for (r, bytes) in table.iter().enumerate() {
-            if bytes.len() > MAX_ENDPOINT_LEN {
-                return Err(CollectiveError::Setup(format!(
-                    "rank {r}'s endpoint is {} bytes, above the {MAX_ENDPOINT_LEN}-byte limit",
-                    bytes.len()
-                )));
-            }
-            let e: Endpoint = serde_json::from_slice(bytes).map_err(|e| {
-                CollectiveError::Setup(format!("rank {r}'s endpoint is not valid: {e}"))
-            })?;
-            if e.rank != r {
-                return Err(CollectiveError::Setup(format!(
-                    "the endpoint at position {r} of the table is rank {}'s: order the table by rank",
-                    e.rank
-                )));
-            }
-            if e.job != self.job {
-                return Err(CollectiveError::Setup(format!(
-                    "rank {r}'s endpoint is for job {}, not job {}: do all ranks use the same job id?",
-                    e.job, self.job
-                )));
-            }
-            endpoints.push(e);
-        }
+        let endpoints = parse_endpoint_table(table, self.job, world)?;
         if endpoints[rank].ip != self.ip {
             return Err(CollectiveError::Setup(format!(
                 "the table's entry for this rank ({rank}) is not this rank's endpoint"
@@ -648,5 +679,48 @@ mod tests {
         assert!(Links::in_memory(2, &[(0, 5)], &MemLinkConfig::default()).is_err());
         let (outs, ins) = links[1].many(&[2], &[0]).unwrap();
         assert_eq!((outs[0].peer(), ins[0].peer()), (2, 0));
+    }
+
+    fn entry(job: u32, rank: usize, listeners: &[(usize, u16)]) -> Vec<u8> {
+        serde_json::to_vec(&Endpoint {
+            job,
+            rank,
+            ip: "198.18.0.1".parse().unwrap(),
+            listeners: listeners.to_vec(),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn endpoint_tables_are_checked_entry_by_entry() {
+        let good = vec![entry(4, 0, &[(1, 9000)]), entry(4, 1, &[(0, 9001)])];
+        let t = parse_endpoint_table(&good, 4, 2).unwrap();
+        assert_eq!(t[1].listeners, vec![(0, 9001)]);
+        let setup = |table: &[Vec<u8>], job, world| {
+            let e = parse_endpoint_table(table, job, world).unwrap_err();
+            assert!(matches!(e, CollectiveError::Setup(_)), "{e}");
+            e.to_string()
+        };
+        assert!(setup(&good, 4, 3).contains("every rank's endpoint"));
+        assert!(setup(&good, 5, 2).contains("same job id"));
+        let swapped = vec![good[1].clone(), good[0].clone()];
+        assert!(setup(&swapped, 4, 2).contains("order the table by rank"));
+        assert!(setup(&[b"{".to_vec(), good[1].clone()], 4, 2).contains("not valid"));
+        let big = vec![vec![b' '; MAX_ENDPOINT_LEN + 1], good[1].clone()];
+        assert!(setup(&big, 4, 2).contains("limit"));
+        let many = vec![entry(4, 0, &[(1, 1), (1, 2), (1, 3)]), good[1].clone()];
+        assert!(setup(&many, 4, 2).contains("listeners"));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn endpoint_tables_of_any_bytes_never_panic(
+            table in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..64), 0..5),
+            world in 0usize..6,
+        ) {
+            if let Ok(t) = parse_endpoint_table(&table, 0, world) {
+                proptest::prop_assert_eq!(t.len(), world);
+            }
+        }
     }
 }
