@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Builds gradwire's C library (crate capi/, libgradwire_c.so and libgradwire_c.a) and installs
+# it with its header and pkg-config files:
+#   PREFIX/include/gradwire.h
+#   PREFIX/lib/libgradwire_c.so, PREFIX/lib/libgradwire_c.a
+#   PREFIX/lib/pkgconfig/gradwire.pc          (shared: pkg-config --cflags --libs gradwire)
+#   PREFIX/lib/pkgconfig/gradwire-static.pc   (static: the archive and the system libraries)
+# and prints, on stdout, the PKG_CONFIG_PATH line to use them.
+#
+# usage: scripts/capi.sh [--release | --debug] [--prefix DIR] [--from DIR]
+#   --release     optimised build (default)
+#   --debug       debug build
+#   --prefix DIR  install there (default: target/capi; /usr/local for a system install)
+#   --from DIR    do not build: install the libraries already built in DIR (e.g. target/debug)
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+profile=release
+prefix=target/capi
+from=
+while (($#)); do
+    case $1 in
+        --release) profile=release ;;
+        --debug) profile=debug ;;
+        --prefix) prefix=${2:?--prefix needs a directory}; shift ;;
+        --from) from=${2:?--from needs a directory}; shift ;;
+        -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "capi.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+if [[ -z $from ]]; then
+    if ! command -v cargo >/dev/null 2>&1; then
+        source scripts/deps.sh
+    fi
+    flags=(-p gradwire-capi --lib --locked)
+    [[ $profile == release ]] && flags+=(--release)
+    echo "capi: cargo build ${flags[*]}" >&2
+    cargo build "${flags[@]}" >&2
+    from=${CARGO_TARGET_DIR:-$root/target}/$profile
+fi
+for f in libgradwire_c.so libgradwire_c.a; do
+    if [[ ! -f $from/$f ]]; then
+        echo "capi: $from/$f is missing: build it first (cargo build -p gradwire-capi)" >&2
+        exit 1
+    fi
+done
+
+mkdir -p "$prefix/include" "$prefix/lib/pkgconfig"
+prefix=$(cd "$prefix" && pwd)
+install -m 0644 capi/include/gradwire.h "$prefix/include/gradwire.h"
+install -m 0755 "$from/libgradwire_c.so" "$prefix/lib/libgradwire_c.so"
+install -m 0644 "$from/libgradwire_c.a" "$prefix/lib/libgradwire_c.a"
+
+version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
+# What Rust's standard library needs from the system when linked statically (rustc's
+# `--print native-static-libs` for x86_64-unknown-linux-gnu); gradwire adds nothing.
+static_libs="-lgcc_s -lutil -lrt -lpthread -lm -ldl -lc"
+common="prefix=$prefix
+libdir=\${prefix}/lib
+includedir=\${prefix}/include
+"
+cat >"$prefix/lib/pkgconfig/gradwire.pc" <<PC
+${common}
+Name: gradwire
+Description: bounded-loss transport for distributed DNN training: all-reduce, broadcast, barrier, DLCP send/recv
+Version: $version
+Libs: -L\${libdir} -lgradwire_c
+Libs.private: $static_libs
+Cflags: -I\${includedir}
+PC
+cat >"$prefix/lib/pkgconfig/gradwire-static.pc" <<PC
+${common}
+Name: gradwire-static
+Description: gradwire's C library, linked statically (libgradwire_c.a)
+Version: $version
+Libs: \${libdir}/libgradwire_c.a $static_libs
+Cflags: -I\${includedir}
+PC
+
+echo "capi: installed gradwire $version ($(basename "$from") build) in $prefix" >&2
+echo "capi: a program linked to the shared library finds it with -Wl,-rpath,$prefix/lib or LD_LIBRARY_PATH=$prefix/lib" >&2
+echo "export PKG_CONFIG_PATH=$prefix/lib/pkgconfig\${PKG_CONFIG_PATH:+:\$PKG_CONFIG_PATH}"
