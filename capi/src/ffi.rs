@@ -7,12 +7,12 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::slice;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
-use gradwire_session::{Endpoint, PriorityFn, MAX_ENDPOINT_LEN, SegmentInfo, Session, Tag};
+use gradwire_session::{Endpoint, PriorityFn, SegmentInfo, Session, Tag, MAX_ENDPOINT_LEN};
 
 use crate::error::{self, guard, guard_value, CError, GW_ERR_BUSY, GW_ERR_SETUP, GW_ERR_UNUSABLE};
 use crate::types::{
-    self, byte_len, dtype_code, gw_allgather_fn, gw_broadcast_report, gw_config, gw_dtype,
-    gw_op, gw_op_options, gw_p2p_options, gw_priority_fn, gw_recv_report, gw_reduce_report,
+    self, byte_len, dtype_code, gw_allgather_fn, gw_broadcast_report, gw_config, gw_dtype, gw_op,
+    gw_op_options, gw_p2p_options, gw_priority_fn, gw_recv_report, gw_reduce_report,
     gw_segment_info, gw_send_report, gw_tag,
 };
 
@@ -144,7 +144,9 @@ unsafe fn buf_mut<'a>(
     }
     // SAFETY: non-NULL, and the caller's contract covers `len` = count * element size bytes
     // (overflow checked above), exclusively ours during the call.
-    Ok((dt, unsafe { slice::from_raw_parts_mut(buf.cast::<u8>(), len) }))
+    Ok((dt, unsafe {
+        slice::from_raw_parts_mut(buf.cast::<u8>(), len)
+    }))
 }
 
 /// Like [`buf_mut`], read-only.
@@ -210,7 +212,10 @@ pub extern "C" fn gw_version() -> *const c_char {
 /// call returning int; copy the text to keep it.
 #[no_mangle]
 pub extern "C" fn gw_last_error_message() -> *const c_char {
-    guard_value(c"internal error reading the last error".as_ptr(), error::last_message)
+    guard_value(
+        c"internal error reading the last error".as_ptr(),
+        error::last_message,
+    )
 }
 
 /// The rank at fault in this thread's last failed call (GW_ERR_PEER mostly), or -1.
@@ -565,7 +570,10 @@ pub unsafe extern "C" fn gw_all_reduce(
         let s = unsafe { deref(s.cast_const(), "s") }?;
         let op = types::op(op)?;
         // SAFETY: the caller's contract; NULL means the defaults.
-        let opts = unsafe { opts.as_ref() }.copied().unwrap_or_default().to_session(op)?;
+        let opts = unsafe { opts.as_ref() }
+            .copied()
+            .unwrap_or_default()
+            .to_session(op)?;
         // SAFETY: the caller's contract.
         let (dt, bytes) = unsafe { buf_mut(buf, count, dtype) }?;
         let mut st = s.lock()?;
@@ -582,15 +590,20 @@ pub unsafe extern "C" fn gw_all_reduce(
 ///
 /// # Safety
 /// `out` is NULL (cap 0) or writable for `cap` doubles; `len` is writable.
-unsafe fn copy_fractions(v: &[f64], out: *mut f64, cap: usize, len: *mut usize) -> Result<(), CError> {
+unsafe fn copy_fractions(
+    v: &[f64],
+    out: *mut f64,
+    cap: usize,
+    len: *mut usize,
+) -> Result<(), CError> {
     if len.is_null() {
         return Err(CError::null("len"));
     }
+    if out.is_null() && cap > 0 {
+        return Err(CError::null("out (with cap > 0)"));
+    }
     let n = v.len().min(cap);
     if n > 0 {
-        if out.is_null() {
-            return Err(CError::null("out (with cap > 0)"));
-        }
         // SAFETY: `out` is non-NULL and writable for cap >= n doubles (the caller's contract);
         // `v` is ours, so the two do not overlap.
         unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, n) };
@@ -748,7 +761,10 @@ pub unsafe extern "C" fn gw_send(
         // SAFETY: the caller's contract.
         let s = unsafe { deref(s.cast_const(), "s") }?;
         // SAFETY: the caller's contract; NULL means the defaults.
-        let opts = unsafe { opts.as_ref() }.copied().unwrap_or_default().to_session();
+        let opts = unsafe { opts.as_ref() }
+            .copied()
+            .unwrap_or_default()
+            .to_session();
         // SAFETY: the caller's contract.
         let (dt, bytes) = unsafe { buf_ref(buf, count, dtype) }?;
         let cprio = priority.map(|f| CPriority { f, ctx });
@@ -785,7 +801,10 @@ pub unsafe extern "C" fn gw_recv(
         // SAFETY: the caller's contract.
         let s = unsafe { deref(s.cast_const(), "s") }?;
         // SAFETY: the caller's contract; NULL means the defaults.
-        let opts = unsafe { opts.as_ref() }.copied().unwrap_or_default().to_session();
+        let opts = unsafe { opts.as_ref() }
+            .copied()
+            .unwrap_or_default()
+            .to_session();
         // SAFETY: the caller's contract.
         let (dt, bytes) = unsafe { buf_mut(buf, count, dtype) }?;
         let mut st = s.lock()?;

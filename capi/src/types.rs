@@ -128,7 +128,11 @@ impl gw_config {
     }
 
     /// The session's configuration, given the strings and bytes `ffi` read from the pointers.
-    pub(crate) fn to_session(self, ip: &str, secret: Option<&[u8]>) -> Result<SessionConfig, CError> {
+    pub(crate) fn to_session(
+        self,
+        ip: &str,
+        secret: Option<&[u8]>,
+    ) -> Result<SessionConfig, CError> {
         let ip: IpAddr = ip.trim().parse().map_err(|_| {
             CError::invalid(format!(
                 "gw_config.ip {ip:?} is not an IP address: give this rank's IPv4 or IPv6 \
@@ -430,7 +434,10 @@ mod tests {
         }
         .to_session(ReduceOp::Average)
         .unwrap();
-        assert_eq!((o.loss_bound, o.dscp, o.op), (Some(0.1), Some(46), ReduceOp::Average));
+        assert_eq!(
+            (o.loss_bound, o.dscp, o.op),
+            (Some(0.1), Some(46), ReduceOp::Average)
+        );
         for bad in [64, -2, 1000] {
             let o = gw_op_options {
                 dscp: bad,

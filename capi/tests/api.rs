@@ -1,0 +1,800 @@
+//! The C API as C uses it, called through the same exported functions from threads on
+//! 127.0.0.1: every set-up path, every operation with exact results, the reports and
+//! delivered fractions, the priority function, and the errors a C caller can cause.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, unsafe_code)]
+
+mod common;
+
+use std::ffi::{c_int, c_void, CStr};
+use std::ptr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use gradwire_c::*;
+
+fn f32_sum(world: u32, e: usize) -> f32 {
+    (0..world).map(|r| input(r, e)).sum()
+}
+
+/// The priority function of the tests: counts its calls in the `AtomicUsize` at ctx and tags
+/// segments whose first element is >= 1 as urgent.
+unsafe extern "C" fn count_and_tag(ctx: *mut c_void, seg: *const gw_segment_info) -> gw_tag {
+    // SAFETY: ctx is the test's AtomicUsize, seg a valid segment during the call.
+    let (calls, seg) = unsafe { (&*ctx.cast::<AtomicUsize>(), &*seg) };
+    calls.fetch_add(1, Ordering::Relaxed);
+    assert_eq!(seg.dtype, GW_DTYPE_F32);
+    assert_eq!(seg.layer, 3);
+    // SAFETY: payload holds len bytes during the call.
+    let payload = unsafe { std::slice::from_raw_parts(seg.payload, seg.len) };
+    let first = f32::from_le_bytes(payload[..4].try_into().unwrap());
+    gw_tag {
+        dscp: if first >= 1.0 { 46 } else { 10 },
+        ect: first < 1.0,
+    }
+}
+
+#[test]
+fn three_ranks_all_reduce_broadcast_barrier_and_send_recv_exactly() {
+    const WORLD: u32 = 3;
+    const ELEMS: usize = 10_000;
+    const P2P: usize = 30_000;
+    let calls = AtomicUsize::new(0);
+    let reports = with_sessions(
+        WORLD,
+        |_| {},
+        // SAFETY: every call gets a live session and buffers of the counts it is given.
+        |r, s| unsafe {
+            let (mut rank, mut world) = (u32::MAX, 0);
+            ok(gw_session_rank(s.0, &mut rank));
+            ok(gw_session_world(s.0, &mut world));
+            assert_eq!((rank, world), (r, WORLD));
+
+            // All-reduce (sum), exact when reliable.
+            let mut g: Vec<f32> = (0..ELEMS).map(|e| input(r, e)).collect();
+            let mut rep = gw_reduce_report::default();
+            ok(gw_all_reduce(
+                s.0,
+                g.as_mut_ptr().cast(),
+                ELEMS,
+                GW_DTYPE_F32,
+                GW_OP_SUM,
+                ptr::null(),
+                &mut rep,
+            ));
+            for (e, &x) in g.iter().enumerate() {
+                assert_eq!(x, f32_sum(WORLD, e), "rank {r} element {e}");
+            }
+            assert_eq!(rep.elems, ELEMS);
+            assert_eq!(rep.complete_blocks, rep.blocks);
+            assert_eq!(rep.delivered_fraction, 1.0);
+            // The fractions: length first, then the values.
+            let mut n = usize::MAX;
+            ok(gw_last_block_delivered(s.0, ptr::null_mut(), 0, &mut n));
+            assert_eq!(n, rep.blocks);
+            let mut blocks = vec![0.0; n];
+            ok(gw_last_block_delivered(s.0, blocks.as_mut_ptr(), n, &mut n));
+            assert!(blocks.iter().all(|&b| b == 1.0), "{blocks:?}");
+            let mut ranks = [0.0; 8];
+            ok(gw_last_rank_delivered(s.0, ranks.as_mut_ptr(), 8, &mut n));
+            assert_eq!(n, WORLD as usize);
+            assert_eq!(&ranks[..3], &[1.0; 3]);
+            // A short buffer gets what fits; the length is still the whole.
+            let mut one = [0.0];
+            ok(gw_last_block_delivered(s.0, one.as_mut_ptr(), 1, &mut n));
+            assert_eq!((one[0], n), (1.0, rep.blocks));
+
+            // Average, with options.
+            let mut a: Vec<f32> = (0..ELEMS).map(|e| input(r, e) * 3.0).collect();
+            let opts = gw_op_options {
+                layer: 1,
+                num_layers: 4,
+                ..gw_op_options_default()
+            };
+            ok(gw_all_reduce(
+                s.0,
+                a.as_mut_ptr().cast(),
+                ELEMS,
+                GW_DTYPE_F32,
+                GW_OP_AVERAGE,
+                &opts,
+                ptr::null_mut(),
+            ));
+            for (e, &x) in a.iter().enumerate() {
+                assert!((x - f32_sum(WORLD, e)).abs() < 1e-4, "average {e}: {x}");
+            }
+
+            // Broadcast from rank 2.
+            let mut b: Vec<f32> = (0..ELEMS)
+                .map(|e| if r == 2 { e as f32 } else { -1.0 })
+                .collect();
+            let mut brep = gw_broadcast_report::default();
+            ok(gw_broadcast(
+                s.0,
+                2,
+                b.as_mut_ptr().cast(),
+                ELEMS,
+                GW_DTYPE_F32,
+                ptr::null(),
+                &mut brep,
+            ));
+            assert!(b.iter().enumerate().all(|(e, &x)| x == e as f32));
+            assert_eq!(brep.received_blocks, brep.blocks);
+
+            ok(gw_barrier(s.0));
+
+            // DLCP send/recv 0 -> 1 with the C priority function.
+            let opts = gw_p2p_options {
+                tensor: 5,
+                layer: 3,
+                loss_bound: 0.0,
+            };
+            let want: Vec<f32> = (0..P2P).map(|e| (e % 1000) as f32 / 500.0).collect();
+            let mut segments = 0;
+            if r == 0 {
+                let mut rep = gw_send_report::default();
+                ok(gw_send(
+                    s.0,
+                    1,
+                    want.as_ptr().cast(),
+                    P2P,
+                    GW_DTYPE_F32,
+                    &opts,
+                    Some(count_and_tag),
+                    ptr::from_ref(&calls).cast_mut().cast(),
+                    &mut rep,
+                ));
+                assert_eq!(rep.bytes, (P2P * 4) as u64);
+                segments = rep.segments;
+            } else if r == 1 {
+                let mut got = vec![0.0f32; P2P];
+                let mut rep = gw_recv_report::default();
+                ok(gw_recv(
+                    s.0,
+                    0,
+                    got.as_mut_ptr().cast(),
+                    P2P,
+                    GW_DTYPE_F32,
+                    &opts,
+                    &mut rep,
+                ));
+                assert_eq!(got, want);
+                assert_eq!(rep.received_segments, rep.segments);
+                assert_eq!(rep.delivered_fraction, 1.0);
+            }
+            ok(gw_barrier(s.0));
+            segments
+        },
+    );
+    let segments = reports[0] as usize;
+    assert!(segments > 1);
+    assert!(
+        calls.load(Ordering::Relaxed) >= segments,
+        "the priority function ran {} times for {segments} segments",
+        calls.load(Ordering::Relaxed)
+    );
+}
+
+#[test]
+fn default_tagging_and_half_precision_work_without_options() {
+    const ELEMS: usize = 4_096;
+    with_sessions(
+        2,
+        |_| {},
+        // SAFETY: every call gets a live session and buffers of the counts it is given.
+        |r, s| unsafe {
+            // f16 all-reduce of small integers: exact.
+            let mut h: Vec<u16> = (0..ELEMS).map(|e| half_bits(input(r, e))).collect();
+            ok(gw_all_reduce(
+                s.0,
+                h.as_mut_ptr().cast(),
+                ELEMS,
+                GW_DTYPE_F16,
+                GW_OP_SUM,
+                ptr::null(),
+                ptr::null_mut(),
+            ));
+            for (e, &x) in h.iter().enumerate() {
+                assert_eq!(x, half_bits(f32_sum(2, e)), "element {e}");
+            }
+            // Raw bytes with DLCP's default tagging (no priority function, no options).
+            let bytes: Vec<u8> = (0..5_000u32).map(|i| (i % 251) as u8).collect();
+            if r == 0 {
+                ok(gw_send(
+                    s.0,
+                    1,
+                    bytes.as_ptr().cast(),
+                    bytes.len(),
+                    GW_DTYPE_RAW,
+                    ptr::null(),
+                    None,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                ));
+            } else {
+                let mut got = vec![0u8; bytes.len()];
+                ok(gw_recv(
+                    s.0,
+                    0,
+                    got.as_mut_ptr().cast(),
+                    got.len(),
+                    GW_DTYPE_RAW,
+                    ptr::null(),
+                    ptr::null_mut(),
+                ));
+                assert_eq!(got, bytes);
+            }
+        },
+    );
+}
+
+/// IEEE binary16 bits of a small non-negative integer (exact).
+fn half_bits(x: f32) -> u16 {
+    if x == 0.0 {
+        return 0;
+    }
+    let bits = x.to_bits();
+    let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
+    let mant = (bits >> 13) & 0x3ff;
+    ((exp as u32) << 10 | mant) as u16
+}
+
+#[test]
+fn loss_within_the_bound_shows_in_the_report_and_the_fractions() {
+    const ELEMS: usize = 200_000;
+    let out = with_sessions(
+        3,
+        |c| {
+            c.inject_loss = 0.03;
+            c.seed = 7 + u64::from(c.rank);
+            c.loss_bound = 0.05;
+        },
+        // SAFETY: every call gets a live session and buffers of the counts it is given.
+        |r, s| unsafe {
+            let mut g: Vec<f32> = (0..ELEMS).map(|e| input(r, e)).collect();
+            let mut rep = gw_reduce_report::default();
+            ok(gw_all_reduce(
+                s.0,
+                g.as_mut_ptr().cast(),
+                ELEMS,
+                GW_DTYPE_F32,
+                GW_OP_SUM,
+                ptr::null(),
+                &mut rep,
+            ));
+            let mut n = 0;
+            ok(gw_last_block_delivered(s.0, ptr::null_mut(), 0, &mut n));
+            let mut blocks = vec![0.0; n];
+            ok(gw_last_block_delivered(s.0, blocks.as_mut_ptr(), n, &mut n));
+            (rep, blocks)
+        },
+    );
+    for (rep, blocks) in &out {
+        assert_eq!(blocks.len(), rep.blocks);
+        let mean = blocks.iter().sum::<f64>() / blocks.len() as f64;
+        assert!(
+            (mean - rep.delivered_fraction).abs() < 1e-9,
+            "{mean} vs {rep:?}"
+        );
+        assert!(
+            rep.delivered_fraction <= 1.0 && rep.delivered_fraction >= 0.9,
+            "{rep:?}"
+        );
+        let complete = blocks.iter().filter(|&&b| b == 1.0).count();
+        assert_eq!(complete, rep.complete_blocks);
+    }
+    assert!(
+        out.iter().any(|(r, _)| r.complete_blocks < r.blocks),
+        "3 % injected loss with a 5 % bound should leave some blocks short"
+    );
+}
+
+/// An in-process all-gather between threads, behind the C callback.
+struct Gather {
+    world: usize,
+    slots: Mutex<Vec<Vec<u8>>>,
+    barrier: Barrier,
+    calls: AtomicUsize,
+}
+
+struct RankCtx<'a> {
+    rank: usize,
+    gather: &'a Gather,
+}
+
+unsafe extern "C" fn allgather(
+    ctx: *mut c_void,
+    mine: *const u8,
+    len: usize,
+    all: *mut u8,
+) -> c_int {
+    // SAFETY: ctx is the test's RankCtx; mine holds len bytes, all world * len.
+    let ctx = unsafe { &*ctx.cast::<RankCtx<'_>>() };
+    let g = ctx.gather;
+    g.calls.fetch_add(1, Ordering::Relaxed);
+    // SAFETY: as above.
+    let mine = unsafe { std::slice::from_raw_parts(mine, len) };
+    g.slots.lock().unwrap()[ctx.rank] = mine.to_vec();
+    g.barrier.wait();
+    {
+        let slots = g.slots.lock().unwrap();
+        // SAFETY: as above.
+        let all = unsafe { std::slice::from_raw_parts_mut(all, g.world * len) };
+        for (r, s) in slots.iter().enumerate() {
+            assert_eq!(s.len(), len, "every rank gathers the same length");
+            all[r * len..(r + 1) * len].copy_from_slice(s);
+        }
+    }
+    // Nobody overwrites a slot of the next round before everyone has read this one.
+    g.barrier.wait();
+    0
+}
+
+unsafe extern "C" fn failing_allgather(
+    _: *mut c_void,
+    _: *const u8,
+    _: usize,
+    _: *mut u8,
+) -> c_int {
+    -5
+}
+
+/// One all-reduce on every rank of a set-up session, checked exactly.
+fn check_all_reduce(r: u32, world: u32, s: &Session) {
+    let mut g: Vec<f32> = (0..1000).map(|e| input(r, e)).collect();
+    // SAFETY: a live session and a buffer of 1000 f32.
+    ok(unsafe {
+        gw_all_reduce(
+            s.0,
+            g.as_mut_ptr().cast(),
+            g.len(),
+            GW_DTYPE_F32,
+            GW_OP_SUM,
+            ptr::null(),
+            ptr::null_mut(),
+        )
+    });
+    assert!(g.iter().enumerate().all(|(e, &x)| x == f32_sum(world, e)));
+}
+
+#[test]
+fn a_session_set_up_through_the_callers_all_gather() {
+    const WORLD: u32 = 3;
+    let gather = Gather {
+        world: WORLD as usize,
+        slots: Mutex::new(vec![Vec::new(); WORLD as usize]),
+        barrier: Barrier::new(WORLD as usize),
+        calls: AtomicUsize::new(0),
+    };
+    std::thread::scope(|sc| {
+        for r in 0..WORLD {
+            let gather = &gather;
+            sc.spawn(move || {
+                let ctx = RankCtx {
+                    rank: r as usize,
+                    gather,
+                };
+                let cfg = config(r, WORLD);
+                let mut s = ptr::null_mut();
+                // SAFETY: valid config, callback honouring the contract, ctx alive.
+                ok(unsafe {
+                    gw_session_init(
+                        &cfg,
+                        Some(allgather),
+                        ptr::from_ref(&ctx).cast_mut().cast(),
+                        &mut s,
+                    )
+                });
+                let s = Session(s);
+                check_all_reduce(r, WORLD, &s);
+            });
+        }
+    });
+    assert_eq!(gather.calls.load(Ordering::Relaxed), 2 * WORLD as usize);
+
+    // A failing callback is a set-up error naming it.
+    let cfg = config(0, 2);
+    let mut s = ptr::null_mut();
+    // SAFETY: valid arguments.
+    let rc = unsafe { gw_session_init(&cfg, Some(failing_allgather), ptr::null_mut(), &mut s) };
+    let m = fails(rc, GW_ERR_SETUP);
+    assert!(m.contains("all-gather callback") && m.contains("-5"), "{m}");
+    assert!(s.is_null());
+    // SAFETY: valid arguments but no callback.
+    let rc = unsafe { gw_session_init(&cfg, None, ptr::null_mut(), &mut s) };
+    fails(rc, GW_ERR_NULL);
+}
+
+#[test]
+fn a_session_set_up_in_two_phases_with_the_callers_exchange() {
+    const WORLD: u32 = 3;
+    let mut eps: Vec<*mut gw_endpoint> = Vec::new();
+    let mut table: Vec<Vec<u8>> = Vec::new();
+    for r in 0..WORLD {
+        let cfg = config(r, WORLD);
+        let mut ep = ptr::null_mut();
+        // SAFETY: valid config and out-pointer.
+        ok(unsafe { gw_endpoint_bind(&cfg, &mut ep) });
+        let (mut p, mut n) = (ptr::null(), 0);
+        // SAFETY: a live endpoint; the bytes live until connect.
+        ok(unsafe { gw_endpoint_address(ep, &mut p, &mut n) });
+        // SAFETY: gw_endpoint_address gave n bytes at p.
+        table.push(unsafe { std::slice::from_raw_parts(p, n) }.to_vec());
+        eps.push(ep);
+    }
+    struct Ep(*mut gw_endpoint);
+    // SAFETY: each endpoint is used by exactly one thread below.
+    unsafe impl Send for Ep {}
+    let ptrs: Vec<*const u8> = table.iter().map(|a| a.as_ptr()).collect();
+    let lens: Vec<usize> = table.iter().map(Vec::len).collect();
+    struct Table(Vec<*const u8>);
+    // SAFETY: the pointers are only read, and `table` outlives the threads.
+    unsafe impl Sync for Table {}
+    let ptrs = Table(ptrs);
+    std::thread::scope(|sc| {
+        for (r, ep) in eps.into_iter().enumerate() {
+            let ep = Ep(ep);
+            let (ptrs, lens) = (&ptrs, &lens);
+            sc.spawn(move || {
+                let ep = ep;
+                let mut s = ptr::null_mut();
+                // SAFETY: a live endpoint, a table of WORLD addresses, an out-pointer.
+                ok(unsafe {
+                    gw_endpoint_connect(ep.0, ptrs.0.as_ptr(), lens.as_ptr(), lens.len(), &mut s)
+                });
+                let s = Session(s);
+                // The endpoint is spent but still freed by its owner.
+                let (mut p, mut n) = (ptr::null(), 0);
+                // SAFETY: a live (spent) endpoint.
+                fails(
+                    unsafe { gw_endpoint_address(ep.0, &mut p, &mut n) },
+                    GW_ERR_INVALID_ARGUMENT,
+                );
+                let mut s2 = ptr::null_mut();
+                // SAFETY: as above.
+                let m = fails(
+                    unsafe {
+                        gw_endpoint_connect(
+                            ep.0,
+                            ptrs.0.as_ptr(),
+                            lens.as_ptr(),
+                            lens.len(),
+                            &mut s2,
+                        )
+                    },
+                    GW_ERR_INVALID_ARGUMENT,
+                );
+                assert!(m.contains("already"), "{m}");
+                // SAFETY: freed once.
+                unsafe { gw_endpoint_free(ep.0) };
+                check_all_reduce(r as u32, WORLD, &s);
+            });
+        }
+    });
+}
+
+#[test]
+fn null_pointers_bad_arguments_and_overflow_are_refused_with_messages() {
+    // SAFETY: every pointer passed is NULL on purpose or valid; the library checks them.
+    unsafe {
+        let cfg = config(0, 2);
+        let m = master(free_port());
+        let mut s = ptr::null_mut();
+        fails(
+            gw_session_rendezvous(ptr::null(), m.as_ptr(), &mut s),
+            GW_ERR_NULL,
+        );
+        fails(
+            gw_session_rendezvous(&cfg, ptr::null(), &mut s),
+            GW_ERR_NULL,
+        );
+        fails(
+            gw_session_rendezvous(&cfg, m.as_ptr(), ptr::null_mut()),
+            GW_ERR_NULL,
+        );
+        let no_ip = gw_config_default(0, 2, ptr::null());
+        assert!(fails(
+            gw_session_rendezvous(&no_ip, m.as_ptr(), &mut s),
+            GW_ERR_NULL
+        )
+        .contains("ip"));
+        let bad_utf8 = gw_config_default(0, 2, c"\xff\xfe".as_ptr());
+        fails(
+            gw_session_rendezvous(&bad_utf8, m.as_ptr(), &mut s),
+            GW_ERR_UTF8,
+        );
+        let not_ip = gw_config_default(0, 2, c"gradwire".as_ptr());
+        let msg = fails(
+            gw_session_rendezvous(&not_ip, m.as_ptr(), &mut s),
+            GW_ERR_INVALID_ARGUMENT,
+        );
+        assert!(msg.contains("not an IP address"), "{msg}");
+        let rank_out = config(2, 2);
+        let msg = fails(
+            gw_session_rendezvous(&rank_out, m.as_ptr(), &mut s),
+            GW_ERR_INVALID_ARGUMENT,
+        );
+        assert!(msg.contains("rank 2"), "{msg}");
+        let mut lossy = config(0, 2);
+        lossy.loss_bound = 1.0;
+        fails(
+            gw_session_rendezvous(&lossy, m.as_ptr(), &mut s),
+            GW_ERR_INVALID_ARGUMENT,
+        );
+        let mut short_secret = config(0, 2);
+        short_secret.secret = b"short".as_ptr();
+        short_secret.secret_len = 5;
+        fails(
+            gw_session_rendezvous(&short_secret, m.as_ptr(), &mut s),
+            GW_ERR_INVALID_ARGUMENT,
+        );
+        let mut null_secret = config(0, 2);
+        null_secret.secret_len = 16;
+        fails(
+            gw_session_rendezvous(&null_secret, m.as_ptr(), &mut s),
+            GW_ERR_NULL,
+        );
+        for bad in [c"nohost", c"127.0.0.1:99999", c"127.0.0.1"] {
+            let msg = fails(
+                gw_session_rendezvous(&cfg, bad.as_ptr(), &mut s),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            assert!(msg.contains("master"), "{msg}");
+        }
+        assert!(s.is_null(), "no session is written on failure");
+
+        // NULL handles.
+        gw_session_free(ptr::null_mut());
+        gw_endpoint_free(ptr::null_mut());
+        let mut x = [0.0f32; 4];
+        fails(
+            gw_all_reduce(
+                ptr::null_mut(),
+                x.as_mut_ptr().cast(),
+                4,
+                GW_DTYPE_F32,
+                GW_OP_SUM,
+                ptr::null(),
+                ptr::null_mut(),
+            ),
+            GW_ERR_NULL,
+        );
+        fails(gw_barrier(ptr::null_mut()), GW_ERR_NULL);
+        let mut n = 0;
+        fails(
+            gw_last_block_delivered(ptr::null(), ptr::null_mut(), 0, &mut n),
+            GW_ERR_NULL,
+        );
+        fails(gw_endpoint_bind(&cfg, ptr::null_mut()), GW_ERR_NULL);
+        let mut ep = ptr::null_mut();
+        fails(gw_endpoint_bind(ptr::null(), &mut ep), GW_ERR_NULL);
+        fails(
+            gw_endpoint_connect(ptr::null_mut(), ptr::null(), ptr::null(), 0, &mut s),
+            GW_ERR_NULL,
+        );
+        let (mut p, mut len) = (ptr::null(), 0);
+        fails(
+            gw_endpoint_address(ptr::null(), &mut p, &mut len),
+            GW_ERR_NULL,
+        );
+
+        // Names, version, and the message being per thread and cleared by a success.
+        assert_eq!(CStr::from_ptr(gw_error_name(GW_ERR_BUSY)), c"GW_ERR_BUSY");
+        assert_eq!(CStr::from_ptr(gw_error_name(1234)), c"GW_ERR_UNKNOWN");
+        assert_eq!(
+            CStr::from_ptr(gw_version()).to_str().unwrap(),
+            env!("CARGO_PKG_VERSION")
+        );
+        fails(gw_barrier(ptr::null_mut()), GW_ERR_NULL);
+        assert_eq!(std::thread::spawn(message).join().unwrap(), "");
+        assert!(!message().is_empty());
+        assert_eq!(gw_last_error_peer(), -1);
+    }
+}
+
+#[test]
+fn buffers_dtypes_ops_and_options_are_checked_on_a_live_session() {
+    with_sessions(
+        2,
+        |_| {},
+        // SAFETY: every call gets a live session and buffers of the counts it is given.
+        |r, s| unsafe {
+            if r == 1 {
+                // Rank 1 only waits for rank 0's checks, then joins the final barrier.
+                ok(gw_barrier(s.0));
+                return;
+            }
+            let mut n = usize::MAX;
+            ok(gw_last_block_delivered(s.0, ptr::null_mut(), 0, &mut n));
+            assert_eq!(n, 0, "no all-reduce yet");
+            fails(
+                gw_last_block_delivered(s.0, ptr::null_mut(), 4, &mut n),
+                GW_ERR_NULL,
+            );
+            fails(
+                gw_last_rank_delivered(s.0, ptr::null_mut(), 0, ptr::null_mut()),
+                GW_ERR_NULL,
+            );
+            let mut x = [1.0f32; 8];
+            let buf: *mut c_void = x.as_mut_ptr().cast();
+            let reduce = |buf, count, dtype, op, opts: *const gw_op_options| {
+                gw_all_reduce(s.0, buf, count, dtype, op, opts, ptr::null_mut())
+            };
+            let m = fails(
+                reduce(buf, 8, 9, GW_OP_SUM, ptr::null()),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            assert!(m.contains("dtype 9"), "{m}");
+            let m = fails(
+                reduce(buf, 8, GW_DTYPE_F32, 5, ptr::null()),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            assert!(m.contains("op 5"), "{m}");
+            let m = fails(
+                reduce(buf, usize::MAX / 2, GW_DTYPE_F32, GW_OP_SUM, ptr::null()),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            assert!(m.contains("overflows"), "{m}");
+            fails(
+                reduce(ptr::null_mut(), 8, GW_DTYPE_F32, GW_OP_SUM, ptr::null()),
+                GW_ERR_NULL,
+            );
+            let m = fails(
+                reduce(buf, 8, GW_DTYPE_RAW, GW_OP_SUM, ptr::null()),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            assert!(m.contains("raw"), "{m}");
+            let bad_dscp = gw_op_options {
+                dscp: 64,
+                ..gw_op_options_default()
+            };
+            fails(
+                reduce(buf, 8, GW_DTYPE_F32, GW_OP_SUM, &bad_dscp),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            let bad_bound = gw_op_options {
+                loss_bound: 1.5,
+                ..gw_op_options_default()
+            };
+            fails(
+                reduce(buf, 8, GW_DTYPE_F32, GW_OP_SUM, &bad_bound),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            let bad_layer = gw_op_options {
+                layer: 4,
+                num_layers: 4,
+                ..gw_op_options_default()
+            };
+            fails(
+                reduce(buf, 8, GW_DTYPE_F32, GW_OP_SUM, &bad_layer),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            fails(
+                gw_send(
+                    s.0,
+                    1,
+                    ptr::null(),
+                    4,
+                    GW_DTYPE_F32,
+                    ptr::null(),
+                    None,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                ),
+                GW_ERR_NULL,
+            );
+            fails(
+                gw_recv(s.0, 0, buf, 8, -1, ptr::null(), ptr::null_mut()),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            // None of these reached the peer: the session still works.
+            ok(gw_barrier(s.0));
+        },
+    );
+}
+
+#[test]
+fn a_second_thread_on_a_busy_session_gets_gw_err_busy() {
+    let m = master(free_port());
+    let (m0, m1) = (&m, &m);
+    std::thread::scope(|sc| {
+        sc.spawn(move || {
+            let s = Session::rendezvous(&config(1, 2), m1);
+            // Rank 0's first thread waits in the barrier meanwhile.
+            std::thread::sleep(Duration::from_millis(1500));
+            // SAFETY: a live session.
+            ok(unsafe { gw_barrier(s.0) });
+        });
+        let s = Session::rendezvous(&config(0, 2), m0);
+        std::thread::scope(|inner| {
+            let s = &s;
+            let waiting = inner.spawn(move || {
+                // SAFETY: a live session.
+                ok(unsafe { gw_barrier(s.0) })
+            });
+            std::thread::sleep(Duration::from_millis(300));
+            // SAFETY: a live session, used at once by the thread above on purpose.
+            let m = fails(unsafe { gw_barrier(s.0) }, GW_ERR_BUSY);
+            assert!(m.contains("one thread at a time"), "{m}");
+            // Rank and world do not need the session's lock.
+            let mut rank = 9;
+            // SAFETY: a live session.
+            ok(unsafe { gw_session_rank(s.0, &mut rank) });
+            assert_eq!(rank, 0);
+            waiting.join().unwrap();
+        });
+    });
+}
+
+#[test]
+fn a_peer_that_never_comes_is_an_error_within_the_timeout() {
+    // Rank 0 serves the rendezvous; rank 1 never comes.
+    let m = master(free_port());
+    let mut cfg = config(0, 2);
+    cfg.timeout_ms = 1500;
+    let mut s = ptr::null_mut();
+    let t = Instant::now();
+    // SAFETY: valid arguments.
+    let rc = unsafe { gw_session_rendezvous(&cfg, m.as_ptr(), &mut s) };
+    let took = t.elapsed();
+    let msg = fails(rc, GW_ERR_SETUP);
+    assert!(s.is_null());
+    assert!(
+        took < Duration::from_secs(10),
+        "failed after {took:?}: {msg}"
+    );
+
+    // Rank 1 with no master at all.
+    let mut cfg = config(1, 2);
+    cfg.timeout_ms = 1500;
+    let t = Instant::now();
+    // SAFETY: valid arguments.
+    let rc = unsafe { gw_session_rendezvous(&cfg, m.as_ptr(), &mut s) };
+    let took = t.elapsed();
+    let msg = fails(rc, GW_ERR_SETUP);
+    assert!(
+        took < Duration::from_secs(10),
+        "failed after {took:?}: {msg}"
+    );
+}
+
+#[test]
+fn a_peer_gone_mid_job_fails_the_operation_with_its_rank() {
+    let m = master(free_port());
+    let (m0, m1) = (&m, &m);
+    std::thread::scope(|sc| {
+        sc.spawn(move || {
+            let mut c = config(1, 2);
+            c.timeout_ms = 3000;
+            // Joins, then leaves without a word.
+            drop(Session::rendezvous(&c, m1));
+        });
+        let mut c = config(0, 2);
+        c.timeout_ms = 3000;
+        let s = Session::rendezvous(&c, m0);
+        std::thread::sleep(Duration::from_millis(200));
+        let mut x = vec![1.0f32; 50_000];
+        let t = Instant::now();
+        // SAFETY: a live session and a buffer of x.len() f32.
+        let rc = unsafe {
+            gw_all_reduce(
+                s.0,
+                x.as_mut_ptr().cast(),
+                x.len(),
+                GW_DTYPE_F32,
+                GW_OP_SUM,
+                ptr::null(),
+                ptr::null_mut(),
+            )
+        };
+        assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+        let msg = fails(rc, GW_ERR_PEER);
+        assert_eq!(gw_last_error_peer(), 1, "{msg}");
+        // The session is unusable afterwards, and says so.
+        // SAFETY: a live session.
+        let rc = unsafe { gw_barrier(s.0) };
+        assert_ne!(rc, GW_OK);
+    });
+}

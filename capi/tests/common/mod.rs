@@ -1,0 +1,117 @@
+//! Helpers of the C API tests: sessions as threads on 127.0.0.1, called through the very
+//! functions C calls.
+#![allow(dead_code, unsafe_code)]
+
+use std::ffi::{CStr, CString};
+use std::net::{Ipv4Addr, TcpListener};
+use std::ptr;
+
+use gradwire_c::*;
+
+pub const LOCAL: &CStr = c"127.0.0.1";
+
+/// A port free on 127.0.0.1 right now (for a rendezvous master).
+pub fn free_port() -> u16 {
+    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The master address of a rendezvous on 127.0.0.1.
+pub fn master(port: u16) -> CString {
+    CString::new(format!("127.0.0.1:{port}")).unwrap()
+}
+
+/// Rank `rank` of `world` on 127.0.0.1 with a 10 s timeout.
+pub fn config(rank: u32, world: u32) -> gw_config {
+    let mut c = gw_config_default(rank, world, LOCAL.as_ptr());
+    c.timeout_ms = 10_000;
+    c
+}
+
+/// This thread's last error message.
+pub fn message() -> String {
+    // SAFETY: gw_last_error_message returns this thread's live NUL-terminated string.
+    unsafe { CStr::from_ptr(gw_last_error_message()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Panics with the code's name and the message unless `rc` is GW_OK.
+#[track_caller]
+pub fn ok(rc: i32) {
+    assert_eq!(
+        rc,
+        GW_OK,
+        "{}: {}",
+        // SAFETY: gw_error_name returns a static string.
+        unsafe { CStr::from_ptr(gw_error_name(rc)) }.to_string_lossy(),
+        message()
+    );
+}
+
+/// Asserts `rc` is `want` with a non-empty message, which it returns.
+#[track_caller]
+pub fn fails(rc: i32, want: i32) -> String {
+    let m = message();
+    assert_eq!(rc, want, "message: {m}");
+    assert!(!m.is_empty(), "code {rc} without a message");
+    m
+}
+
+/// An owned session handle, freed on drop (also when a test panics).
+#[derive(Debug)]
+pub struct Session(pub *mut gw_session);
+
+// SAFETY: a gw_session may move between threads (it is used by one at a time); the tests
+// that share one across threads do so on purpose, to check GW_ERR_BUSY.
+unsafe impl Send for Session {}
+// SAFETY: as above: concurrent calls are refused by the library with GW_ERR_BUSY.
+unsafe impl Sync for Session {}
+
+impl Session {
+    pub fn rendezvous(cfg: &gw_config, master: &CStr) -> Session {
+        let mut s = ptr::null_mut();
+        // SAFETY: valid config, C string and out-pointer.
+        ok(unsafe { gw_session_rendezvous(cfg, master.as_ptr(), &mut s) });
+        assert!(!s.is_null());
+        Session(s)
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // SAFETY: from a gw_session_* call, freed once here.
+        unsafe { gw_session_free(self.0) };
+    }
+}
+
+/// Runs `f(rank, session)` on `world` threads, each with a session set up by rendezvous.
+pub fn with_sessions<T: Send>(
+    world: u32,
+    tweak: impl Fn(&mut gw_config) + Sync,
+    f: impl Fn(u32, &Session) -> T + Sync,
+) -> Vec<T> {
+    let m = master(free_port());
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let (m, f, tweak) = (&m, &f, &tweak);
+                sc.spawn(move || {
+                    let mut c = config(r, world);
+                    tweak(&mut c);
+                    let s = Session::rendezvous(&c, m);
+                    f(r, &s)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// Rank r's element e of the all-reduce tests: small integers, exact sums in f32.
+pub fn input(rank: u32, e: usize) -> f32 {
+    ((rank as usize * 7 + e * 3) % 11) as f32
+}
