@@ -1,0 +1,198 @@
+"""Type stubs of gradwire's native module (PyO3). Use it through the ``gradwire`` package."""
+
+from types import TracebackType
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Type, Union
+
+__version__: str
+
+#: ``{exception class name: (ErrorKind name, code)}``, read by the package.
+ERROR_KINDS: Dict[str, Tuple[str, int]]
+
+#: A numpy.ndarray (float32 or float16, C-contiguous) or a CPU torch.Tensor (float32, float16,
+#: bfloat16; contiguous). Operations work on its own memory with the GIL released: do not touch
+#: it from another thread until the call returns.
+ArrayLike = Any
+
+#: ``priority(index, offset, layer, payload) -> (dscp, ect)`` for each segment sent.
+PriorityCallable = Callable[[int, int, int, bytes], Tuple[int, bool]]
+
+class ReduceReport:
+    """What an all-reduce did: the per-block loss telemetry."""
+
+    @property
+    def elems(self) -> int: ...
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def block_elems(self) -> int:
+        """Elements per block: block ``b`` is elements ``b * block_elems ..``."""
+    @property
+    def complete_blocks(self) -> int:
+        """Blocks with every rank's contribution."""
+    @property
+    def delivered_fraction(self) -> float:
+        """Mean over blocks of the fraction of ranks summed in the block."""
+    @property
+    def rank_delivered(self) -> List[float]:
+        """For each rank, the fraction of blocks its contribution reached."""
+    @property
+    def block_delivered(self) -> List[float]:
+        """For each block, the fraction of ranks summed in it."""
+    @property
+    def elapsed_s(self) -> float: ...
+    @property
+    def bytes_sent(self) -> int: ...
+    def to_dict(self) -> Dict[str, Any]: ...
+
+class BroadcastReport:
+    """What a broadcast delivered here."""
+
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def received_blocks(self) -> int:
+        """Blocks that hold the root's values (the others kept their contents)."""
+    @property
+    def elapsed_s(self) -> float: ...
+    def to_dict(self) -> Dict[str, Any]: ...
+
+class SendReport:
+    """What a send did."""
+
+    @property
+    def segments(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def retransmitted_segments(self) -> int: ...
+    @property
+    def elapsed_s(self) -> float: ...
+    @property
+    def final_rate_bps(self) -> int: ...
+    def to_dict(self) -> Dict[str, Any]: ...
+
+class RecvReport:
+    """What a receive delivered (segments not received are zero)."""
+
+    @property
+    def segments(self) -> int: ...
+    @property
+    def received_segments(self) -> int: ...
+    @property
+    def delivered_fraction(self) -> float: ...
+    @property
+    def loss_bound(self) -> float: ...
+    @property
+    def rounds(self) -> int: ...
+    @property
+    def elapsed_s(self) -> float: ...
+    def to_dict(self) -> Dict[str, Any]: ...
+
+class Endpoint:
+    """Phase 1: this rank's sockets, bound; exchange ``address`` with every rank, then
+    ``connect``."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        ip: str,
+        *,
+        job: int = 1,
+        loss_bound: float = 0.0,
+        timeout: float = 30.0,
+        secret: Optional[bytes] = None,
+        inject_loss: float = 0.0,
+        seed: int = 0,
+        point_to_point: bool = True,
+        rate_bps: Optional[int] = None,
+    ) -> None: ...
+    @property
+    def address(self) -> bytes:
+        """Opaque bytes every rank must receive, in rank order, for ``connect``."""
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world(self) -> int: ...
+    def connect(self, table: Sequence[bytes]) -> Session:
+        """Phase 2: ``table[r]`` is rank r's address. Consumes the endpoint (a second call
+        raises UnusableError); the GIL is released while connecting."""
+
+class Session:
+    """One rank's end of a job. One operation at a time: a second thread's call waits for the
+    running one (with the GIL released)."""
+
+    @staticmethod
+    def rendezvous(
+        master: str,
+        rank: int,
+        world: int,
+        ip: str,
+        *,
+        job: int = 1,
+        loss_bound: float = 0.0,
+        timeout: float = 30.0,
+        secret: Optional[bytes] = None,
+        inject_loss: float = 0.0,
+        seed: int = 0,
+        point_to_point: bool = True,
+        rate_bps: Optional[int] = None,
+    ) -> Session:
+        """Both phases through gradwire's rendezvous at ``master`` ("host:port", served by
+        rank 0)."""
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world(self) -> int: ...
+    @property
+    def closed(self) -> bool: ...
+    def all_reduce(
+        self,
+        array: ArrayLike,
+        *,
+        op: Literal["sum", "average"] = "sum",
+        loss_bound: Optional[float] = None,
+        layer: int = 0,
+        num_layers: int = 0,
+        dscp: Optional[int] = None,
+    ) -> ReduceReport: ...
+    def broadcast(
+        self,
+        array: ArrayLike,
+        root: int,
+        *,
+        loss_bound: Optional[float] = None,
+        layer: int = 0,
+        num_layers: int = 0,
+    ) -> BroadcastReport: ...
+    def barrier(self) -> None: ...
+    def send(
+        self,
+        array: ArrayLike,
+        peer: int,
+        *,
+        tensor: int = 0,
+        layer: int = 0,
+        loss_bound: Optional[float] = None,
+        priority: Union[None, int, PriorityCallable] = None,
+    ) -> SendReport:
+        """priority: None (DLCP's tagging), an int DSCP (every segment, ECN-capable), or a
+        callable per segment. Read-only arrays are fine."""
+    def recv(
+        self,
+        array: ArrayLike,
+        peer: int,
+        *,
+        tensor: int = 0,
+        layer: int = 0,
+        loss_bound: Optional[float] = None,
+    ) -> RecvReport: ...
+    def close(self) -> None:
+        """Drops the session (links closed); later calls raise UnusableError."""
+    def __enter__(self) -> Session: ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...

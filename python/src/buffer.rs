@@ -1,0 +1,250 @@
+//! The caller's array as the bytes an operation works on, in place (zero-copy).
+//!
+//! Accepted: a numpy.ndarray (or subclass) that is C-contiguous, of native byte order, aligned,
+//! of dtype float32 or float16, and writeable when the operation writes into it; anything else
+//! (a CPU torch tensor) goes through `gradwire._as_array`, which returns a numpy view of the same
+//! memory and, for bfloat16, the dtype hint "bf16" with an int16 view.
+//!
+//! The memory is borrowed through rust-numpy's borrow tracking (`try_readwrite`/`try_readonly`):
+//! the guard holds a reference to the array, so it stays alive, and marks it borrowed, so a
+//! second gradwire operation (or another rust-numpy extension) on overlapping memory fails
+//! instead of aliasing it. What numpy cannot track is plain Python code: the caller must not
+//! write to the array, read it during an in-place operation, or resize it
+//! (`ndarray.resize(refcheck=False)`) while the operation runs with the GIL released.
+
+use gradwire_session::DType;
+use numpy::{
+    BorrowError, Element, PyArrayDescrMethods, PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn,
+    PyReadwriteArrayDyn, PyUntypedArray, PyUntypedArrayMethods,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::errors;
+
+/// The numpy element type behind a dtype.
+#[derive(Debug, Clone, Copy)]
+enum Elem {
+    F32,
+    F16,
+    /// bfloat16 bits in an int16 view (torch's bfloat16 has no numpy dtype).
+    I16,
+    /// bfloat16 bits in a uint16 view.
+    U16,
+}
+
+/// A writeable borrow of the array, held for the whole operation.
+enum Writable<'py> {
+    F32(PyReadwriteArrayDyn<'py, f32>),
+    F16(PyReadwriteArrayDyn<'py, half::f16>),
+    I16(PyReadwriteArrayDyn<'py, i16>),
+    U16(PyReadwriteArrayDyn<'py, u16>),
+}
+
+/// A shared borrow of the array (operations that only read it: send).
+enum Readable<'py> {
+    F32(PyReadonlyArrayDyn<'py, f32>),
+    F16(PyReadonlyArrayDyn<'py, half::f16>),
+    I16(PyReadonlyArrayDyn<'py, i16>),
+    U16(PyReadonlyArrayDyn<'py, u16>),
+}
+
+/// An array checked and borrowed for an operation that writes into it.
+pub(crate) struct ArrayMut<'py> {
+    borrow: Writable<'py>,
+    pub(crate) dtype: DType,
+}
+
+/// An array checked and borrowed for an operation that only reads it.
+pub(crate) struct ArrayRef<'py> {
+    borrow: Readable<'py>,
+    pub(crate) dtype: DType,
+}
+
+impl<'py> ArrayMut<'py> {
+    /// Checks `obj` for operation `op` and borrows it writeable.
+    pub(crate) fn new(py: Python<'py>, obj: &Bound<'py, PyAny>, op: &str) -> PyResult<Self> {
+        let (array, elem, dtype) = checked(py, obj, op)?;
+        let borrow = match elem {
+            Elem::F32 => Writable::F32(writeable(py, &array, op)?),
+            Elem::F16 => Writable::F16(writeable(py, &array, op)?),
+            Elem::I16 => Writable::I16(writeable(py, &array, op)?),
+            Elem::U16 => Writable::U16(writeable(py, &array, op)?),
+        };
+        Ok(ArrayMut { borrow, dtype })
+    }
+
+    /// The array's memory as bytes, for as long as the borrow lives.
+    pub(crate) fn bytes(&mut self, py: Python<'_>) -> PyResult<&mut [u8]> {
+        let bytes = match &mut self.borrow {
+            Writable::F32(a) => a.as_slice_mut().map(bytemuck::cast_slice_mut),
+            Writable::F16(a) => a.as_slice_mut().map(bytemuck::cast_slice_mut),
+            Writable::I16(a) => a.as_slice_mut().map(bytemuck::cast_slice_mut),
+            Writable::U16(a) => a.as_slice_mut().map(bytemuck::cast_slice_mut),
+        };
+        bytes.map_err(|_| not_contiguous(py))
+    }
+}
+
+impl<'py> ArrayRef<'py> {
+    /// Checks `obj` for operation `op` and borrows it read-only (read-only arrays are fine).
+    pub(crate) fn new(py: Python<'py>, obj: &Bound<'py, PyAny>, op: &str) -> PyResult<Self> {
+        let (array, elem, dtype) = checked(py, obj, op)?;
+        let borrow = match elem {
+            Elem::F32 => Readable::F32(readonly(py, &array)?),
+            Elem::F16 => Readable::F16(readonly(py, &array)?),
+            Elem::I16 => Readable::I16(readonly(py, &array)?),
+            Elem::U16 => Readable::U16(readonly(py, &array)?),
+        };
+        Ok(ArrayRef { borrow, dtype })
+    }
+
+    /// The array's memory as bytes, for as long as the borrow lives.
+    pub(crate) fn bytes(&self, py: Python<'_>) -> PyResult<&[u8]> {
+        let bytes = match &self.borrow {
+            Readable::F32(a) => a.as_slice().map(bytemuck::cast_slice),
+            Readable::F16(a) => a.as_slice().map(bytemuck::cast_slice),
+            Readable::I16(a) => a.as_slice().map(bytemuck::cast_slice),
+            Readable::U16(a) => a.as_slice().map(bytemuck::cast_slice),
+        };
+        bytes.map_err(|_| not_contiguous(py))
+    }
+}
+
+fn not_contiguous(py: Python<'_>) -> PyErr {
+    errors::config(
+        py,
+        "the array is not C-contiguous: pass numpy.ascontiguousarray(a) (or t.contiguous()) \
+         and use the result afterwards",
+    )
+}
+
+/// `obj` as a C-contiguous, native-order, aligned ndarray with the element type and dtype the
+/// operation sees.
+fn checked<'py>(
+    py: Python<'py>,
+    obj: &Bound<'py, PyAny>,
+    op: &str,
+) -> PyResult<(Bound<'py, PyUntypedArray>, Elem, DType)> {
+    let (array, hint) = match obj.cast::<PyUntypedArray>() {
+        Ok(array) => (array.clone(), None),
+        Err(_) => from_package(py, obj)?,
+    };
+    if !array.is_c_contiguous() {
+        return Err(not_contiguous(py));
+    }
+    let descr = array.dtype();
+    if descr.is_native_byteorder() == Some(false) {
+        return Err(errors::config(
+            py,
+            format!(
+                "{op}: the array's byte order is not the machine's (dtype {descr}): convert with \
+                 a.astype(a.dtype.newbyteorder('='))"
+            ),
+        ));
+    }
+    let (kind, size) = (descr.kind(), descr.itemsize());
+    let (elem, dtype) = match (hint.as_deref(), kind, size) {
+        (None, b'f', 4) => (Elem::F32, DType::F32),
+        (None, b'f', 2) => (Elem::F16, DType::F16),
+        (Some("bf16"), b'i', 2) => (Elem::I16, DType::Bf16),
+        (Some("bf16"), b'u', 2) => (Elem::U16, DType::Bf16),
+        (Some(other), ..) if other != "bf16" => {
+            return Err(errors::config(
+                py,
+                format!("{op}: gradwire._as_array returned the unknown dtype hint {other:?}"),
+            ))
+        }
+        _ => {
+            return Err(errors::config(
+                py,
+                format!(
+                    "{op}: gradwire works on float32 and float16 arrays (and bfloat16 CPU torch \
+                     tensors), not dtype {descr}: convert with a.astype(numpy.float32)"
+                ),
+            ))
+        }
+    };
+    Ok((array, elem, dtype))
+}
+
+/// A non-ndarray through the package's `_as_array` (torch tensors; it raises ConfigError for
+/// what it cannot take).
+fn from_package<'py>(
+    py: Python<'py>,
+    obj: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyUntypedArray>, Option<String>)> {
+    let converted = py.import("gradwire")?.getattr("_as_array")?.call1((obj,))?;
+    let pair = converted.cast::<PyTuple>().map_err(|_| {
+        errors::internal(
+            py,
+            "gradwire._as_array must return (numpy.ndarray, dtype hint)",
+        )
+    })?;
+    let array = pair
+        .get_item(0)?
+        .cast_into::<PyUntypedArray>()
+        .map_err(|_| errors::internal(py, "gradwire._as_array returned no numpy.ndarray"))?;
+    let hint: Option<String> = pair.get_item(1)?.extract()?;
+    Ok((array, hint))
+}
+
+/// The typed view of `array`, aligned for its element type.
+fn typed<'py, T: Element>(
+    py: Python<'py>,
+    array: &Bound<'py, PyUntypedArray>,
+) -> PyResult<Bound<'py, PyArrayDyn<T>>> {
+    let typed = array
+        .as_any()
+        .cast::<PyArrayDyn<T>>()
+        .map_err(|_| errors::internal(py, "array dtype changed while being checked"))?
+        .clone();
+    // numpy makes unaligned arrays only on request (frombuffer at an odd offset, packed
+    // structs); a slice of them would be unsound, so they are refused.
+    if typed.len() > 0 && (typed.data() as usize) % std::mem::align_of::<T>() != 0 {
+        return Err(errors::config(
+            py,
+            "the array's memory is not aligned to its element size: pass a copy (a.copy())",
+        ));
+    }
+    Ok(typed)
+}
+
+fn writeable<'py, T: Element>(
+    py: Python<'py>,
+    array: &Bound<'py, PyUntypedArray>,
+    op: &str,
+) -> PyResult<PyReadwriteArrayDyn<'py, T>> {
+    typed::<T>(py, array)?
+        .try_readwrite()
+        .map_err(|e| borrow_error(py, &e, op))
+}
+
+fn readonly<'py, T: Element>(
+    py: Python<'py>,
+    array: &Bound<'py, PyUntypedArray>,
+) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
+    typed::<T>(py, array)?
+        .try_readonly()
+        .map_err(|e| borrow_error(py, &e, "send"))
+}
+
+fn borrow_error(py: Python<'_>, err: &BorrowError, op: &str) -> PyErr {
+    match err {
+        BorrowError::NotWriteable => errors::config(
+            py,
+            format!(
+                "{op} writes the result into the array, but it is read-only \
+                 (flags.writeable is False): pass a writeable copy (a.copy())"
+            ),
+        ),
+        _ => errors::config(
+            py,
+            format!(
+                "{op}: the array's memory is in use by another gradwire operation (another \
+                 thread, or the same array passed twice): wait for it or pass a separate array \
+                 ({err})"
+            ),
+        ),
+    }
+}

@@ -1,0 +1,491 @@
+//! `Endpoint` and `Session`: the session API with the GIL released for every blocking call.
+//!
+//! A Session is one Rust `Session` behind a Mutex: one operation at a time. A second thread
+//! calling into the same Session while an operation runs *waits* for it (the wait, like the
+//! operation, releases the GIL, so the first operation's priority callable can still run).
+//! `close()` waits the same way, then drops the session (its links close); any later call
+//! raises UnusableError.
+
+use std::any::Any;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, PoisonError};
+
+use gradwire_session::{
+    self as gs, P2pOptions, PriorityFn, ReduceOp, ReduceOptions, SegmentInfo, SessionError,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyString, PyTuple};
+
+use crate::buffer::{ArrayMut, ArrayRef};
+use crate::config::{self, Keywords};
+use crate::errors;
+use crate::priority::Priority;
+use crate::reports::{BroadcastReport, RecvReport, ReduceReport, SendReport};
+
+/// What a call run with the GIL released ended with.
+enum Outcome<T> {
+    Done(Result<T, SessionError>),
+    /// The object was closed (or consumed) before the call.
+    Closed,
+    /// The Rust code panicked: a bug, reported as InternalError.
+    Panicked(String),
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
+/// `f` with panics caught: none may unwind into Python.
+fn guarded<T>(f: impl FnOnce() -> Result<T, SessionError>) -> Outcome<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => Outcome::Done(result),
+        Err(payload) => Outcome::Panicked(panic_message(payload.as_ref())),
+    }
+}
+
+/// The Python value of an outcome.
+fn finish<T>(py: Python<'_>, what: &str, outcome: Outcome<T>) -> PyResult<T> {
+    match outcome {
+        Outcome::Done(Ok(value)) => Ok(value),
+        Outcome::Done(Err(err)) => Err(errors::session(py, &err)),
+        Outcome::Closed => Err(errors::unusable(
+            py,
+            format!(
+                "{what}: the session is closed: build a new one (Endpoint or Session.rendezvous)"
+            ),
+        )),
+        Outcome::Panicked(message) => Err(errors::internal(
+            py,
+            format!("{what}: gradwire panicked (a bug; the session was dropped): {message}"),
+        )),
+    }
+}
+
+/// Phase 1 of setting up a session: this rank's sockets, bound, and the address every other
+/// rank must receive (through the caller's own all-gather).
+#[pyclass(module = "gradwire._native", frozen)]
+pub(crate) struct Endpoint {
+    /// Taken by `connect` (which consumes the Rust endpoint).
+    inner: Mutex<Option<gs::Endpoint>>,
+    address: Vec<u8>,
+    rank: usize,
+    world: usize,
+}
+
+#[pymethods]
+impl Endpoint {
+    #[new]
+    #[pyo3(signature = (rank, world, ip, *, job = 1, loss_bound = 0.0, timeout = 30.0,
+        secret = None, inject_loss = 0.0, seed = 0, point_to_point = true, rate_bps = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        rank: i64,
+        world: i64,
+        ip: &str,
+        job: i64,
+        loss_bound: f64,
+        timeout: f64,
+        secret: Option<Vec<u8>>,
+        inject_loss: f64,
+        seed: u64,
+        point_to_point: bool,
+        rate_bps: Option<i64>,
+    ) -> PyResult<Self> {
+        let kw = Keywords {
+            job,
+            loss_bound,
+            timeout,
+            secret,
+            inject_loss,
+            seed,
+            point_to_point,
+            rate_bps,
+        };
+        let cfg = config::session_config(py, rank, world, ip, kw)?;
+        let (rank, world) = (cfg.rank, cfg.world);
+        let endpoint = finish(
+            py,
+            "Endpoint",
+            py.detach(|| guarded(|| gs::Endpoint::bind(cfg))),
+        )?;
+        Ok(Endpoint {
+            address: endpoint.address().to_vec(),
+            inner: Mutex::new(Some(endpoint)),
+            rank,
+            world,
+        })
+    }
+
+    /// This rank's address: opaque bytes every rank must receive, in rank order, for `connect`.
+    #[getter]
+    fn address<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.address)
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    #[getter]
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Phase 2: `table[r]` is rank r's `address` (own included). Consumes the endpoint; the GIL
+    /// is released while the links are set up.
+    fn connect(&self, py: Python<'_>, table: &Bound<'_, PyAny>) -> PyResult<Session> {
+        let table = address_table(py, table)?;
+        let outcome = py.detach(|| {
+            let endpoint = self
+                .inner
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            match endpoint {
+                None => Outcome::Closed,
+                Some(endpoint) => guarded(|| endpoint.connect(&table)),
+            }
+        });
+        let session = match outcome {
+            Outcome::Closed => {
+                return Err(errors::unusable(
+                    py,
+                    "Endpoint.connect: this endpoint was already connected (or its connect \
+                     failed): bind a new Endpoint",
+                ))
+            }
+            other => finish(py, "Endpoint.connect", other)?,
+        };
+        Ok(Session::wrap(session))
+    }
+
+    fn __repr__(&self) -> String {
+        // try_lock: never wait for a lock while holding the GIL.
+        let state = match self.inner.try_lock() {
+            Ok(inner) if inner.is_none() => ", connected",
+            _ => "",
+        };
+        format!("Endpoint(rank={}, world={}{state})", self.rank, self.world)
+    }
+}
+
+/// The endpoint table: a sequence of bytes-like addresses.
+fn address_table(py: Python<'_>, table: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
+    let mut out = Vec::new();
+    for (r, item) in table.try_iter()?.enumerate() {
+        let item = item?;
+        if item.is_instance_of::<PyString>() {
+            return Err(errors::config(
+                py,
+                format!("table[{r}] is a str: give rank {r}'s Endpoint.address bytes"),
+            ));
+        }
+        out.push(item.extract::<Vec<u8>>().map_err(|_| {
+            errors::config(
+                py,
+                format!("table[{r}] is not bytes: give rank {r}'s Endpoint.address"),
+            )
+        })?);
+    }
+    Ok(out)
+}
+
+/// A connected session: collectives and point-to-point transfers on numpy arrays and CPU
+/// torch tensors, in place, with the GIL released.
+#[pyclass(module = "gradwire._native", frozen)]
+pub(crate) struct Session {
+    inner: Mutex<Option<gs::Session>>,
+    rank: usize,
+    world: usize,
+}
+
+impl Session {
+    fn wrap(session: gs::Session) -> Session {
+        Session {
+            rank: session.rank(),
+            world: session.world(),
+            inner: Mutex::new(Some(session)),
+        }
+    }
+
+    /// Runs `f` on the session with the GIL released, one call at a time.
+    fn run<T: Send>(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        f: impl FnOnce(&mut gs::Session) -> Result<T, SessionError> + Send,
+    ) -> PyResult<T> {
+        let outcome = py.detach(|| {
+            let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(session) = inner.as_mut() else {
+                return Outcome::Closed;
+            };
+            let outcome = guarded(|| f(session));
+            if matches!(outcome, Outcome::Panicked(_)) {
+                // Its state is unknown after a panic; dropping it may panic again.
+                let dropped = inner.take();
+                let _ = catch_unwind(AssertUnwindSafe(move || drop(dropped)));
+            }
+            outcome
+        });
+        finish(py, what, outcome)
+    }
+}
+
+fn reduce_op(py: Python<'_>, op: &str) -> PyResult<ReduceOp> {
+    match op {
+        "sum" => Ok(ReduceOp::Sum),
+        "average" => Ok(ReduceOp::Average),
+        other => Err(errors::config(
+            py,
+            format!("op {other:?} is not \"sum\" or \"average\""),
+        )),
+    }
+}
+
+/// A loss bound in [0, 1), or None for the session's default.
+fn loss_bound(py: Python<'_>, bound: Option<f64>) -> PyResult<Option<f64>> {
+    match bound {
+        Some(b) if !(0.0..1.0).contains(&b) => Err(errors::config(
+            py,
+            format!("loss_bound {b} is outside [0, 1): 0 is reliable, 0.1 tolerates 10% loss"),
+        )),
+        other => Ok(other),
+    }
+}
+
+#[pymethods]
+impl Session {
+    /// Both set-up phases through gradwire's own rendezvous at `master` ("host:port"; rank 0
+    /// serves it on that port).
+    #[staticmethod]
+    #[pyo3(signature = (master, rank, world, ip, *, job = 1, loss_bound = 0.0, timeout = 30.0,
+        secret = None, inject_loss = 0.0, seed = 0, point_to_point = true, rate_bps = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn rendezvous(
+        py: Python<'_>,
+        master: &str,
+        rank: i64,
+        world: i64,
+        ip: &str,
+        job: i64,
+        loss_bound: f64,
+        timeout: f64,
+        secret: Option<Vec<u8>>,
+        inject_loss: f64,
+        seed: u64,
+        point_to_point: bool,
+        rate_bps: Option<i64>,
+    ) -> PyResult<Session> {
+        let kw = Keywords {
+            job,
+            loss_bound,
+            timeout,
+            secret,
+            inject_loss,
+            seed,
+            point_to_point,
+            rate_bps,
+        };
+        let cfg = config::session_config(py, rank, world, ip, kw)?;
+        let master_addr = master.to_owned();
+        let resolved: Option<SocketAddr> = py.detach(|| {
+            master_addr
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+        });
+        let Some(master) = resolved else {
+            return Err(errors::config(
+                py,
+                format!("master {master:?} is not a reachable host:port, e.g. \"10.0.0.1:29500\""),
+            ));
+        };
+        let session = finish(
+            py,
+            "Session.rendezvous",
+            py.detach(|| guarded(|| gs::Session::rendezvous(cfg, master))),
+        )?;
+        Ok(Session::wrap(session))
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    #[getter]
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Reduces `array` over all ranks, in place.
+    #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0, dscp = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyAny>,
+        op: &str,
+        loss_bound: Option<f64>,
+        layer: i64,
+        num_layers: i64,
+        dscp: Option<i64>,
+    ) -> PyResult<ReduceReport> {
+        let opts = ReduceOptions {
+            op: reduce_op(py, op)?,
+            loss_bound: self::loss_bound(py, loss_bound)?,
+            layer: config::small(py, "layer", layer, u16::MAX.into())?,
+            num_layers: config::small(py, "num_layers", num_layers, u16::MAX.into())?,
+            dscp: dscp.map(|d| config::dscp(py, d)).transpose()?,
+        };
+        let mut array = ArrayMut::new(py, array, "all_reduce")?;
+        let dtype = array.dtype;
+        let bytes = array.bytes(py)?;
+        let report = self.run(py, "all_reduce", |s| s.all_reduce(dtype, bytes, &opts))?;
+        Ok(report.into())
+    }
+
+    /// Copies root's `array` into every other rank's, in place.
+    #[pyo3(signature = (array, root, *, loss_bound = None, layer = 0, num_layers = 0))]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyAny>,
+        root: i64,
+        loss_bound: Option<f64>,
+        layer: i64,
+        num_layers: i64,
+    ) -> PyResult<BroadcastReport> {
+        let root = config::index(py, "root", root)?;
+        let opts = ReduceOptions {
+            loss_bound: self::loss_bound(py, loss_bound)?,
+            layer: config::small(py, "layer", layer, u16::MAX.into())?,
+            num_layers: config::small(py, "num_layers", num_layers, u16::MAX.into())?,
+            ..ReduceOptions::default()
+        };
+        let mut array = ArrayMut::new(py, array, "broadcast")?;
+        let dtype = array.dtype;
+        let bytes = array.bytes(py)?;
+        let report = self.run(py, "broadcast", |s| s.broadcast(root, dtype, bytes, &opts))?;
+        Ok(report.into())
+    }
+
+    /// Returns once every rank has entered it.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, "barrier", gs::Session::barrier)
+    }
+
+    /// Sends `array` to `peer` (which calls `recv` with an array of the same size and dtype).
+    #[pyo3(signature = (array, peer, *, tensor = 0, layer = 0, loss_bound = None, priority = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn send(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyAny>,
+        peer: i64,
+        tensor: i64,
+        layer: i64,
+        loss_bound: Option<f64>,
+        priority: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<SendReport> {
+        let peer = config::index(py, "peer", peer)?;
+        let opts = P2pOptions {
+            tensor: config::small(py, "tensor", tensor, u32::MAX.into())?,
+            layer: config::small(py, "layer", layer, u16::MAX.into())?,
+            loss_bound: self::loss_bound(py, loss_bound)?,
+        };
+        let priority = Priority::new(py, priority)?;
+        let array = ArrayRef::new(py, array, "send")?;
+        let dtype = array.dtype;
+        let bytes = array.bytes(py)?;
+        let report = self.run(py, "send", |s| match &priority {
+            Priority::Default => s.send(peer, dtype, bytes, &opts, None),
+            Priority::Fixed(tag) => {
+                let tag = *tag;
+                let fixed = move |_: &SegmentInfo<'_>| tag;
+                s.send(peer, dtype, bytes, &opts, Some(&fixed as &PriorityFn<'_>))
+            }
+            Priority::Callable(cb) => {
+                let call = |seg: &SegmentInfo<'_>| cb.tag(seg);
+                s.send(peer, dtype, bytes, &opts, Some(&call as &PriorityFn<'_>))
+            }
+        })?;
+        if let Priority::Callable(cb) = &priority {
+            if let Some(err) = cb.failure(py) {
+                return Err(err);
+            }
+        }
+        Ok(report.into())
+    }
+
+    /// Receives `peer`'s `send` into `array`, in place.
+    #[pyo3(signature = (array, peer, *, tensor = 0, layer = 0, loss_bound = None))]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyAny>,
+        peer: i64,
+        tensor: i64,
+        layer: i64,
+        loss_bound: Option<f64>,
+    ) -> PyResult<RecvReport> {
+        let peer = config::index(py, "peer", peer)?;
+        let opts = P2pOptions {
+            tensor: config::small(py, "tensor", tensor, u32::MAX.into())?,
+            layer: config::small(py, "layer", layer, u16::MAX.into())?,
+            loss_bound: self::loss_bound(py, loss_bound)?,
+        };
+        let mut array = ArrayMut::new(py, array, "recv")?;
+        let dtype = array.dtype;
+        let bytes = array.bytes(py)?;
+        let report = self.run(py, "recv", |s| s.recv(peer, dtype, bytes, &opts))?;
+        Ok(report.into())
+    }
+
+    /// Drops the session (its links close). Waits for a running operation; idempotent.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| {
+            let session = self
+                .inner
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            // A panic while closing sockets must not unwind into Python; nothing is left to do.
+            let _ = catch_unwind(AssertUnwindSafe(move || drop(session)));
+        });
+    }
+
+    /// Whether `close()` ran (or a panic dropped the session). Does not wait for a running
+    /// operation (never waits for the lock while holding the GIL): a session in use is open.
+    #[getter]
+    fn closed(&self) -> bool {
+        match self.inner.try_lock() {
+            Ok(inner) => inner.is_none(),
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().is_none(),
+            Err(std::sync::TryLockError::WouldBlock) => false,
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        let closed = if self.closed() { ", closed" } else { "" };
+        format!("Session(rank={}, world={}{closed})", self.rank, self.world)
+    }
+}
