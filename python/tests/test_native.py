@@ -1,0 +1,557 @@
+"""Tests of the native binding on 127.0.0.1: every rank of a job is a thread of this process
+(the binding releases the GIL, so the ranks run in parallel), except one test that runs the
+ranks as processes. Every session has a timeout of a few seconds and every thread is joined
+with a deadline, so a broken build fails instead of hanging."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, List, Sequence
+
+import numpy as np
+import pytest
+
+import gradwire
+
+IP = "127.0.0.1"
+TIMEOUT = 5.0  # each session's set-up deadline and peer timeout, seconds
+JOIN = 30.0  # the longest any group of rank threads may take
+
+
+def run_ranks(fns: Sequence[Callable[[], Any]], join: float = JOIN) -> List[Any]:
+    """Runs each function in its own (daemon) thread; returns the results in order, or raises
+    the first exception a function raised."""
+    results: List[Any] = [None] * len(fns)
+    errors: List[BaseException | None] = [None] * len(fns)
+
+    def body(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors[i] = e
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + join
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    hung = [i for i, t in enumerate(threads) if t.is_alive()]
+    assert not hung, f"ranks {hung} did not finish within {join} s"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def connect(world: int, **kw: Any) -> List[gradwire.Session]:
+    """A job of `world` ranks through Endpoint/connect, the table exchanged in-process."""
+    kw.setdefault("timeout", TIMEOUT)
+    eps = [gradwire.Endpoint(r, world, IP, **kw) for r in range(world)]
+    table = [e.address for e in eps]
+    return run_ranks([lambda e=e: e.connect(table) for e in eps])
+
+
+def close_all(sessions: Sequence[gradwire.Session]) -> None:
+    for s in sessions:
+        s.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((IP, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(params=[2, 3], ids=["world2", "world3"])
+def job(request: Any) -> Any:
+    sessions = connect(request.param)
+    yield sessions
+    close_all(sessions)
+
+
+def check_complete(report: gradwire.ReduceReport, elems: int, world: int) -> None:
+    assert report.elems == elems
+    assert report.blocks == -(-elems // report.block_elems)
+    assert report.complete_blocks == report.blocks
+    assert report.delivered_fraction == 1.0
+    assert report.rank_delivered == [1.0] * world
+    assert report.block_delivered == [1.0] * report.blocks
+    assert report.elapsed_s > 0 and report.bytes_sent > 0
+
+
+# --- collectives -------------------------------------------------------------------------
+
+
+def test_all_reduce_sum_f32_is_exact(job: List[gradwire.Session]) -> None:
+    world, n = len(job), 100_003  # not a whole number of blocks
+    base = np.arange(n, dtype=np.float32) % 1000
+    arrays = [base * (r + 1) for r in range(world)]
+    reports = run_ranks([lambda s=s, a=a: s.all_reduce(a) for s, a in zip(job, arrays)])
+    expected = base * sum(range(1, world + 1))
+    for a, rep in zip(arrays, reports):
+        np.testing.assert_array_equal(a, expected)
+        check_complete(rep, n, world)
+        assert set(rep.to_dict()) == {
+            "elems", "blocks", "block_elems", "complete_blocks", "delivered_fraction",
+            "rank_delivered", "block_delivered", "elapsed_s", "bytes_sent",
+        }
+        assert repr(rep).startswith("ReduceReport(elems=100003,")
+
+
+def test_all_reduce_sum_f16_is_exact(job: List[gradwire.Session]) -> None:
+    world, n = len(job), 4099
+    base = (np.arange(n) % 16).astype(np.float16)
+    arrays = [(base * (r + 1)).reshape(1, n) for r in range(world)]  # 2-D works too
+    run_ranks([lambda s=s, a=a: s.all_reduce(a) for s, a in zip(job, arrays)])
+    for a in arrays:
+        assert a.dtype == np.float16
+        np.testing.assert_array_equal(a[0], base * sum(range(1, world + 1)))
+
+
+def test_all_reduce_average(job: List[gradwire.Session]) -> None:
+    world = len(job)
+    arrays = [np.full(10_000, 2.0 * (r + 1), dtype=np.float32) for r in range(world)]
+    run_ranks([lambda s=s, a=a: s.all_reduce(a, op="average") for s, a in zip(job, arrays)])
+    for a in arrays:
+        np.testing.assert_array_equal(a, np.full(10_000, world + 1.0, dtype=np.float32))
+
+
+def test_broadcast_copies_the_roots_array(job: List[gradwire.Session]) -> None:
+    world, root = len(job), 1
+    src = np.random.default_rng(7).standard_normal(50_000).astype(np.float32)
+    arrays = [src.copy() if r == root else np.zeros_like(src) for r in range(world)]
+    reports = run_ranks([lambda s=s, a=a: s.broadcast(a, root) for s, a in zip(job, arrays)])
+    for r, (a, rep) in enumerate(zip(arrays, reports)):
+        np.testing.assert_array_equal(a, src)
+        if r != root:
+            assert rep.received_blocks == rep.blocks > 0
+        assert set(rep.to_dict()) == {"blocks", "received_blocks", "elapsed_s"}
+
+
+def test_barrier_waits_for_the_last_rank(job: List[gradwire.Session]) -> None:
+    late = 0.4
+
+    def rank(s: gradwire.Session) -> float:
+        if s.rank == 0:
+            time.sleep(late)
+        start = time.monotonic()
+        assert s.barrier() is None
+        return time.monotonic() - start
+
+    waited = run_ranks([lambda s=s: rank(s) for s in job])
+    assert all(w > late / 2 for w in waited[1:]), waited
+
+
+def test_rendezvous_threads_world3() -> None:
+    master = f"{IP}:{free_port()}"
+    sessions = run_ranks(
+        [lambda r=r: gradwire.Session.rendezvous(master, r, 3, IP, timeout=TIMEOUT) for r in range(3)]
+    )
+    try:
+        assert [(s.rank, s.world) for s in sessions] == [(0, 3), (1, 3), (2, 3)]
+        arrays = [np.full(1000, r, dtype=np.float32) for r in range(3)]
+        run_ranks([lambda s=s, a=a: s.all_reduce(a) for s, a in zip(sessions, arrays)])
+        for a in arrays:
+            np.testing.assert_array_equal(a, np.full(1000, 3.0, dtype=np.float32))
+    finally:
+        close_all(sessions)
+
+
+def _process_rank(master: str, rank: int, out: Any) -> None:
+    try:
+        import numpy as np
+        import gradwire
+
+        with gradwire.Session.rendezvous(master, rank, 2, "127.0.0.1", timeout=5.0) as s:
+            a = np.full(20_000, rank + 1, dtype=np.float32)
+            rep = s.all_reduce(a)
+            out.put((rank, float(a.min()), float(a.max()), rep.delivered_fraction))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.put((rank, "error", repr(e), None))
+
+
+def test_rendezvous_across_processes() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    master = f"{IP}:{free_port()}"
+    procs = [ctx.Process(target=_process_rank, args=(master, r, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(out.get(timeout=JOIN) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert got == [(0, 3.0, 3.0, 1.0), (1, 3.0, 3.0, 1.0)]
+
+
+# --- point to point ----------------------------------------------------------------------
+
+
+def test_send_recv_with_each_kind_of_priority() -> None:
+    s0, s1 = connect(2)
+    try:
+        src = np.random.default_rng(1).standard_normal(30_000).astype(np.float32)
+        src.setflags(write=False)  # send only reads: a read-only array is fine
+        calls: List[tuple] = []
+
+        def prio(index: int, offset: int, layer: int, payload: bytes) -> tuple:
+            calls.append((index, offset, layer, payload))
+            return (10 + index % 4, index % 2 == 0)
+
+        for tensor, priority in [(1, None), (2, 46), (3, prio)]:
+            dst = np.zeros_like(src)
+            sent, got = run_ranks(
+                [
+                    lambda: s0.send(src, 1, tensor=tensor, layer=3, priority=priority),
+                    lambda: s1.recv(dst, 0, tensor=tensor, layer=3),
+                ]
+            )
+            np.testing.assert_array_equal(dst, src)
+            assert sent.segments == got.segments == got.received_segments > 1
+            assert sent.bytes == src.nbytes
+            assert got.delivered_fraction == 1.0 and got.loss_bound == 0.0
+            assert set(sent.to_dict()) == {
+                "segments", "bytes", "retransmitted_segments", "elapsed_s", "final_rate_bps",
+            }
+            assert repr(got).startswith("RecvReport(")
+        # The callable saw every segment, with its offset, layer and bytes.
+        seen = {c[0]: c for c in calls}
+        assert sorted(seen) == list(range(sent.segments))
+        raw = src.tobytes()
+        for index, offset, layer, payload in seen.values():
+            assert layer == 3
+            assert raw[offset : offset + len(payload)] == payload
+    finally:
+        close_all([s0, s1])
+
+
+def test_a_failing_priority_callable_raises_after_the_transfer() -> None:
+    s0, s1 = connect(2)
+    try:
+        src = np.arange(20_000, dtype=np.float32)
+        dst = np.zeros_like(src)
+
+        def bad(index: int, offset: int, layer: int, payload: bytes) -> tuple:
+            if index == 2:
+                raise KeyError("no tag for this one")
+            return (0, True)
+
+        box: List[Any] = [None]
+
+        def sender() -> None:
+            try:
+                s0.send(src, 1, priority=bad)
+            except gradwire.ConfigError as e:
+                box[0] = e
+
+        run_ranks([sender, lambda: s1.recv(dst, 0)])
+        e = box[0]
+        assert isinstance(e, gradwire.ConfigError), "the callable's failure was not raised"
+        assert "segment 2" in str(e) and isinstance(e.__cause__, KeyError)
+        np.testing.assert_array_equal(dst, src)  # the transfer itself completed
+        for wrong in (64, -1, True, "high", 1.5):
+            with pytest.raises(gradwire.ConfigError):
+                s0.send(src, 1, priority=wrong)
+    finally:
+        close_all([s0, s1])
+
+
+# --- loss --------------------------------------------------------------------------------
+
+
+def test_inject_loss_all_reduce_respects_the_bound() -> None:
+    bound, world = 0.2, 3
+    sessions = connect(world, inject_loss=0.05, seed=11, loss_bound=bound)
+    try:
+        x = (np.arange(200_000) % 50).astype(np.float32)
+        arrays = [x.copy() for _ in range(world)]
+        reports = run_ranks([lambda s=s, a=a: s.all_reduce(a) for s, a in zip(sessions, arrays)])
+        for a, rep in zip(arrays, reports):
+            assert rep.delivered_fraction >= 1 - bound
+            assert len(rep.rank_delivered) == world
+            assert len(rep.block_delivered) == rep.blocks == -(-x.size // rep.block_elems)
+            assert rep.complete_blocks == sum(b == 1.0 for b in rep.block_delivered)
+            assert rep.delivered_fraction == pytest.approx(np.mean(rep.block_delivered))
+            assert all(0.0 <= f <= 1.0 for f in rep.rank_delivered)
+            # Every rank gave x: a block's sum, estimated from the ranks that arrived, is
+            # world * x exactly wherever any contribution arrived.
+            for b, frac in enumerate(rep.block_delivered):
+                if frac > 0:
+                    sl = slice(b * rep.block_elems, (b + 1) * rep.block_elems)
+                    np.testing.assert_array_equal(a[sl], x[sl] * world)
+    finally:
+        close_all(sessions)
+
+
+def test_inject_loss_recv_respects_the_bound() -> None:
+    bound = 0.25
+    s0, s1 = connect(2, inject_loss=0.1, seed=5)
+    try:
+        src = np.ones(100_000, dtype=np.float32)
+        dst = np.zeros_like(src)
+        _, got = run_ranks(
+            [lambda: s0.send(src, 1, loss_bound=bound), lambda: s1.recv(dst, 0, loss_bound=bound)]
+        )
+        assert got.loss_bound == bound
+        assert got.delivered_fraction >= 1 - bound
+        assert got.delivered_fraction == pytest.approx(got.received_segments / got.segments)
+        assert np.count_nonzero(dst) >= (1 - bound) * dst.size * 0.99
+        assert set(np.unique(dst)) <= {0.0, 1.0}  # lost segments are zero, never garbage
+    finally:
+        close_all([s0, s1])
+
+
+# --- torch -------------------------------------------------------------------------------
+
+
+def test_torch_tensors_in_place() -> None:
+    torch = pytest.importorskip("torch")
+    s0, s1 = connect(2)
+    try:
+        # bfloat16 (numpy has none: an int16 view with the dtype hint), exact small ints.
+        ts = [torch.arange(5000, dtype=torch.bfloat16) % 32 * (r + 1) for r in range(2)]
+        expected = (torch.arange(5000, dtype=torch.bfloat16) % 32) * 3
+        run_ranks([lambda: s0.all_reduce(ts[0]), lambda: s1.all_reduce(ts[1])])
+        for t in ts:
+            assert t.dtype == torch.bfloat16 and torch.equal(t, expected)
+        # float32 parameters that require grad: their memory, in place.
+        ps = [torch.nn.Parameter(torch.full((64, 33), float(r + 1))) for r in range(2)]
+        ptr = ps[0].data_ptr()
+        run_ranks([lambda: s0.all_reduce(ps[0], op="average"), lambda: s1.all_reduce(ps[1], op="average")])
+        assert ps[0].data_ptr() == ptr and torch.all(ps[0] == 1.5) and torch.all(ps[1] == 1.5)
+        # float16 point to point.
+        a = torch.randn(3000).half()
+        b = torch.zeros(3000, dtype=torch.float16)
+        run_ranks([lambda: s0.send(a, 1), lambda: s1.recv(b, 0)])
+        assert torch.equal(a, b)
+        # Wrong use: non-contiguous, wrong dtype, integer.
+        with pytest.raises(gradwire.ConfigError, match="contiguous"):
+            s0.all_reduce(torch.zeros(10, 10).t())
+        with pytest.raises(gradwire.ConfigError, match="float64"):
+            s0.all_reduce(torch.zeros(10, dtype=torch.float64))
+        with pytest.raises(gradwire.ConfigError, match="int32"):
+            s0.all_reduce(torch.zeros(10, dtype=torch.int32))
+    finally:
+        close_all([s0, s1])
+
+
+def test_numpy_arrays_do_not_import_torch() -> None:
+    code = (
+        "import sys, numpy as np, gradwire\n"
+        "try:\n"
+        "    gradwire.Session.all_reduce\n"
+        "    gradwire._as_array(np.zeros(3, np.float32))\n"
+        "    gradwire._as_array([1.0])\n"
+        "except gradwire.ConfigError:\n"
+        "    pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+def test_wrong_arrays_raise_config_error() -> None:
+    s0, s1 = connect(2)
+    try:
+        cases = {
+            "float64": np.zeros(10),
+            "int32": np.zeros(10, dtype=np.int32),
+            "read-only": np.zeros(10, dtype=np.float32),
+            "contiguous": np.zeros(20, dtype=np.float32)[::2],
+            "contiguous (F)": np.zeros((4, 5), dtype=np.float32, order="F"),
+            "byte order": np.zeros(10, dtype=">f4"),
+            "numpy.ndarray": [1.0, 2.0],
+        }
+        cases["read-only"].setflags(write=False)
+        for what, a in cases.items():
+            with pytest.raises(gradwire.ConfigError) as info:
+                s0.all_reduce(a)
+            e = info.value
+            assert isinstance(e, ValueError) and isinstance(e, gradwire.GradwireError)
+            assert (e.kind, e.code, e.peer) == ("invalid_argument", 1, None)
+            assert what.split(" (")[0] in str(e), (what, str(e))
+        with pytest.raises(gradwire.ConfigError, match="read-only"):
+            s1.recv(cases["read-only"], 0)
+        unaligned = np.frombuffer(bytearray(41), dtype=np.float32, offset=1)
+        with pytest.raises(gradwire.ConfigError, match="aligned"):
+            s0.all_reduce(unaligned)
+        # The session is still usable after refused arguments.
+        arrays = [np.ones(100, dtype=np.float32) for _ in range(2)]
+        run_ranks([lambda: s0.all_reduce(arrays[0]), lambda: s1.all_reduce(arrays[1])])
+        assert arrays[0][0] == 2.0
+    finally:
+        close_all([s0, s1])
+
+
+def test_bad_arguments_raise_config_error() -> None:
+    with pytest.raises(gradwire.ConfigError, match="rank 2"):
+        gradwire.Endpoint(2, 2, IP)
+    with pytest.raises(gradwire.ConfigError, match="rank -1"):
+        gradwire.Endpoint(-1, 2, IP)
+    with pytest.raises(gradwire.ConfigError, match="not an IP address"):
+        gradwire.Endpoint(0, 2, "localhost:5")
+    with pytest.raises(gradwire.ConfigError, match="loss bound 1"):
+        gradwire.Endpoint(0, 2, IP, loss_bound=1.0)
+    with pytest.raises(gradwire.ConfigError, match="timeout"):
+        gradwire.Endpoint(0, 2, IP, timeout=0)
+    with pytest.raises(gradwire.ConfigError):
+        gradwire.Endpoint(0, 2, IP, secret=b"short")
+    with pytest.raises(gradwire.ConfigError, match="master"):
+        gradwire.Session.rendezvous("nowhere", 0, 2, IP)
+    s0, s1 = connect(2)
+    try:
+        a = np.zeros(100, dtype=np.float32)
+        for bound in (1.0, 1.5, -0.1, float("nan")):
+            with pytest.raises(gradwire.ConfigError, match="loss_bound"):
+                s0.all_reduce(a, loss_bound=bound)
+        with pytest.raises(gradwire.ConfigError, match="op"):
+            s0.all_reduce(a, op="max")
+        with pytest.raises(gradwire.ConfigError, match="dscp"):
+            s0.all_reduce(a, dscp=64)
+        with pytest.raises(gradwire.ConfigError, match="layer"):
+            s0.all_reduce(a, layer=70_000)
+        with pytest.raises(gradwire.ConfigError):
+            s0.broadcast(a, 2)  # root >= world
+        with pytest.raises(gradwire.ConfigError):
+            s0.send(a, 5)  # peer >= world
+        with pytest.raises(gradwire.ConfigError):
+            s0.send(a, 0)  # itself
+    finally:
+        close_all([s0, s1])
+
+
+def test_a_peer_that_never_connects_fails_within_the_timeout() -> None:
+    a = gradwire.Endpoint(0, 2, IP, timeout=2.0)
+    b = gradwire.Endpoint(1, 2, IP, timeout=2.0)
+    table = [a.address, b.address]
+    del b  # rank 1 never connects
+    start = time.monotonic()
+    with pytest.raises((gradwire.SetupError, gradwire.PeerError)) as info:
+        run_ranks([lambda: a.connect(table)], join=15)
+    assert time.monotonic() - start < 10
+    assert info.value.kind in ("setup", "peer") and info.value.code in (2, 3)
+    with pytest.raises(gradwire.UnusableError, match="already connected"):
+        a.connect(table)
+
+
+def test_rendezvous_without_the_other_ranks_fails_within_the_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises((gradwire.SetupError, gradwire.PeerError)):
+        run_ranks(
+            [lambda: gradwire.Session.rendezvous(f"{IP}:{free_port()}", 0, 2, IP, timeout=2.0)],
+            join=15,
+        )
+    assert time.monotonic() - start < 10
+
+
+def test_a_peer_that_dies_raises_peer_error_naming_it() -> None:
+    sessions = connect(3, timeout=2.0)
+    sessions[2].close()  # rank 2 dies: its links close
+    arrays = [np.ones(50_000, dtype=np.float32) for _ in range(2)]
+    box: List[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            sessions[r].all_reduce(arrays[r])
+        except gradwire.GradwireError as e:
+            box[r] = e
+
+    start = time.monotonic()
+    run_ranks([lambda: rank(0), lambda: rank(1)])
+    assert time.monotonic() - start < 15
+    for e in box:
+        assert isinstance(e, gradwire.PeerError), repr(e)
+        assert e.kind == "peer" and e.code == 3 and e.peer is not None
+    with pytest.raises(gradwire.UnusableError):
+        sessions[0].barrier()  # unusable after a failure
+    close_all(sessions)
+
+
+def test_use_after_close_raises_unusable() -> None:
+    sessions = connect(2)
+    with sessions[0] as s:
+        assert not s.closed and repr(s) == "Session(rank=0, world=2)"
+    assert sessions[0].closed
+    sessions[0].close()  # idempotent
+    for call in (
+        lambda s: s.all_reduce(np.zeros(4, np.float32)),
+        lambda s: s.broadcast(np.zeros(4, np.float32), 0),
+        lambda s: s.barrier(),
+        lambda s: s.send(np.zeros(4, np.float32), 1),
+        lambda s: s.recv(np.zeros(4, np.float32), 1),
+    ):
+        with pytest.raises(gradwire.UnusableError) as info:
+            call(sessions[0])
+        assert (info.value.kind, info.value.code) == ("unusable", 4)
+        assert "closed" in str(info.value)
+    assert (sessions[0].rank, sessions[0].world) == (0, 2)
+    sessions[1].close()
+
+
+# --- threads -----------------------------------------------------------------------------
+
+
+def test_a_second_thread_waits_and_the_gil_is_released() -> None:
+    s0, s1 = connect(2)
+    try:
+        x0 = np.full(10_000, 1.0, dtype=np.float32)
+        y0 = np.full(10_000, 10.0, dtype=np.float32)
+        x1 = np.full(10_000, 100.0, dtype=np.float32)
+        y1 = np.full(10_000, 1000.0, dtype=np.float32)
+        ticks = [0]
+        stop = threading.Event()
+
+        def python_work() -> None:  # runs only if the waiting ranks released the GIL
+            while not stop.is_set():
+                ticks[0] += 1
+                time.sleep(0.001)
+
+        def rank1() -> None:
+            time.sleep(0.5)  # rank 0's two calls wait for this one
+            s1.all_reduce(x1)
+            s1.all_reduce(y1)
+
+        def second() -> None:
+            time.sleep(0.1)
+            s0.all_reduce(y0)
+
+        worker = threading.Thread(target=python_work, daemon=True)
+        worker.start()
+        try:
+            run_ranks([lambda: s0.all_reduce(x0), second, rank1])
+        finally:
+            stop.set()
+            worker.join(5)
+        assert ticks[0] > 50, ticks[0]
+        # Both of rank 0's calls ran, one after the other, each paired with one of rank 1's.
+        got = sorted([x0[0], y0[0]])
+        assert got in ([101.0, 1010.0], [110.0, 1100.0]), got
+    finally:
+        close_all([s0, s1])
+
+
+def test_exception_classes() -> None:
+    assert issubclass(gradwire.ConfigError, ValueError)
+    for name, kind, code in [
+        ("ConfigError", "invalid_argument", 1),
+        ("SetupError", "setup", 2),
+        ("PeerError", "peer", 3),
+        ("UnusableError", "unusable", 4),
+        ("DataError", "data", 5),
+        ("InternalError", "internal", 6),
+    ]:
+        cls = getattr(gradwire, name)
+        assert issubclass(cls, gradwire.GradwireError) and issubclass(cls, RuntimeError)
+        assert (cls.kind, cls.code) == (kind, code)
+    assert gradwire.__version__ == gradwire._native.__version__
