@@ -140,6 +140,24 @@ class Session:
     ) -> Session:
         """Both phases through gradwire's rendezvous at ``master`` ("host:port", served by
         rank 0)."""
+    @staticmethod
+    def init(
+        allgather: Callable[[bytes], Sequence[bytes]],
+        rank: int,
+        world: int,
+        ip: str,
+        *,
+        job: int = 1,
+        loss_bound: float = 0.0,
+        timeout: float = 30.0,
+        secret: Optional[bytes] = None,
+        inject_loss: float = 0.0,
+        seed: int = 0,
+        point_to_point: bool = True,
+        rate_bps: Optional[int] = None,
+    ) -> Session:
+        """Both phases with the caller's all-gather (the C library's ``gw_session_init``):
+        ``allgather(address)`` returns every rank's address bytes, in rank order."""
     @property
     def rank(self) -> int: ...
     @property

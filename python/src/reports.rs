@@ -209,8 +209,8 @@ impl RecvReport {
 
     fn __repr__(&self) -> String {
         format!(
-            "RecvReport(segments={}, received_segments={}, delivered_fraction={:?}, loss_bound={:?}, \
-             rounds={}, elapsed_s={:?})",
+            "RecvReport(segments={}, received_segments={}, delivered_fraction={:?}, \
+             loss_bound={:?}, rounds={}, elapsed_s={:?})",
             self.segments,
             self.received_segments,
             self.delivered_fraction,

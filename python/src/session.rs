@@ -316,6 +316,47 @@ impl Session {
         Ok(Session::wrap(session))
     }
 
+    /// Both set-up phases with the caller's all-gather (like the C library's
+    /// `gw_session_init`): `allgather(address)` gets this rank's address bytes and returns
+    /// every rank's, in rank order (e.g. through torch.distributed's store or MPI).
+    #[staticmethod]
+    #[pyo3(signature = (allgather, rank, world, ip, *, job = 1, loss_bound = 0.0,
+        timeout = 30.0, secret = None, inject_loss = 0.0, seed = 0, point_to_point = true,
+        rate_bps = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn init(
+        py: Python<'_>,
+        allgather: &Bound<'_, PyAny>,
+        rank: i64,
+        world: i64,
+        ip: &str,
+        job: i64,
+        loss_bound: f64,
+        timeout: f64,
+        secret: Option<Vec<u8>>,
+        inject_loss: f64,
+        seed: u64,
+        point_to_point: bool,
+        rate_bps: Option<i64>,
+    ) -> PyResult<Session> {
+        let endpoint = Endpoint::new(
+            py,
+            rank,
+            world,
+            ip,
+            job,
+            loss_bound,
+            timeout,
+            secret,
+            inject_loss,
+            seed,
+            point_to_point,
+            rate_bps,
+        )?;
+        let table = allgather.call1((endpoint.address(py),))?;
+        endpoint.connect(py, &table)
+    }
+
     #[getter]
     fn rank(&self) -> usize {
         self.rank
@@ -327,7 +368,8 @@ impl Session {
     }
 
     /// Reduces `array` over all ranks, in place.
-    #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0, dscp = None))]
+    #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0,
+        dscp = None))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
         &self,

@@ -163,6 +163,34 @@ def test_rendezvous_threads_world3() -> None:
         close_all(sessions)
 
 
+def test_init_with_the_callers_allgather() -> None:
+    world = 3
+    table: List[Any] = [None] * world
+    gathered = threading.Barrier(world, timeout=JOIN)
+
+    def allgather(rank: int, address: bytes) -> List[bytes]:
+        table[rank] = address
+        gathered.wait()
+        return list(table)
+
+    sessions = run_ranks(
+        [
+            lambda r=r: gradwire.Session.init(
+                lambda a, r=r: allgather(r, a), r, world, IP, timeout=TIMEOUT
+            )
+            for r in range(world)
+        ]
+    )
+    try:
+        arrays = [np.full(5000, 1.0, dtype=np.float16) for _ in range(world)]
+        run_ranks([lambda s=s, a=a: s.all_reduce(a) for s, a in zip(sessions, arrays)])
+        assert all((a == 3.0).all() for a in arrays)
+    finally:
+        close_all(sessions)
+    with pytest.raises(ZeroDivisionError):  # the all-gather's own error comes through
+        gradwire.Session.init(lambda a: 1 / 0, 0, 2, IP, timeout=TIMEOUT)
+
+
 def _process_rank(master: str, rank: int, out: Any) -> None:
     try:
         import numpy as np
