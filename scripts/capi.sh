@@ -81,5 +81,5 @@ Cflags: -I\${includedir}
 PC
 
 echo "capi: installed gradwire $version ($(basename "$from") build) in $prefix" >&2
-echo "capi: a program linked to the shared library finds it with -Wl,-rpath,$prefix/lib or LD_LIBRARY_PATH=$prefix/lib" >&2
+echo "capi: a program linked to the shared library finds it with -Wl,-rpath,$prefix/lib, LD_LIBRARY_PATH=$prefix/lib, or (system prefix) after ldconfig" >&2
 echo "export PKG_CONFIG_PATH=$prefix/lib/pkgconfig\${PKG_CONFIG_PATH:+:\$PKG_CONFIG_PATH}"

@@ -689,6 +689,23 @@ fn buffers_dtypes_ops_and_options_are_checked_on_a_live_session() {
                 gw_recv(s.0, 0, buf, 8, -1, ptr::null(), ptr::null_mut()),
                 GW_ERR_INVALID_ARGUMENT,
             );
+            for peer in [0, 2, u32::MAX] {
+                let m = fails(
+                    gw_send(
+                        s.0,
+                        peer,
+                        buf,
+                        8,
+                        GW_DTYPE_F32,
+                        ptr::null(),
+                        None,
+                        ptr::null_mut(),
+                        ptr::null_mut(),
+                    ),
+                    GW_ERR_INVALID_ARGUMENT,
+                );
+                assert!(m.contains(&peer.to_string()) || m.contains("itself"), "{m}");
+            }
             // None of these reached the peer: the session still works.
             ok(gw_barrier(s.0));
         },
