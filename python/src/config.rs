@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use gradwire_session::SessionConfig;
 use pyo3::prelude::*;
+use pyo3::types::PyString;
 
 use crate::errors;
 
@@ -61,6 +62,26 @@ pub(crate) fn session_config(
         })?),
     };
     Ok(cfg)
+}
+
+/// The job secret: bytes-like (bytes, bytearray, memoryview), not str.
+pub(crate) fn secret(
+    py: Python<'_>,
+    secret: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<Vec<u8>>> {
+    let Some(secret) = secret.filter(|s| !s.is_none()) else {
+        return Ok(None);
+    };
+    if secret.is_instance_of::<PyString>() {
+        return Err(errors::config(
+            py,
+            "secret must be bytes, not str: pass secret.encode()",
+        ));
+    }
+    secret
+        .extract::<Vec<u8>>()
+        .map(Some)
+        .map_err(|_| errors::config(py, "secret must be bytes (at least 16 of them) or None"))
 }
 
 /// A rank, world size, peer or root: a non-negative integer.

@@ -91,12 +91,13 @@ impl Endpoint {
         job: i64,
         loss_bound: f64,
         timeout: f64,
-        secret: Option<Vec<u8>>,
+        secret: Option<&Bound<'_, PyAny>>,
         inject_loss: f64,
         seed: u64,
         point_to_point: bool,
         rate_bps: Option<i64>,
     ) -> PyResult<Self> {
+        let secret = config::secret(py, secret)?;
         let kw = Keywords {
             job,
             loss_bound,
@@ -278,12 +279,13 @@ impl Session {
         job: i64,
         loss_bound: f64,
         timeout: f64,
-        secret: Option<Vec<u8>>,
+        secret: Option<&Bound<'_, PyAny>>,
         inject_loss: f64,
         seed: u64,
         point_to_point: bool,
         rate_bps: Option<i64>,
     ) -> PyResult<Session> {
+        let secret = config::secret(py, secret)?;
         let kw = Keywords {
             job,
             loss_bound,
@@ -333,7 +335,7 @@ impl Session {
         job: i64,
         loss_bound: f64,
         timeout: f64,
-        secret: Option<Vec<u8>>,
+        secret: Option<&Bound<'_, PyAny>>,
         inject_loss: f64,
         seed: u64,
         point_to_point: bool,

@@ -176,7 +176,8 @@ def test_init_with_the_callers_allgather() -> None:
     sessions = run_ranks(
         [
             lambda r=r: gradwire.Session.init(
-                lambda a, r=r: allgather(r, a), r, world, IP, timeout=TIMEOUT
+                lambda a, r=r: allgather(r, a), r, world, IP, timeout=TIMEOUT,
+                secret=b"a job secret of 24 bytes",  # authenticated links
             )
             for r in range(world)
         ]
@@ -435,6 +436,8 @@ def test_bad_arguments_raise_config_error() -> None:
         gradwire.Endpoint(0, 2, IP, timeout=0)
     with pytest.raises(gradwire.ConfigError):
         gradwire.Endpoint(0, 2, IP, secret=b"short")
+    with pytest.raises(gradwire.ConfigError, match="encode"):
+        gradwire.Endpoint(0, 2, IP, secret="a str, not bytes, of 32 chars...")
     with pytest.raises(gradwire.ConfigError, match="master"):
         gradwire.Session.rendezvous("nowhere", 0, 2, IP)
     s0, s1 = connect(2)
