@@ -27,3 +27,10 @@ bash hw-configs/nic-tuning/test-dry-run.sh
 
 step "tests"
 cargo test --workspace --locked --no-fail-fast
+
+# The Python package, the PyTorch DDP hook and the convergence experiment's short run: a venv
+# in .venv/ (numpy, torch, scikit-learn, pytest, maturin, matplotlib; installed once, then
+# only when python/requirements-dev.txt changes), the package built from source every time.
+step "Python package and PyTorch hook (pytest)"
+source scripts/python-env.sh
+"$VENV_PY" -m pytest python/tests -q -p no:cacheprovider
