@@ -231,6 +231,7 @@ impl gw_p2p_options {
         P2pOptions {
             tensor: self.tensor,
             layer: self.layer,
+            num_layers: 0,
             loss_bound: loss_bound(self.loss_bound),
         }
     }

@@ -235,6 +235,8 @@ pub struct BroadcastReport {
     pub blocks: usize,
     /// Blocks that hold the root's values here (the others kept their previous contents).
     pub received_blocks: usize,
+    /// Elements per block.
+    pub block_elems: usize,
     /// Which blocks arrived.
     #[serde(skip)]
     pub arrived: Vec<bool>,
@@ -925,6 +927,7 @@ impl Communicator {
             return Ok(BroadcastReport {
                 blocks: 1,
                 received_blocks: 1,
+                block_elems: tensor.elems(),
                 arrived: vec![true],
                 elapsed: started.elapsed(),
             });
@@ -1036,6 +1039,7 @@ impl Communicator {
         outcome?;
         Ok(BroadcastReport {
             blocks: layout.blocks(),
+            block_elems,
             received_blocks: arrived_all.iter().filter(|&&a| a).count(),
             arrived: arrived_all,
             elapsed: started.elapsed(),
@@ -1053,6 +1057,7 @@ impl Communicator {
         prio: &PriorityFn<'_>,
     ) -> Result<SendReport, CollectiveError> {
         self.usable()?;
+        self.links.out(peer)?;
         let x = self.p2p_xfer(peer, opts, true)?;
         let cfg = self.cfg.transfer.clone();
         let r = self.links.out(peer).and_then(|l| {
@@ -1071,6 +1076,7 @@ impl Communicator {
         opts: &P2pOptions,
     ) -> Result<RecvReport, CollectiveError> {
         self.usable()?;
+        self.links.inn(peer)?;
         let x = self.p2p_xfer(peer, opts, false)?;
         let cfg = self.cfg.transfer.clone();
         let r = self.links.inn(peer).and_then(|l| {

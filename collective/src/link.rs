@@ -241,6 +241,13 @@ impl Links {
         self.world
     }
 
+    /// Every link, for callers that drive each from a thread of its own: `out[q]` sends to
+    /// rank `q`, `inn[p]` receives from rank `p`.
+    #[allow(clippy::type_complexity)]
+    pub fn split(self) -> (Vec<Option<OutLink>>, Vec<Option<InLink>>) {
+        (self.out, self.inn)
+    }
+
     /// The link to `peer`, if there is one.
     pub fn out(&mut self, peer: usize) -> Result<&mut OutLink, CollectiveError> {
         let rank = self.rank;
@@ -557,6 +564,12 @@ pub fn parse_endpoint_table(
                 e.job
             )));
         }
+        if e.ip.is_unspecified() || e.ip.is_multicast() {
+            return Err(CollectiveError::Setup(format!(
+                "rank {r}'s endpoint address {} is not one a peer can connect to",
+                e.ip
+            )));
+        }
         if e.listeners.len() > world {
             return Err(CollectiveError::Setup(format!(
                 "rank {r}'s endpoint lists {} listeners in a {world}-rank job",
@@ -598,7 +611,7 @@ impl PendingLinks {
         let left = || deadline.saturating_duration_since(Instant::now());
         let (rank, world) = (self.rank, self.world);
         let endpoints = parse_endpoint_table(table, self.job, world)?;
-        if endpoints[rank].ip != self.ip {
+        if table[rank] != self.endpoint {
             return Err(CollectiveError::Setup(format!(
                 "the table's entry for this rank ({rank}) is not this rank's endpoint"
             )));

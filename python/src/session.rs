@@ -444,6 +444,7 @@ impl Session {
         let opts = P2pOptions {
             tensor: config::small(py, "tensor", tensor, u32::MAX.into())?,
             layer: config::small(py, "layer", layer, u16::MAX.into())?,
+            num_layers: 0,
             loss_bound: self::loss_bound(py, loss_bound)?,
         };
         let priority = Priority::new(py, priority)?;
@@ -485,6 +486,7 @@ impl Session {
         let opts = P2pOptions {
             tensor: config::small(py, "tensor", tensor, u32::MAX.into())?,
             layer: config::small(py, "layer", layer, u16::MAX.into())?,
+            num_layers: 0,
             loss_bound: self::loss_bound(py, loss_bound)?,
         };
         let mut array = ArrayMut::new(py, array, "recv")?;

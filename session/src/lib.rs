@@ -27,7 +27,8 @@ use gradwire::message::LossBound;
 use gradwire::tagging::DlcpTagger;
 use gradwire::transport::TransferConfig;
 use gradwire_collective::comm::{Algorithm, AllReduceOptions, CommConfig, Communicator, TensorMut};
-use gradwire_collective::link::{ring_edges, Links, NetLinkConfig, PendingLinks};
+use gradwire_collective::job::MAX_RANKS;
+use gradwire_collective::link::{Links, NetLinkConfig, PendingLinks};
 
 pub use gradwire::datapath::fault::FaultConfig;
 pub use gradwire::flow::{SegmentInfo, Tag};
@@ -68,7 +69,9 @@ pub struct SessionConfig {
     /// Seed of `inject_loss`.
     pub seed: u64,
     /// Links between every pair of ranks, for [`Session::send`] and [`Session::recv`]; the
-    /// collectives need only the ring.
+    /// collectives need only the ring. A full mesh costs about five file descriptors per
+    /// peer (a listener, two TCP connections, two UDP sockets): turn it off above a few
+    /// hundred ranks, or raise `ulimit -n`.
     pub point_to_point: bool,
     /// The senders' line rate in bit/s; `None`: the transport's default.
     pub rate_bps: Option<u64>,
@@ -94,8 +97,11 @@ impl SessionConfig {
 
     fn check(&self) -> Result<(), SessionError> {
         let bad = |m: String| Err(SessionError::InvalidArgument(m));
-        if self.world == 0 {
-            return bad("the world size must be at least 1".into());
+        if self.world == 0 || self.world > MAX_RANKS {
+            return bad(format!(
+                "the world size {} is not in 1..={MAX_RANKS}",
+                self.world
+            ));
         }
         if self.rank >= self.world {
             return bad(format!(
@@ -125,14 +131,19 @@ impl SessionConfig {
         Ok(())
     }
 
+    /// This rank's links: to and from every other rank with `point_to_point`, else its
+    /// ring neighbours (only this rank's edges: a big world costs no more than its peers).
     fn edges(&self) -> Vec<(usize, usize)> {
+        let (r, n) = (self.rank, self.world);
         if self.point_to_point {
-            (0..self.world)
-                .flat_map(|a| (0..self.world).map(move |b| (a, b)))
-                .filter(|(a, b)| a != b)
+            (0..n)
+                .filter(|&q| q != r)
+                .flat_map(|q| [(r, q), (q, r)])
                 .collect()
+        } else if n < 2 {
+            Vec::new()
         } else {
-            ring_edges(self.world)
+            vec![(r, (r + 1) % n), ((r + n - 1) % n, r)]
         }
     }
 
@@ -246,8 +257,12 @@ pub struct ReduceOptions {
 pub struct P2pOptions {
     /// The caller's id of the tensor, at most [`MAX_P2P_TENSOR`].
     pub tensor: u32,
-    /// The tensor's layer (the priority function sees it).
+    /// The tensor's layer, 0 = front (the priority function sees it; with DLCP's default
+    /// tagging it picks the DSCP).
     pub layer: u16,
+    /// Layers of the model (DLCP's default tagging: front layers more urgent); 0: unknown,
+    /// the lowest data priority.
+    pub num_layers: u16,
     /// Loss bound, a fraction in [0, 1); `None`: the session's.
     pub loss_bound: Option<f64>,
 }
@@ -282,6 +297,10 @@ pub struct BroadcastReport {
     pub blocks: usize,
     /// Blocks that hold the root's values (the others kept their contents).
     pub received_blocks: usize,
+    /// Elements per block: block `b` is elements `b * block_elems ..`.
+    pub block_elems: usize,
+    /// For each block, whether it holds the root's values.
+    pub block_received: Vec<bool>,
     /// Wall time, seconds.
     pub elapsed_s: f64,
 }
@@ -310,6 +329,8 @@ pub struct RecvSummary {
     pub received_segments: u32,
     /// Fraction of segments received.
     pub delivered_fraction: f64,
+    /// Byte ranges `(offset, length)` of the segments that did not arrive: they are zero.
+    pub missing: Vec<(u64, usize)>,
     /// The loss bound enforced.
     pub loss_bound: f64,
     /// Retransmission rounds asked for.
@@ -413,6 +434,8 @@ impl Session {
         let bound = opts.loss_bound.map(loss_bound).transpose()?;
         let r = self.comm.broadcast(tensor, root, bound)?;
         Ok(BroadcastReport {
+            block_elems: r.block_elems,
+            block_received: r.arrived,
             blocks: r.blocks,
             received_blocks: r.received_blocks,
             elapsed_s: r.elapsed.as_secs_f64(),
@@ -442,13 +465,17 @@ impl Session {
         let report = match priority {
             Some(f) => self.comm.send(peer, &tensor, &o, f)?,
             None => {
-                let tagger = DlcpTagger::for_tensor(
-                    &tensor,
-                    0,
-                    1,
-                    &gradwire::tagging::MagnitudeConfig::default(),
-                )
-                .map_err(|e| SessionError::InvalidArgument(e.to_string()))?;
+                let tagger = DlcpTagger {
+                    dscp: data_dscp(&ReduceOptions {
+                        layer: opts.layer,
+                        num_layers: opts.num_layers,
+                        ..ReduceOptions::default()
+                    })?,
+                    threshold: gradwire::tagging::magnitude_threshold(
+                        &tensor,
+                        &gradwire::tagging::MagnitudeConfig::default(),
+                    ),
+                };
                 self.comm.send(peer, &tensor, &o, &tagger.priority_fn())?
             }
         };
@@ -474,6 +501,7 @@ impl Session {
         let r = self.comm.recv(peer, &mut tensor, &o)?;
         bytes.copy_from_slice(tensor.as_bytes());
         Ok(RecvSummary {
+            missing: r.missing_byte_ranges(),
             segments: r.segments,
             received_segments: r.received_segments,
             delivered_fraction: r.delivered_fraction,

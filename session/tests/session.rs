@@ -213,6 +213,8 @@ fn loss_within_the_bound_is_reported_per_block() {
 fn bad_configuration_and_buffers_are_invalid_arguments() {
     let kind = |c: SessionConfig| Endpoint::bind(c).unwrap_err().kind();
     assert_eq!(kind(config(2, 2)), ErrorKind::InvalidArgument);
+    // A world beyond any job (an uninitialised field) is refused before anything is built.
+    assert_eq!(kind(config(0, usize::MAX)), ErrorKind::InvalidArgument);
     assert_eq!(
         kind(SessionConfig {
             loss_bound: 1.0,
@@ -242,7 +244,19 @@ fn bad_configuration_and_buffers_are_invalid_arguments() {
     .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Setup, "{e}");
 
-    // A table that is not this job's.
+    // A table whose other entry is another job's.
+    let a = Endpoint::bind(config(0, 2)).unwrap();
+    let other = Endpoint::bind(SessionConfig {
+        job: 2,
+        ..config(1, 2)
+    })
+    .unwrap();
+    let table = vec![a.address().to_vec(), other.address().to_vec()];
+    let e = a.connect(&table).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Setup);
+    assert!(e.to_string().contains("same job id"), "{e}");
+
+    // A table out of rank order.
     let a = Endpoint::bind(config(0, 2)).unwrap();
     let b = Endpoint::bind(config(1, 2)).unwrap();
     let table = vec![b.address().to_vec(), a.address().to_vec()];
@@ -348,5 +362,9 @@ fn a_rank_that_dies_mid_job_fails_the_others_with_its_name() {
         assert!(took < Duration::from_secs(10), "rank {r} took {took:?}");
         assert_eq!(e.kind(), ErrorKind::Peer, "rank {r}: {e}");
         assert!(e.peer().is_some());
+        if r == 0 {
+            // Rank 0 receives from rank 2 in the ring: the dead rank is named.
+            assert_eq!(e.peer(), Some(2), "{e}");
+        }
     }
 }
