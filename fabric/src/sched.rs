@@ -20,7 +20,15 @@
 //!   long busy period sends exactly `rate * time` bits, with no rounding drift.
 //! - **Delay line + seeded loss.** Transmitted packets wait in a FIFO until `end + delay`; loss
 //!   is drawn from a seeded RNG when transmission starts, so lost packets still used the link and
-//!   the outcome does not depend on when the caller polls.
+//!   the outcome does not depend on when the caller polls. The FIFO is ordered by delivery time
+//!   (transmissions end in order and the delay is the port's own), so a long delay (a 30 ms WAN
+//!   link) costs one queue entry per packet on the wire and nothing else: the caller sleeps
+//!   until [`EgressPort::next_event_ns`], and other ports are not held up. At 155 Mbit/s and
+//!   30 ms that is about 580 KB (~380 full frames) per direction
+//!   ([`PortCounters::max_in_flight_bytes`] shows it).
+//! - **Rate changes** ([`EgressPort::set_rate`]) take effect at the given time: a transmission
+//!   that started before it keeps the old rate, every later one uses the new rate; the queued
+//!   packets stay queued.
 
 use std::collections::VecDeque;
 
@@ -211,6 +219,11 @@ pub struct PortCounters {
     pub bad_queue: u64,
     /// Total serialisation time.
     pub busy_ns: u64,
+    /// Rate changes applied ([`EgressPort::set_rate`] with a new rate).
+    pub rate_changes: u64,
+    /// Largest number of frame bytes on the link at once (transmitting or propagating, not yet
+    /// delivered): the bandwidth-delay product the port actually held.
+    pub max_in_flight_bytes: u64,
 }
 
 fn min_opt(a: Option<u64>, b: Option<u64>) -> Option<u64> {
@@ -257,6 +270,8 @@ pub struct EgressPort<T> {
     total_depth: u64,
     queued: usize,
     delay_line: VecDeque<Departure<T>>,
+    /// Frame bytes in `delay_line`.
+    in_flight_bytes: u64,
     /// End of the current (or last) transmission.
     link_free_at: u64,
     /// Fraction of a nanosecond owed by the last transmission, in bit-ns per `rate_bps`.
@@ -278,6 +293,7 @@ impl<T: Frame> EgressPort<T> {
             total_depth: 0,
             queued: 0,
             delay_line: VecDeque::new(),
+            in_flight_bytes: 0,
             link_free_at: 0,
             rem: 0,
             latest: 0,
@@ -343,6 +359,7 @@ impl<T: Frame> EgressPort<T> {
             return None;
         }
         let d = self.delay_line.pop_front()?;
+        self.in_flight_bytes -= u64::from(d.len);
         if d.lost {
             self.counters.lost_pkts += 1;
         } else {
@@ -350,6 +367,30 @@ impl<T: Frame> EgressPort<T> {
             self.counters.delivered_bytes += u64::from(d.len);
         }
         Some(d)
+    }
+
+    /// Changes the line rate at `now_ns` (the time the change is due; time that went backwards
+    /// is clamped to the latest time seen, as everywhere): a transmission that started before
+    /// then keeps the old rate, every one that starts then or later uses the new rate. Queued
+    /// packets stay queued; nothing is dropped by the change itself. A rate equal to the
+    /// current one changes nothing.
+    pub fn set_rate(&mut self, now_ns: u64, rate_bps: u64) -> Result<(), ConfigError> {
+        if rate_bps == 0 {
+            return Err(ConfigError::ZeroRate);
+        }
+        let now = self.advance(now_ns);
+        if rate_bps == self.cfg.rate_bps {
+            return Ok(());
+        }
+        // Everything that starts strictly before the change goes at the old rate ...
+        self.service(now.saturating_sub(1));
+        self.cfg.rate_bps = rate_bps;
+        // (the owed fraction was in units of the old rate; it is below one nanosecond)
+        self.rem = 0;
+        self.counters.rate_changes += 1;
+        // ... and a packet due to start exactly now at the new one.
+        self.service(now);
+        Ok(())
     }
 
     /// Earliest time at which `poll` could return a packet or a transmission starts.
@@ -396,6 +437,9 @@ impl<T: Frame> EgressPort<T> {
             qc.dequeued_bytes += len;
             self.counters.busy_ns = self.counters.busy_ns.saturating_add(tx);
             let lost = self.cfg.loss > 0.0 && self.rng.f64() < self.cfg.loss;
+            self.in_flight_bytes += len;
+            let c = &mut self.counters;
+            c.max_in_flight_bytes = c.max_in_flight_bytes.max(self.in_flight_bytes);
             self.delay_line.push_back(Departure {
                 pkt: head.pkt,
                 queue: q as u8,
@@ -446,6 +490,7 @@ impl<T> EgressPort<T> {
             out.extend(q.drain(..).map(|e| e.pkt));
         }
         out.extend(self.delay_line.drain(..).map(|d| d.pkt));
+        self.in_flight_bytes = 0;
         self.depth = [0; NUM_QUEUES];
         self.total_depth = 0;
         self.queued = 0;
@@ -718,6 +763,134 @@ mod tests {
         }
     }
 
+    /// Keeps 4 packets of 1500 bytes queued from 0 to `until`, calling `at_change(port, t)`
+    /// once at each time of `changes` (before anything else at that time); returns every
+    /// departure.
+    fn saturate_with(
+        p: &mut EgressPort<P>,
+        until: u64,
+        changes: &[(u64, u64)],
+    ) -> Vec<Departure<P>> {
+        let (mut t, mut out, mut next) = (0u64, Vec::new(), 0);
+        while t < until {
+            if let Some(&(at, rate)) = changes.get(next) {
+                if at <= t {
+                    p.set_rate(at, rate).unwrap();
+                    next += 1;
+                    continue;
+                }
+            }
+            while p.queued_packets() < 4 {
+                assert_eq!(offer(p, t, out.len(), meta(1500, 0, false)), Enqueued);
+            }
+            out.extend(std::iter::from_fn(|| p.poll(t)));
+            check_invariants(p);
+            let due = p.next_event_ns().unwrap();
+            t = changes.get(next).map_or(due, |&(at, _)| due.min(at));
+        }
+        out
+    }
+
+    #[test]
+    fn rate_change_applies_from_its_time_on() {
+        // 100 Mbit/s, then 25 Mbit/s from 50 ms, then 60 Mbit/s from 100 ms (times that fall
+        // inside a transmission: the packet on the wire finishes at the old rate).
+        let changes = [(50_000_000, 25_000_000), (100_000_000, 60_000_000)];
+        let mut p = port(cfg(100_000_000, 512 << 10, 1_000));
+        let deps = saturate_with(&mut p, 152_000_000, &changes);
+        assert_eq!(p.counters().rate_changes, 2);
+        assert_eq!(p.config().rate_bps, 60_000_000);
+        for w in deps.windows(2) {
+            assert_eq!(w[1].start_ns, w[0].deliver_ns - 1_000, "back to back");
+        }
+        let ser = |rate: u64| (1524u128 * 8 * NS_PER_S / u128::from(rate)) as u64;
+        for d in &deps {
+            let tx = d.deliver_ns - 1_000 - d.start_ns;
+            let rate = match d.start_ns {
+                s if s < 50_000_000 => 100_000_000,
+                s if s < 100_000_000 => 25_000_000,
+                _ => 60_000_000,
+            };
+            // The carried fraction makes a packet at most 1 ns longer than the floor.
+            assert!(tx == ser(rate) || tx == ser(rate) + 1, "{d:?}: {tx} ns");
+        }
+        // Packets per window follow the rate: to within one frame, less the time the packet
+        // on the wire at the change still took at the old rate.
+        for (lo, hi, old, rate) in [
+            (0u64, 50_000_000u64, 100_000_000, 100_000_000u64),
+            (50_000_000, 100_000_000, 100_000_000, 25_000_000),
+            (100_000_000, 150_000_000, 25_000_000, 60_000_000),
+        ] {
+            let started = deps
+                .iter()
+                .filter(|d| (lo..hi).contains(&d.start_ns))
+                .count() as f64;
+            let want = (hi - lo) as f64 / ser(rate) as f64;
+            let late = ser(old) as f64 / ser(rate) as f64;
+            let ok = started <= want + 1.0 && started >= want - 1.0 - late;
+            assert!(ok, "{rate}: {started} vs {want}");
+        }
+        // Nothing was dropped by the changes: every packet offered left (or is queued).
+        let s = p.counters().sum();
+        assert_eq!(s.dropped_buffer + s.dropped_threshold, 0);
+        assert_eq!(
+            s.enqueued_pkts,
+            deps.len() as u64 + p.queued_packets() as u64 + p.in_flight() as u64
+        );
+    }
+
+    #[test]
+    fn rate_change_exactly_at_a_start_and_repeated_rates() {
+        let mut p = port(cfg(1_000_000, 512 << 10, 0));
+        // 1000 + 24 bytes at 1 Mbit/s = 8.192 ms on the wire; a second packet waits for it.
+        offer(&mut p, 0, 0, meta(1_000, 0, false));
+        offer(&mut p, 0, 1, meta(1_000, 0, false));
+        // The second packet starts exactly at the change: at the new rate (8.192 ms / 4).
+        p.set_rate(8_192_000, 4_000_000).unwrap();
+        let d0 = p.poll(8_192_000).unwrap();
+        assert_eq!(d0.deliver_ns, 8_192_000);
+        assert_eq!(p.next_event_ns(), Some(8_192_000 + 2_048_000));
+        // The same rate again is no change; zero is refused and changes nothing.
+        p.set_rate(9_000_000, 4_000_000).unwrap();
+        assert_eq!(p.set_rate(9_000_000, 0), Err(ConfigError::ZeroRate));
+        assert_eq!(p.counters().rate_changes, 1);
+        assert_eq!(p.config().rate_bps, 4_000_000);
+        // A change to an idle link: the next packet goes at the new rate from its arrival.
+        let d1 = p.poll(10_240_000).unwrap();
+        assert_eq!(d1.pkt.id, 1);
+        p.set_rate(20_000_000, 8_000_000).unwrap();
+        offer(&mut p, 30_000_000, 2, meta(1_000, 0, false));
+        assert_eq!(p.next_event_ns(), Some(30_000_000 + 1_024_000));
+        check_invariants(&p);
+    }
+
+    #[test]
+    fn a_wan_delay_holds_one_bdp_in_flight() {
+        // 155 Mbit/s and 30 ms: the delay line holds rate x delay (~581 KB of wire bytes) and
+        // releases each packet exactly 30 ms after its transmission ended.
+        let (rate, delay) = (155_000_000u64, 30_000_000u64);
+        let mut p = port(cfg(rate, 2 << 20, delay));
+        let deps = saturate_with(&mut p, 200_000_000, &[]);
+        let ser = (1524u128 * 8 * NS_PER_S / u128::from(rate)) as u64;
+        for d in &deps {
+            let tx = d.deliver_ns - delay - d.start_ns;
+            assert!(tx == ser || tx == ser + 1, "{d:?}");
+        }
+        assert_eq!(deps.first().map(|d| d.deliver_ns), Some(ser + delay));
+        let bdp_frames = (delay + ser) as f64 / ser as f64;
+        let held = p.counters().max_in_flight_bytes as f64 / 1500.0;
+        assert!(
+            (held - bdp_frames).abs() <= 1.0,
+            "{held} frames vs {bdp_frames}"
+        );
+        assert!((570_000..600_000).contains(&p.counters().max_in_flight_bytes));
+        // Once run dry, nothing is left in flight.
+        while let Some(t) = p.next_event_ns() {
+            while p.poll(t).is_some() {}
+        }
+        assert_eq!(p.in_flight(), 0);
+    }
+
     #[test]
     fn isolated_packet_delay_exact() {
         for (rate, ser) in [(1_000_000_000u64, 8_192u64), (333_333_333, 24_576)] {
@@ -826,6 +999,51 @@ mod tests {
             let mut p = port(cfg(rate * 100_000_000, 1 << 20, delay));
             let run = drive(&mut p, &arr);
             check_priority(&arr, &run, delay);
+        }
+
+        #[test]
+        fn prop_rate_changes(
+            arr in arrivals(8),
+            changes in prop::collection::vec((0u64..4_000_000, 1u64..=20), 0..6),
+        ) {
+            // Rate changes at random times: every packet is serialised at the rate in force
+            // when it started (+1 ns for the carried fraction), one at a time, none lost.
+            let mut changes: Vec<(u64, u64)> =
+                changes.into_iter().map(|(t, r)| (t, r * 10_000_000)).collect();
+            changes.sort_unstable();
+            let mut p = port(cfg(100_000_000, 1 << 20, 2_000));
+            let (mut deps, mut next) = (Vec::new(), 0);
+            for (id, &(t, m)) in arr.iter().enumerate() {
+                while let Some(&(at, r)) = changes.get(next).filter(|c| c.0 <= t) {
+                    deps.extend(std::iter::from_fn(|| p.poll(at)));
+                    p.set_rate(at, r).unwrap();
+                    next += 1;
+                }
+                deps.extend(std::iter::from_fn(|| p.poll(t)));
+                offer(&mut p, t, id, m);
+                check_invariants(&p);
+            }
+            for &(at, r) in &changes[next..] {
+                deps.extend(std::iter::from_fn(|| p.poll(at)));
+                p.set_rate(at, r).unwrap();
+            }
+            while let Some(t) = p.next_event_ns() {
+                deps.extend(std::iter::from_fn(|| p.poll(t)));
+            }
+            let rate_at = |s: u64| {
+                changes.iter().rev().find(|c| c.0 <= s).map_or(100_000_000, |c| c.1)
+            };
+            for d in &deps {
+                let bits = (u128::from(d.len) + 24) * 8;
+                let ser = (bits * NS_PER_S / u128::from(rate_at(d.start_ns))) as u64;
+                let tx = d.deliver_ns - 2_000 - d.start_ns;
+                prop_assert!(tx == ser || tx == ser + 1, "{:?}: {} vs {}", d, tx, ser);
+            }
+            for w in deps.windows(2) {
+                prop_assert!(w[1].start_ns >= w[0].deliver_ns - 2_000, "one at a time");
+            }
+            let s = p.counters().sum();
+            prop_assert_eq!(s.enqueued_pkts, deps.len() as u64);
         }
 
         #[test]
