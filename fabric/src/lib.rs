@@ -8,6 +8,7 @@
 //!   function of timed arrivals;
 //! - [`forward`]: L3 forwarding of one switch (parse, route, rewrite, ECMP, DSCP to queue);
 //! - [`lag`]: how late departures are against the emulated clock, and when a run fell behind;
+//! - [`schedule`]: link rates that change over time (which rate is in force when);
 //! - [`topology`]: topology files and the plan derived from them (reading the file is the only
 //!   I/O).
 //!
@@ -27,6 +28,7 @@ pub mod netns;
 #[cfg(feature = "emulator")]
 pub mod run;
 pub mod sched;
+pub mod schedule;
 #[cfg(feature = "emulator")]
 pub mod stats;
 #[cfg(feature = "emulator")]

@@ -31,6 +31,32 @@
 //! [`MAX_RATE_BPS`], delays up to [`MAX_DELAY`]). A topology has no address fields: every
 //! address is derived from the host's position, as follows.
 //!
+//! Buffers, thresholds and rates that change over time (in `[defaults]` or per `[[link]]`;
+//! `schedule` per switch-switch link only):
+//!
+//! ```toml
+//! [defaults]
+//! buffer = "auto"                 # per port, shared by its 8 queues: a size ("1MB", "512KiB",
+//!                                 # 600000) or "auto" (the default, see below)
+//! thresholds = "policy"           # the policy's per-queue ECN/drop thresholds, or "none":
+//!                                 # tail drop at the buffer only (a WAN router)
+//! period = "80s"                  # repeat every link's schedule with this period
+//!
+//! [[link]]
+//! a = "s0"
+//! b = "s1"
+//! rate = "10Mbit"                 # from 0 (and from the start of every period)
+//! delay = "30ms"
+//! schedule = [{ at = "20s", rate = "3Mbit" }, { at = "40s", rate = "15.5Mbit" }]
+//! period = "60s"                  # optional; without it the last step stays for good
+//! ```
+//!
+//! `buffer = "auto"` is [`AUTO_BUFFER_BDPS`] bandwidth-delay products of the link (its highest
+//! scheduled rate times its round trip, 2 x delay), and never less than the policy's port
+//! buffer: a 15.5 Mbit/s, 30 ms link gets 232 500 bytes, a 155 Mbit/s one 2.3 MB, a LAN link
+//! the policy's 192 KiB. Schedule times count from the fabric's start; both directions of the
+//! link change together.
+//!
 //! Addressing (all inside 198.18.0.0/15): host `i` (in file order after expansion) gets
 //! `198.18.1.0 + i` as a /32, a route to 198.18.0.0/15 via the virtual gateway
 //! [`GATEWAY`] on its uplink, and permanent neighbour entries mapping the gateway and every
@@ -45,8 +71,10 @@ use std::path::{Path, PathBuf};
 use gradwire_control::policy::{Policy, ThresholdSpec};
 use gradwire_control::policy_file;
 use gradwire_control::render::fabric::FabricQos;
-use gradwire_units::{Bytes, WrittenValue};
+use gradwire_units::{Bytes, SizeValue, WrittenValue};
 use serde::{Deserialize, Serialize};
+
+use crate::schedule::{RateSchedule, RateStep, ScheduleError};
 
 /// The virtual gateway every host routes through (no interface holds it).
 pub const GATEWAY: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 254);
@@ -99,6 +127,18 @@ impl fmt::Display for Ecmp {
     }
 }
 
+/// Whether a port applies the policy's per-queue thresholds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Thresholds {
+    /// The policy's ECN-mark/drop threshold per queue (DLCP's switch).
+    #[default]
+    #[serde(rename = "policy")]
+    Policy,
+    /// None: every queue fills up to the shared buffer, then tail drop (a WAN router).
+    #[serde(rename = "none")]
+    Off,
+}
+
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct DefaultsFile {
@@ -106,6 +146,16 @@ struct DefaultsFile {
     delay: Option<WrittenValue>,
     loss: Option<f64>,
     ecmp: Option<Ecmp>,
+    buffer: Option<SizeValue>,
+    thresholds: Option<Thresholds>,
+    period: Option<WrittenValue>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StepFile {
+    at: WrittenValue,
+    rate: WrittenValue,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -131,6 +181,10 @@ struct LinkFile {
     rate: Option<WrittenValue>,
     delay: Option<WrittenValue>,
     loss: Option<f64>,
+    buffer: Option<SizeValue>,
+    thresholds: Option<Thresholds>,
+    schedule: Option<Vec<StepFile>>,
+    period: Option<WrittenValue>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -148,15 +202,30 @@ struct TopologyFile {
     links: Vec<LinkFile>,
 }
 
-/// Rate, delay and loss of a link (both directions).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+/// Rate, delay, loss and buffering of a link (both directions).
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct LinkSpec {
-    /// Bits per second.
+    /// Bits per second at the fabric's start (the schedule, if any, changes it later).
     pub rate_bps: u64,
     /// One-way propagation delay, ns.
     pub delay_ns: u64,
     /// Loss probability per packet.
     pub loss: f64,
+    /// Buffer of the port at each end, bytes, shared by its queues.
+    pub buffer_bytes: u64,
+    /// Whether the policy's per-queue thresholds apply.
+    pub thresholds: Thresholds,
+    /// The rate over time, for a link whose rate changes.
+    pub schedule: Option<RateSchedule>,
+}
+
+impl LinkSpec {
+    /// The rate at `t_ns` since the fabric's start.
+    pub fn rate_at(&self, t_ns: u64) -> u64 {
+        self.schedule
+            .as_ref()
+            .map_or(self.rate_bps, |s| s.rate_at(t_ns))
+    }
 }
 
 /// A host of the plan.
@@ -232,6 +301,177 @@ pub const MIN_RATE_BPS: u64 = 1_000;
 pub const MAX_RATE_BPS: u64 = 400_000_000_000;
 /// Longest one-way link delay.
 pub const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(10);
+/// `buffer = "auto"`: this many bandwidth-delay products (highest rate x 2 x delay), at least
+/// the policy's port buffer. Two, so that a TCP-like flow over the link alone can fill it and
+/// a burst of a second one still fits.
+pub const AUTO_BUFFER_BDPS: u64 = 2;
+/// Smallest port buffer: two full frames.
+pub const MIN_BUFFER_BYTES: u64 = 2 * 1514;
+/// Largest port buffer (every port may hold this much memory).
+pub const MAX_BUFFER_BYTES: u64 = 1 << 30;
+
+/// The buffer `auto` gives a link of highest rate `max_rate_bps` and one-way delay
+/// `delay_ns`, given the policy's port buffer.
+pub fn auto_buffer_bytes(max_rate_bps: u64, delay_ns: u64, policy_buffer: u64) -> u64 {
+    let bdp = (u128::from(max_rate_bps) * 2)
+        .saturating_mul(u128::from(delay_ns))
+        .saturating_mul(u128::from(AUTO_BUFFER_BDPS))
+        / 8
+        / 1_000_000_000;
+    let want = bdp.min(u128::from(MAX_BUFFER_BYTES));
+    (want as u64).max(policy_buffer)
+}
+
+/// A port buffer as written: `Some(bytes)`, or `None` for "auto".
+fn link_buffer(v: &SizeValue) -> Result<Option<u64>, String> {
+    if matches!(v, SizeValue::Text(t) if t.trim().eq_ignore_ascii_case("auto")) {
+        return Ok(None);
+    }
+    let b = v.bytes().map_err(|e| format!("{e}, or \"auto\""))?.0;
+    if !(MIN_BUFFER_BYTES..=MAX_BUFFER_BYTES).contains(&b) {
+        return Err(format!(
+            "{b} bytes: must be within {MIN_BUFFER_BYTES}..={MAX_BUFFER_BYTES} (two full frames \
+             to 1 GiB), or \"auto\""
+        ));
+    }
+    Ok(Some(b))
+}
+
+/// A time in a schedule, ns.
+fn schedule_time(v: &WrittenValue) -> Result<u64, String> {
+    let d = v.duration().map_err(|e| e.to_string())?;
+    u64::try_from(d.as_nanos()).map_err(|_| format!("{:?}: too far in the future", v.0))
+}
+
+/// A link's settings as written (its own, else the defaults'), before resolution.
+struct RawLink<'a> {
+    rate: Option<&'a WrittenValue>,
+    delay: Option<&'a WrittenValue>,
+    loss: Option<f64>,
+    buffer: Option<&'a SizeValue>,
+    thresholds: Option<Thresholds>,
+    schedule: Option<&'a [StepFile]>,
+    period: Option<&'a WrittenValue>,
+}
+
+impl<'a> RawLink<'a> {
+    fn defaults(d: &'a DefaultsFile) -> RawLink<'a> {
+        RawLink {
+            rate: d.rate.as_ref(),
+            delay: d.delay.as_ref(),
+            loss: d.loss,
+            buffer: d.buffer.as_ref(),
+            thresholds: d.thresholds,
+            schedule: None,
+            period: None,
+        }
+    }
+}
+
+/// Resolves a link's settings; `field` names it in errors (`defaults`, `link[3]`), and a
+/// value inherited from `[defaults]` is named there.
+fn resolve_link(
+    field: &str,
+    own: &RawLink<'_>,
+    d: &DefaultsFile,
+    qos: &FabricQos,
+) -> Result<LinkSpec, String> {
+    let pick = |mine: bool, key: &str| {
+        if mine {
+            format!("{field}.{key}")
+        } else {
+            format!("defaults.{key}")
+        }
+    };
+    let rate_bps = match own.rate.or(d.rate.as_ref()) {
+        Some(r) => link_rate(r)
+            .map_err(|e| format!("field `{}`: {e}", pick(own.rate.is_some(), "rate")))?,
+        None => 1_000_000_000,
+    };
+    let delay_ns = match own.delay.or(d.delay.as_ref()) {
+        Some(v) => link_delay(v)
+            .map_err(|e| format!("field `{}`: {e}", pick(own.delay.is_some(), "delay")))?,
+        None => 0,
+    };
+    let loss = own.loss.or(d.loss).unwrap_or(0.0);
+    check_loss(loss).map_err(|e| format!("field `{}`: {e}", pick(own.loss.is_some(), "loss")))?;
+    let thresholds = own.thresholds.or(d.thresholds).unwrap_or_default();
+    let schedule = match own.schedule {
+        None => {
+            if own.period.is_some() {
+                return Err(format!(
+                    "field `{field}.period`: there is no `schedule` to repeat; add one or \
+                     remove `period`"
+                ));
+            }
+            None
+        }
+        Some(steps) => {
+            let mut out = Vec::with_capacity(steps.len());
+            for (j, st) in steps.iter().enumerate() {
+                let at_ns = schedule_time(&st.at)
+                    .map_err(|e| format!("field `{field}.schedule[{j}].at`: {e}"))?;
+                let rate_bps = link_rate(&st.rate)
+                    .map_err(|e| format!("field `{field}.schedule[{j}].rate`: {e}"))?;
+                out.push(RateStep { at_ns, rate_bps });
+            }
+            let period = own.period.or(d.period.as_ref());
+            let pfield = pick(own.period.is_some(), "period");
+            let period_ns = period
+                .map(schedule_time)
+                .transpose()
+                .map_err(|e| format!("field `{pfield}`: {e}"))?;
+            let sched = RateSchedule::new(rate_bps, out, period_ns).map_err(|e| match e {
+                ScheduleError::NotIncreasing { index, .. } | ScheduleError::ZeroRate { index } => {
+                    format!("field `{field}.schedule[{index}]`: {e}")
+                }
+                ScheduleError::PeriodTooShort { .. } | ScheduleError::ZeroPeriod => {
+                    format!("field `{pfield}`: {e}")
+                }
+                ScheduleError::Empty => {
+                    format!("field `{field}.schedule`: {e}; remove `schedule` for a fixed rate")
+                }
+            })?;
+            Some(sched)
+        }
+    };
+    let max_rate = schedule.as_ref().map_or(rate_bps, RateSchedule::max_bps);
+    let bfield = pick(own.buffer.is_some(), "buffer");
+    let buffer_bytes = match own
+        .buffer
+        .or(d.buffer.as_ref())
+        .map(link_buffer)
+        .transpose()
+        .map_err(|e| format!("field `{bfield}`: {e}"))?
+        .flatten()
+    {
+        Some(b) => b,
+        None => auto_buffer_bytes(max_rate, delay_ns, qos.port_buffer_bytes),
+    };
+    if thresholds == Thresholds::Policy {
+        let highest = qos
+            .thresholds_bytes
+            .iter()
+            .enumerate()
+            .filter_map(|(q, t)| t.map(|t| (q, t)))
+            .max_by_key(|&(_, t)| t);
+        if let Some((q, t)) = highest.filter(|&(_, t)| t > buffer_bytes) {
+            return Err(format!(
+                "field `{bfield}`: {buffer_bytes} bytes is below the policy's threshold of \
+                 queue {q} ({t} bytes), which could then never be reached; raise the buffer or \
+                 set thresholds = \"none\""
+            ));
+        }
+    }
+    Ok(LinkSpec {
+        rate_bps: schedule.as_ref().map_or(rate_bps, |s| s.rate_at(0)),
+        delay_ns,
+        loss,
+        buffer_bytes,
+        thresholds,
+        schedule,
+    })
+}
 
 /// A link rate in bit/s: the `gradwire-units` grammar, then the emulator's range.
 fn link_rate(v: &WrittenValue) -> Result<u64, String> {
@@ -323,24 +563,10 @@ impl Topology {
             ));
         }
         let d = &f.defaults;
-        let def_link = LinkSpec {
-            rate_bps: d
-                .rate
-                .as_ref()
-                .map(link_rate)
-                .transpose()
-                .map_err(|e| format!("field `defaults.rate`: {e}"))?
-                .unwrap_or(1_000_000_000),
-            delay_ns: d
-                .delay
-                .as_ref()
-                .map(link_delay)
-                .transpose()
-                .map_err(|e| format!("field `defaults.delay`: {e}"))?
-                .unwrap_or(0),
-            loss: d.loss.unwrap_or(0.0),
-        };
-        check_loss(def_link.loss).map_err(|e| format!("field `defaults.loss`: {e}"))?;
+        let def_link = resolve_link("defaults", &RawLink::defaults(d), d, &qos)?;
+        if let Some(p) = &d.period {
+            schedule_time(p).map_err(|e| format!("field `defaults.period`: {e}"))?;
+        }
         let def_ecmp = d.ecmp.unwrap_or_default();
 
         // Names: switches, then hosts (expanded), all distinct.
@@ -399,7 +625,7 @@ impl Topology {
                     links.push((
                         name.clone(),
                         up.clone(),
-                        def_link,
+                        def_link.clone(),
                         format!("host[{i}].uplink"),
                     ));
                 }
@@ -413,20 +639,16 @@ impl Topology {
             ));
         }
         for (i, l) in f.links.iter().enumerate() {
-            let spec = LinkSpec {
-                rate_bps: match &l.rate {
-                    Some(r) => link_rate(r).map_err(|e| format!("field `link[{i}].rate`: {e}"))?,
-                    None => def_link.rate_bps,
-                },
-                delay_ns: match &l.delay {
-                    Some(r) => {
-                        link_delay(r).map_err(|e| format!("field `link[{i}].delay`: {e}"))?
-                    }
-                    None => def_link.delay_ns,
-                },
-                loss: l.loss.unwrap_or(def_link.loss),
+            let own = RawLink {
+                rate: l.rate.as_ref(),
+                delay: l.delay.as_ref(),
+                loss: l.loss,
+                buffer: l.buffer.as_ref(),
+                thresholds: l.thresholds,
+                schedule: l.schedule.as_deref(),
+                period: l.period.as_ref(),
             };
-            check_loss(spec.loss).map_err(|e| format!("field `link[{i}].loss`: {e}"))?;
+            let spec = resolve_link(&format!("link[{i}]"), &own, d, &qos)?;
             links.push((l.a.clone(), l.b.clone(), spec, format!("link[{i}]")));
         }
 
@@ -456,17 +678,25 @@ impl Topology {
                         mac: port_mac(x, px),
                         peer: Peer::Switch(y, py),
                         peer_mac: port_mac(y, py),
-                        link: *spec,
+                        link: spec.clone(),
                     });
                     switches[y].ports.push(PortPlan {
                         ifname: format!("p{py}"),
                         mac: port_mac(y, py),
                         peer: Peer::Switch(x, px),
                         peer_mac: port_mac(x, px),
-                        link: *spec,
+                        link: spec.clone(),
                     });
                 }
                 (Node::Host(h), Node::Switch(s)) | (Node::Switch(s), Node::Host(h)) => {
+                    if spec.schedule.is_some() {
+                        return Err(format!(
+                            "field `{field}.schedule`: only a link between two switches can \
+                             change its rate; {:?}'s own egress is shaped by a qdisc at the \
+                             fixed rate",
+                            host_names[h]
+                        ));
+                    }
                     if hosts[h].is_some() {
                         return Err(format!(
                             "field `{field}`: host {:?} already has its one link",
@@ -479,7 +709,7 @@ impl Topology {
                         mac: port_mac(s, p),
                         peer: Peer::Host(h),
                         peer_mac: host_mac(h),
-                        link: *spec,
+                        link: spec.clone(),
                     });
                     hosts[h] = Some(HostPlan {
                         name: host_names[h].clone(),
@@ -566,6 +796,46 @@ impl Topology {
     pub fn host_port(&self, host: usize) -> Option<(usize, usize)> {
         self.hosts.get(host).map(|h| (h.switch, h.port))
     }
+
+    /// Every switch-switch link whose rate changes over time, once, ordered by the first
+    /// switch's position in the file: for experiments that plot or expect the rates.
+    pub fn scheduled_links(&self) -> Vec<ScheduledLink> {
+        let mut out = Vec::new();
+        for (si, s) in self.switches.iter().enumerate() {
+            for (pi, p) in s.ports.iter().enumerate() {
+                if let (Peer::Switch(t, tp), Some(sched)) = (p.peer, &p.link.schedule) {
+                    if (si, pi) < (t, tp) {
+                        out.push(ScheduledLink {
+                            a: s.name.clone(),
+                            b: self.switches[t].name.clone(),
+                            schedule: sched.clone(),
+                        });
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The same network with every rate fixed at its value at the start: a static variant of
+    /// a topology with schedules (the same file for "static" and "dynamic" runs).
+    pub fn without_schedules(mut self) -> Topology {
+        for p in self.switches.iter_mut().flat_map(|s| s.ports.iter_mut()) {
+            p.link.schedule = None;
+        }
+        self
+    }
+}
+
+/// A switch-switch link with a rate schedule.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ScheduledLink {
+    /// One end (the switch listed first in the topology).
+    pub a: String,
+    /// The other end.
+    pub b: String,
+    /// Its rate over time.
+    pub schedule: RateSchedule,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -725,6 +995,200 @@ rate = "100Mbit"
         );
         assert!(e(&cut).contains("cannot reach"));
         assert!(e("name = \"t\"\nbogus = 1\n").contains("bogus"));
+    }
+
+    /// Two sites: hosts h0 on s0 and h1 on s1, one switch-switch link with `link` appended.
+    fn two_sites(defaults: &str, link: &str) -> String {
+        format!(
+            "name = \"w\"\n[defaults]\nrate = \"100Mbit\"\n{defaults}\n\
+             [[switch]]\nname = \"s0\"\n[[switch]]\nname = \"s1\"\n\
+             [[host]]\nname = \"h0\"\nuplink = \"s0\"\n[[host]]\nname = \"h1\"\nuplink = \"s1\"\n\
+             [[link]]\na = \"s0\"\nb = \"s1\"\n{link}\n"
+        )
+    }
+
+    #[test]
+    fn a_schedule_reaches_both_ends_of_its_link() {
+        let text = two_sites(
+            "period = \"90s\"",
+            "rate = \"10Mbit\"\ndelay = \"30ms\"\nloss = 0.0002\n\
+             schedule = [{ at = \"20s\", rate = \"3Mbit\" }, { at = \"40s\", rate = \"15.5Mbit\" }]",
+        );
+        let t = Topology::from_toml(&text, qos()).unwrap();
+        let (a, b) = (&t.switches[0].ports[1].link, &t.switches[1].ports[1].link);
+        assert_eq!(a, b, "both directions of the link");
+        let s = a.schedule.as_ref().unwrap();
+        assert_eq!(s.period_ns(), Some(90_000_000_000), "from defaults.period");
+        let sec = 1_000_000_000u64;
+        let rates: Vec<u64> = [0, 19, 20, 39, 40, 89, 90, 110]
+            .iter()
+            .map(|&x| a.rate_at(x * sec))
+            .collect();
+        let m = 1_000_000;
+        assert_eq!(
+            rates,
+            [
+                10 * m,
+                10 * m,
+                3 * m,
+                3 * m,
+                15_500_000,
+                15_500_000,
+                10 * m,
+                3 * m
+            ]
+        );
+        assert_eq!(
+            (a.rate_bps, a.delay_ns, a.loss),
+            (10 * m, 30_000_000, 0.0002)
+        );
+        // Host links keep the defaults and no schedule.
+        assert!(t.switches[0].ports[0].link.schedule.is_none());
+        let links = t.scheduled_links();
+        assert_eq!(links.len(), 1);
+        assert_eq!((links[0].a.as_str(), links[0].b.as_str()), ("s0", "s1"));
+        // The static variant: the rate at the start, for good.
+        let fixed = t.without_schedules();
+        assert!(fixed.scheduled_links().is_empty());
+        assert_eq!(fixed.switches[1].ports[1].link.rate_at(25 * sec), 10 * m);
+        // A step at 0 sets the rate at the start.
+        let text = two_sites("", "schedule = [{ at = \"0s\", rate = \"7Mbit\" }]");
+        let t = Topology::from_toml(&text, qos()).unwrap();
+        assert_eq!(t.switches[0].ports[1].link.rate_bps, 7 * m);
+    }
+
+    #[test]
+    fn buffers_default_to_two_bdps_and_thresholds_can_be_off() {
+        let policy = qos().port_buffer_bytes;
+        assert_eq!(policy, 192 * 1024);
+        // 15.5 Mbit/s x 60 ms round trip = 116 250 bytes; two of them.
+        assert_eq!(auto_buffer_bytes(15_500_000, 30_000_000, policy), 232_500);
+        assert_eq!(
+            auto_buffer_bytes(155_000_000, 30_000_000, policy),
+            2_325_000
+        );
+        // A LAN link: the policy's buffer.
+        assert_eq!(auto_buffer_bytes(100_000_000, 20_000, policy), policy);
+        assert_eq!(auto_buffer_bytes(u64::MAX, u64::MAX, 0), MAX_BUFFER_BYTES);
+        // The highest scheduled rate sizes the buffer.
+        let text = two_sites(
+            "",
+            "rate = \"2Mbit\"\ndelay = \"30ms\"\nschedule = [{ at = \"1s\", rate = \"15.5Mbit\" }]",
+        );
+        let t = Topology::from_toml(&text, qos()).unwrap();
+        let l = &t.switches[0].ports[1].link;
+        assert_eq!(
+            (l.buffer_bytes, l.thresholds),
+            (232_500, Thresholds::Policy)
+        );
+        assert_eq!(t.switches[0].ports[0].link.buffer_bytes, policy);
+        // Explicit sizes, "auto" spelled out, thresholds off in defaults and overridden.
+        let text = two_sites(
+            "buffer = \"auto\"\nthresholds = \"none\"",
+            "buffer = \"1MB\"\nthresholds = \"policy\"",
+        );
+        let t = Topology::from_toml(&text, qos()).unwrap();
+        let (host, wan) = (&t.switches[0].ports[0].link, &t.switches[0].ports[1].link);
+        assert_eq!(
+            (host.buffer_bytes, host.thresholds),
+            (policy, Thresholds::Off)
+        );
+        assert_eq!(
+            (wan.buffer_bytes, wan.thresholds),
+            (1_000_000, Thresholds::Policy)
+        );
+        // Without thresholds a buffer may be below them.
+        let text = two_sites("thresholds = \"none\"\nbuffer = 20000", "");
+        let t = Topology::from_toml(&text, qos()).unwrap();
+        assert_eq!(t.switches[1].ports[1].link.buffer_bytes, 20_000);
+    }
+
+    #[test]
+    fn schedule_and_buffer_errors_name_the_field() {
+        let e = |defaults: &str, link: &str| {
+            Topology::from_toml(&two_sites(defaults, link), qos()).unwrap_err()
+        };
+        let steps = |a: &str, b: &str| {
+            format!("schedule = [{{ at = \"{a}\", rate = \"5Mbit\" }}, {{ at = \"{b}\", rate = \"2Mbit\" }}]")
+        };
+        let m = e("", &steps("20s", "10s"));
+        assert!(
+            m.starts_with("field `link[0].schedule[1]`: step 1: `at` must be later"),
+            "{m}"
+        );
+        assert!(m.contains("10s is not after 20s"), "{m}");
+        let m = e("", &steps("20s", "20s"));
+        assert!(m.contains("link[0].schedule[1]"), "{m}");
+        let m = e("", &steps("20", "30s"));
+        assert!(m.starts_with("field `link[0].schedule[0].at`: "), "{m}");
+        let m = e("", "schedule = [{ at = \"1s\", rate = \"0bit\" }]");
+        assert!(m.starts_with("field `link[0].schedule[0].rate`: "), "{m}");
+        let m = e("", "schedule = [{ at = \"1s\", rate = \"5\" }]");
+        let want = gradwire_units::parse_rate("5").unwrap_err().to_string();
+        assert_eq!(m, format!("field `link[0].schedule[0].rate`: {want}"));
+        let m = e("", "schedule = []");
+        assert!(
+            m.starts_with("field `link[0].schedule`: a schedule needs"),
+            "{m}"
+        );
+        let m = e("", &format!("{}\nperiod = \"15s\"", steps("5s", "20s")));
+        assert!(
+            m.starts_with("field `link[0].period`: `period` (15s) must be longer"),
+            "{m}"
+        );
+        let m = e("period = \"10s\"", &steps("5s", "20s"));
+        assert!(m.starts_with("field `defaults.period`: "), "{m}");
+        let m = e("period = \"fast\"", "");
+        assert!(m.starts_with("field `defaults.period`: "), "{m}");
+        let m = e("", "period = \"60s\"");
+        assert!(
+            m.contains("field `link[0].period`: there is no `schedule`"),
+            "{m}"
+        );
+        let m = e(
+            "",
+            "schedule = [{ at = \"1s\", rate = \"5Mbit\", loss = 0.1 }]",
+        );
+        assert!(
+            m.contains("unknown field `loss`, expected `at` or `rate`"),
+            "{m}"
+        );
+        // Buffers: the grammar, the range, and below a threshold of the policy.
+        let m = e("", "buffer = \"lots\"");
+        assert!(
+            m.starts_with("field `link[0].buffer`: ") && m.contains("\"auto\""),
+            "{m}"
+        );
+        let m = e("buffer = 100", "");
+        assert!(
+            m.starts_with("field `defaults.buffer`: 100 bytes: must be within"),
+            "{m}"
+        );
+        let m = e("", "buffer = \"20KB\"");
+        assert!(
+            m.starts_with("field `link[0].buffer`: 20000 bytes is below"),
+            "{m}"
+        );
+        assert!(
+            m.contains("queue 0 (60000 bytes)") && m.contains("thresholds = \"none\""),
+            "{m}"
+        );
+        let m = e("", "thresholds = \"some\"");
+        assert!(
+            m.contains("unknown variant `some`, expected `policy` or `none`"),
+            "{m}"
+        );
+        // A schedule on a host's link.
+        let text = two_sites("", "").replace(
+            "[[host]]\nname = \"h1\"\nuplink = \"s1\"",
+            "[[host]]\nname = \"h1\"\n[[link]]\na = \"h1\"\nb = \"s1\"\n\
+             schedule = [{ at = \"1s\", rate = \"5Mbit\" }]",
+        );
+        let m = Topology::from_toml(&text, qos()).unwrap_err();
+        assert!(
+            m.starts_with("field `link[0].schedule`: only a link between two switches"),
+            "{m}"
+        );
     }
 
     #[test]
