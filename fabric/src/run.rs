@@ -5,7 +5,10 @@
 //! serves them all. One loop iteration: read every port's RX ring (timestamp = now), forward
 //! ([`Forwarder`]) and enqueue into the egress port's [`EgressPort`] at that time; then send
 //! every departure whose delivery time has come; then sleep in `ppoll()` on all sockets until
-//! the next scheduled departure or a packet arrives (wake-on-demand; nothing spins).
+//! the next scheduled departure or rate change, or a packet arrives (wake-on-demand; nothing
+//! spins). A link with a rate schedule ([`crate::schedule`]) changes rate at each step's time on
+//! the fabric's clock (since [`Fabric::open`]), both of its ports at once; the stats show each
+//! port's rate in force.
 //!
 //! Queueing is decided on the emulated clock, so a slow iteration delays *when* a frame is
 //! put on the wire but not the order, marks or drops. How late frames go out is measured per
@@ -30,9 +33,10 @@ use nix::poll::{PollFd, PollFlags};
 use crate::forward::{Forwarder, Pkt, PortMacs};
 use crate::lag::LagHist;
 use crate::sched::{ConfigError, EgressPort, PortConfig, NUM_QUEUES};
+use crate::schedule::RateSchedule;
 use crate::stats::StatsPublisher;
 pub use crate::stats::{FabricStats, LagStats, PortStats, SwitchStats};
-use crate::topology::{Ecmp, Peer, Topology};
+use crate::topology::{Ecmp, Peer, Thresholds, Topology};
 
 /// Fabric settings that are not part of the topology.
 #[derive(Debug, Clone)]
@@ -121,6 +125,22 @@ struct PortRt {
     raw: RawPort,
     egress: EgressPort<Pkt>,
     peer: String,
+    /// The link's rate over time, if it changes.
+    schedule: Option<RateSchedule>,
+    /// When the schedule says something next (fabric ns).
+    next_change: Option<u64>,
+}
+
+impl PortRt {
+    /// Applies every scheduled rate change due by `now`, each at its own time.
+    fn apply_schedule(&mut self, now: u64) {
+        let Some(s) = &self.schedule else { return };
+        while let Some(at) = self.next_change.filter(|&at| at <= now) {
+            // Rates in a schedule are checked above 0 when the topology is read.
+            let _ = self.egress.set_rate(at, s.rate_at(at));
+            self.next_change = s.next_change_after(at);
+        }
+    }
 }
 
 struct SwitchRt {
@@ -199,8 +219,11 @@ impl Fabric {
                 let pc = PortConfig {
                     rate_bps: p.link.rate_bps,
                     delay_ns: p.link.delay_ns,
-                    buffer_bytes: topo.qos.port_buffer_bytes,
-                    thresholds,
+                    buffer_bytes: p.link.buffer_bytes,
+                    thresholds: match p.link.thresholds {
+                        Thresholds::Policy => thresholds,
+                        Thresholds::Off => [None; NUM_QUEUES],
+                    },
                     loss: p.link.loss,
                     seed: cfg
                         .seed
@@ -220,7 +243,15 @@ impl Fabric {
                         topo.switches[t].name, topo.switches[t].ports[tp].ifname
                     ),
                 };
-                ports.push(PortRt { raw, egress, peer });
+                let schedule = p.link.schedule.clone();
+                let next_change = schedule.as_ref().and_then(|s| s.next_change_after(0));
+                ports.push(PortRt {
+                    raw,
+                    egress,
+                    peer,
+                    schedule,
+                    next_change,
+                });
             }
             let macs = s
                 .ports
@@ -268,6 +299,10 @@ impl Fabric {
         let now = self.now_ns();
         let batch = self.cfg.batch;
         let mut received = 0;
+        // Rate changes first: frames read now are queued behind the rate in force now.
+        for port in self.switches.iter_mut().flat_map(|s| &mut s.ports) {
+            port.apply_schedule(now);
+        }
         for sw in &mut self.switches {
             let (pool, scratch) = (&mut self.pool, &mut self.scratch);
             for (pi, port) in sw.ports.iter_mut().enumerate() {
@@ -315,12 +350,14 @@ impl Fabric {
         received
     }
 
-    /// Earliest scheduled event in any port, in fabric nanoseconds.
+    /// Earliest scheduled event in any port (a departure or a rate change), in fabric
+    /// nanoseconds.
     fn next_event(&self) -> Option<u64> {
         self.switches
             .iter()
             .flat_map(|s| &s.ports)
-            .filter_map(|p| p.egress.next_event_ns())
+            .flat_map(|p| [p.egress.next_event_ns(), p.next_change])
+            .flatten()
             .min()
     }
 
