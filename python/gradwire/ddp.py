@@ -1,0 +1,535 @@
+"""DDP's gradient all-reduce over gradwire, with a loss bound per parameter (DLCP).
+
+After the usual ``torch.distributed.init_process_group("gloo")`` and
+``ddp = DistributedDataParallel(model)``, three lines::
+
+    import gradwire.ddp as gwddp
+    state = gwddp.GradwireState(ddp, loss_bound=0.01)
+    ddp.register_comm_hook(state, gwddp.allreduce_hook)
+
+Every rank builds its state at the same point (the constructor is a collective): it binds
+this rank's gradwire sockets and exchanges the endpoints with
+``torch.distributed.all_gather_object`` over the process group the job already has, so there
+is no registry of gradwire's own. The rank and world size come from torch.distributed; this
+rank's address from ``ip=``, ``GRADWIRE_IP``, or the local address that routes to
+``MASTER_ADDR``.
+
+Each bucket DDP hands over is cut into its parameters. Consecutive parameters with the same
+loss bound and the same DLCP priority class are all-reduced as one slice of the bucket's
+buffer (in place, ``op="average"``: each block is averaged over the ranks whose contribution
+arrived, never divided by the full world when some are missing, DLCP Appendix A). Each
+parameter's delivered fraction is read from the report's per-block figures over its own
+element range, and lands in ``state.log`` and the ``on_report`` callback.
+
+Layers: by default a parameter's layer is the position of the module that owns it among the
+modules with trainable parameters, in registration order (the forward order of a
+``Sequential``), so front layers get the more urgent DSCP, as in DLCP §3.2.2.
+
+A failed peer raises ``gradwire.PeerError`` from the hook; DDP lets it propagate unchanged
+out of ``loss.backward()``.
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import ipaddress
+import math
+import os
+import socket
+import threading
+from typing import Callable, Iterable, Mapping, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+import gradwire
+
+__all__ = ["GradwireState", "LossRecord", "ParamInfo", "allreduce_hook"]
+
+# gradwire-qos: data priorities 0..=6 (queue 7 is control). Parameters whose layers fall in
+# the same priority get the same DSCP, so they may share one all-reduce.
+_DATA_PRIORITIES = 7
+
+# dtypes the transport reduces (numerically, f16 and bf16 are summed in f32).
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Records kept in ``state.log`` by default: ~100 iterations of a 1000-parameter model.
+_DEFAULT_LOG_SIZE = 100_000
+
+
+class LossRecord(NamedTuple):
+    """One parameter's loss telemetry of one iteration."""
+
+    iteration: int
+    name: str
+    delivered_fraction: float
+
+
+class ParamInfo(NamedTuple):
+    """What the state knows about one trainable parameter."""
+
+    index: int
+    name: str
+    layer: int
+    loss_bound: float
+    dtype: torch.dtype
+    numel: int
+    priority: int  # DLCP data priority (0 = most urgent), as gradwire-qos derives the DSCP
+    group_class: int  # parameters of one class (and bound) may share an all-reduce
+
+
+class _Group(NamedTuple):
+    start: int
+    end: int
+    loss_bound: float
+    layer: int
+    params: tuple[tuple[ParamInfo, int, int], ...]  # (info, start, end) in bucket elements
+
+
+def _config_error(msg: str) -> gradwire.ConfigError:
+    return gradwire.ConfigError(msg)
+
+
+def _module_of(model: torch.nn.Module | torch.nn.parallel.DistributedDataParallel):
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module
+    if isinstance(model, torch.nn.Module):
+        return model
+    raise TypeError(
+        "GradwireState needs the DistributedDataParallel wrapper (or its module), "
+        f"not {type(model).__name__}"
+    )
+
+
+def _lookup(table: Mapping[str, object] | None, name: str, used: set[str]):
+    """The value for parameter `name`: an exact key first, then the first matching pattern."""
+    if not table:
+        return None
+    if name in table:
+        used.add(name)
+        return table[name]
+    for pattern, value in table.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            used.add(pattern)
+            return value
+    return None
+
+
+def _check_bound(p: object, where: str) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= float(p) < 1.0:
+        raise _config_error(f"{where}: loss bound {p!r} is not a fraction in [0, 1)")
+    return float(p)
+
+
+def local_ip_towards(host: str) -> str:
+    """The local address this host uses to reach `host` (no packet is sent)."""
+    try:
+        infos = socket.getaddrinfo(host, 9, proto=socket.IPPROTO_UDP)
+    except socket.gaierror as e:
+        raise _config_error(
+            f"cannot resolve MASTER_ADDR {host!r} ({e}); set GRADWIRE_IP to this rank's address"
+        ) from e
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
+def _this_rank_ip(ip: str | None) -> str:
+    if ip is None:
+        ip = os.environ.get("GRADWIRE_IP")
+    if ip is None:
+        master = os.environ.get("MASTER_ADDR")
+        if not master:
+            raise _config_error(
+                "cannot tell this rank's address: MASTER_ADDR is not set (torchrun sets it); "
+                "pass ip= or set GRADWIRE_IP"
+            )
+        ip = local_ip_towards(master)
+    try:
+        ipaddress.ip_address(ip)
+    except ValueError as e:
+        raise _config_error(f"this rank's address {ip!r} is not an IP address") from e
+    return ip
+
+
+class GradwireState:
+    """The hook's state: this rank's gradwire session and every parameter's bound and layer.
+
+    Arguments:
+        ddp: the ``DistributedDataParallel`` wrapper (or the module it wraps).
+        loss_bound: the bound of parameters ``loss_bounds`` does not name, in [0, 1); 0 is
+            reliable (the result equals a lossless all-reduce).
+        loss_bounds: ``{name or fnmatch pattern: p}``; an exact name wins, then the first
+            matching pattern in the dict's order. A key that matches no parameter is an error.
+        layers: ``{name or pattern: layer index}`` overriding the default layer order (0 =
+            front, the most urgent DSCP).
+        on_report: called as ``on_report(iteration, name, delivered_fraction)`` for every
+            parameter of every iteration, from the backward pass.
+        timeout: set-up deadline and longest wait for a peer, seconds.
+        ip: this rank's address (default: ``GRADWIRE_IP``, or the one routing to MASTER_ADDR).
+        rate_bps: the senders' line rate (default: gradwire's).
+        inject_loss, seed: testing: drop this fraction of arriving data packets.
+        secret: job secret (16+ bytes): authenticated links.
+        coalesce: all-reduce consecutive parameters of a bucket with the same bound and
+            priority class as one slice (False: one all-reduce per parameter).
+        spread_loss: rotate each lossy all-reduce (bound > 0) by a different offset every
+            iteration, so the blocks a bound leaves out are not the same elements each time
+            (costs a copy of the group; off: in place).
+        priority_classes: how many classes the layers spread over for coalescing, 1..7
+            (default 7, gradwire-qos's data priorities: one class per DSCP). Fewer classes mean
+            fewer, larger all-reduces; a group is tagged with the DSCP of its front-most layer.
+        log_size: records ``state.log`` keeps (the newest).
+        process_group: the group whose ranks take part (default: the world).
+
+    The constructor is a collective: every rank of the group must build its state.
+    """
+
+    def __init__(
+        self,
+        ddp,
+        loss_bound: float = 0.0,
+        *,
+        loss_bounds: Mapping[str, float] | None = None,
+        layers: Mapping[str, int] | None = None,
+        on_report: Callable[[int, str, float], None] | None = None,
+        timeout: float = 30.0,
+        ip: str | None = None,
+        rate_bps: int | None = None,
+        inject_loss: float = 0.0,
+        seed: int = 0,
+        secret: bytes | None = None,
+        job: int = 1,
+        coalesce: bool = True,
+        priority_classes: int = _DATA_PRIORITIES,
+        spread_loss: bool = True,
+        log_size: int | None = _DEFAULT_LOG_SIZE,
+        process_group=None,
+    ) -> None:
+        module = _module_of(ddp)
+        default_bound = _check_bound(loss_bound, "loss_bound")
+        if on_report is not None and not callable(on_report):
+            raise TypeError("on_report must be callable(iteration, name, delivered_fraction)")
+        if not dist.is_available() or not dist.is_initialized():
+            raise _config_error(
+                "torch.distributed is not initialised: call "
+                'torch.distributed.init_process_group("gloo") before GradwireState'
+            )
+
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise _config_error("the model has no trainable parameters")
+        # Default layers: the owning modules in registration order.
+        owner_index: dict[str, int] = {}
+        default_layer = []
+        for name, _ in named:
+            owner = name.rpartition(".")[0]
+            default_layer.append(owner_index.setdefault(owner, len(owner_index)))
+        used_bounds: set[str] = set()
+        used_layers: set[str] = set()
+        bounds, layer_of = [], []
+        for (name, _), dl in zip(named, default_layer):
+            b = _lookup(loss_bounds, name, used_bounds)
+            bounds.append(default_bound if b is None else _check_bound(b, f"loss_bounds[{name!r}]"))
+            lay = _lookup(layers, name, used_layers)
+            if lay is not None and (isinstance(lay, bool) or not isinstance(lay, int) or lay < 0):
+                raise _config_error(f"layers[{name!r}]: {lay!r} is not a layer index >= 0")
+            layer_of.append(dl if lay is None else lay)
+        for table, used, what in ((loss_bounds, used_bounds, "loss_bounds"), (layers, used_layers, "layers")):
+            unused = [k for k in (table or {}) if k not in used]
+            if unused:
+                raise _config_error(
+                    f"{what}: {unused} match no trainable parameter; the names are "
+                    f"{[n for n, _ in named][:8]}{' ...' if len(named) > 8 else ''}"
+                )
+        if isinstance(priority_classes, bool) or not isinstance(priority_classes, int) or not (
+            1 <= priority_classes <= _DATA_PRIORITIES
+        ):
+            raise _config_error(
+                f"priority_classes {priority_classes!r} is not in 1..{_DATA_PRIORITIES}"
+            )
+        self.num_layers = max(max(layer_of) + 1, len(owner_index))
+        if self.num_layers > 0xFFFF:
+            raise _config_error(f"{self.num_layers} layers: gradwire tags at most 65535")
+
+        self.params: dict[int, ParamInfo] = {}
+        self.by_name: dict[str, ParamInfo] = {}
+        for i, ((name, p), lay, b) in enumerate(zip(named, layer_of, bounds)):
+            if p.dtype not in _DTYPES:
+                raise _config_error(
+                    f"parameter {name!r} is {p.dtype}: gradwire reduces float32, float16 and "
+                    "bfloat16 (convert the model, e.g. model.float())"
+                )
+            if p.device.type != "cpu":
+                raise _config_error(
+                    f"parameter {name!r} is on {p.device}: gradwire's DDP hook works on CPU "
+                    "tensors; keep the model on the CPU (or use NCCL for GPUs)"
+                )
+            priority = lay * _DATA_PRIORITIES // self.num_layers
+            group_class = lay * priority_classes // self.num_layers
+            info = ParamInfo(i, name, lay, b, p.dtype, p.numel(), priority, group_class)
+            self.params[id(p)] = info
+            self.by_name[name] = info
+        # Parameters are kept alive by the model; `id` is stable while they live, and the
+        # hook also checks the tensor is the registered one.
+        self._tensors = {id(p): p for _, p in named}
+
+        self.coalesce = bool(coalesce)
+        self.spread_loss = bool(spread_loss)
+        self.on_report = on_report
+        self.log: collections.deque[LossRecord] = collections.deque(maxlen=log_size)
+        self.iteration = 0
+        self.allreduce_calls = 0
+        self.allreduce_seconds = 0.0
+        self._groups: dict[tuple[int, ...], tuple[_Group, ...]] = {}
+        self._lock = threading.Lock()
+        self.failed: BaseException | None = None
+
+        pg = process_group
+        self.rank = dist.get_rank(pg)
+        self.world = dist.get_world_size(pg)
+        self.ip = _this_rank_ip(ip)
+        endpoint = gradwire.Endpoint(
+            self.rank,
+            self.world,
+            self.ip,
+            job=job,
+            loss_bound=default_bound,
+            timeout=float(timeout),
+            secret=secret,
+            inject_loss=inject_loss,
+            seed=seed,
+            point_to_point=False,  # DDP needs only the ring
+            rate_bps=rate_bps,
+        )
+        table: list[bytes | None] = [None] * self.world
+        dist.all_gather_object(table, endpoint.address, group=pg)
+        missing = [r for r, a in enumerate(table) if not isinstance(a, (bytes, bytearray))]
+        if missing:
+            raise gradwire.SetupError(f"ranks {missing} sent no gradwire endpoint")
+        self.session = endpoint.connect([bytes(a) for a in table])
+
+    # -- the bucket -> groups map ---------------------------------------------------------
+
+    def _info(self, p: torch.Tensor) -> ParamInfo:
+        info = self.params.get(id(p))
+        if info is None or self._tensors.get(id(p)) is not p:
+            raise _config_error(
+                f"a parameter of shape {tuple(p.shape)} in DDP's bucket is not registered "
+                "with this GradwireState: build the state from the same "
+                "DistributedDataParallel model the hook is registered on"
+            )
+        return info
+
+    def groups(self, bucket) -> tuple[_Group, ...]:
+        """The all-reduces of `bucket`: runs of its parameters with one bound and class."""
+        params = list(bucket.parameters())
+        key = tuple(id(p) for p in params)
+        cached = self._groups.get(key)
+        if cached is not None:
+            return cached
+        groups: list[_Group] = []
+        run: list[tuple[ParamInfo, int, int]] = []
+        off = 0
+
+        def close():
+            if run:
+                front = min(info.layer for info, _, _ in run)  # its DSCP tags the group
+                groups.append(_Group(run[0][1], run[-1][2], run[0][0].loss_bound, front, tuple(run)))
+
+        for p in params:
+            info = self._info(p)
+            item = (info, off, off + info.numel)
+            if run and self.coalesce and (
+                run[-1][0].loss_bound == info.loss_bound and run[-1][0].group_class == info.group_class
+            ):
+                run.append(item)
+            else:
+                close()
+                run = [item]
+            off += info.numel
+        close()
+        self._groups[key] = tuple(groups)
+        return self._groups[key]
+
+    # -- one bucket -----------------------------------------------------------------------
+
+    def reduce_bucket(self, bucket) -> torch.Tensor:
+        """All-reduce `bucket` in place and record each parameter's delivered fraction."""
+        buf = bucket.buffer()
+        _check_tensor(buf, "DDP's bucket")
+        groups = self.groups(bucket)
+        grads = bucket.gradients()
+        total = groups[-1].end if groups else 0
+        if total != buf.numel():
+            raise RuntimeError(
+                f"gradwire: bucket {bucket.index()} holds {buf.numel()} elements but its "
+                f"parameters {total}; this torch version lays buckets out differently"
+            )
+        es = buf.element_size()
+        flat = [item for g in groups for item in g.params]
+        for (info, start, _), grad in zip(flat, grads):
+            if grad.dtype != info.dtype or buf.dtype != info.dtype:
+                raise _config_error(
+                    f"parameter {info.name!r} was registered as {info.dtype} but its "
+                    f"gradient is {grad.dtype} (bucket {buf.dtype}): build the "
+                    "GradwireState after converting the model"
+                )
+            if grad.data_ptr() != buf.data_ptr() + start * es:
+                raise RuntimeError(
+                    f"gradwire: the gradient of {info.name!r} is not at element {start} of "
+                    "DDP's bucket buffer; this torch version lays buckets out differently"
+                )
+        with self._lock:
+            if self.failed is not None:
+                raise gradwire.UnusableError(
+                    f"an earlier all-reduce failed ({self.failed}); the job cannot go on"
+                )
+            records = []
+            for gi, g in enumerate(groups):
+                view = buf[g.start : g.end]
+                n = g.end - g.start
+                shift = _rotation(self.iteration, gi, n) if self.spread_loss and g.loss_bound > 0 else 0
+                # A rotated copy (the same on every rank): in place when nothing is rotated.
+                work = torch.roll(view, shift) if shift else view
+                try:
+                    report = self.session.all_reduce(
+                        work,
+                        op="average",
+                        loss_bound=g.loss_bound,
+                        layer=g.layer,
+                        num_layers=self.num_layers,
+                    )
+                except gradwire.GradwireError as e:
+                    self.failed = e
+                    names = [info.name for info, _, _ in g.params]
+                    e.add_note(
+                        f"gradwire: during DDP's all-reduce of {names} at iteration "
+                        f"{self.iteration} on rank {self.rank}"
+                    )
+                    raise
+                if shift:
+                    view.copy_(torch.roll(work, -shift))
+                self.allreduce_calls += 1
+                self.allreduce_seconds += report.elapsed_s
+                for info, start, end in g.params:
+                    frac = _rotated_delivered(report, start - g.start, end - g.start, shift, n)
+                    records.append(LossRecord(self.iteration, info.name, frac))
+            self.log.extend(records)
+            iteration = self.iteration
+            if bucket.is_last():
+                self.iteration += 1
+        if self.on_report is not None:
+            for r in records:
+                self.on_report(iteration, r.name, r.delivered_fraction)
+        return buf
+
+    # -- telemetry ------------------------------------------------------------------------
+
+    def delivered_by_parameter(self, records: Iterable[LossRecord] | None = None) -> dict[str, float]:
+        """Mean delivered fraction of each parameter over `records` (default: the log)."""
+        sums: dict[str, list[float]] = {}
+        for r in self.log if records is None else records:
+            s = sums.setdefault(r.name, [0.0, 0])
+            s[0] += r.delivered_fraction
+            s[1] += 1
+        return {n: s[0] / s[1] for n, s in sums.items()}
+
+    def close(self) -> None:
+        """Close the gradwire session (the hook fails afterwards)."""
+        self.session.close()
+
+    def __enter__(self) -> "GradwireState":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"GradwireState(rank={self.rank}, world={self.world}, ip={self.ip!r}, "
+            f"params={len(self.params)}, layers={self.num_layers}, iteration={self.iteration})"
+        )
+
+
+
+def _check_tensor(t, what: str) -> None:
+    """A clear error for tensors gradwire cannot reduce in place."""
+    device = getattr(t, "device", None)
+    dev_type = getattr(device, "type", None)
+    if getattr(t, "is_cuda", False) or dev_type not in (None, "cpu"):
+        raise _config_error(
+            f"{what} is on {device}: gradwire's DDP hook works on CPU tensors only; keep the "
+            "model on the CPU, or use the NCCL backend for GPU training"
+        )
+    if t.dtype not in _DTYPES:
+        raise _config_error(
+            f"{what} is {t.dtype}: gradwire reduces float32, float16 and bfloat16"
+        )
+
+
+def _rotation(iteration: int, group: int, n: int) -> int:
+    """Where a lossy all-reduce of `n` elements starts this iteration, the same on every rank.
+
+    The transport meets a bound by finishing a transfer once enough has arrived, so what it
+    leaves out is the tail of each ring chunk: without rotation the same elements would miss
+    contributions in every iteration. Successive multiples of the golden ratio spread the
+    start evenly over the tensor."""
+    if n <= 1:
+        return 0
+    return int(((iteration + 1) * 0.6180339887498949 + group * 0.4142135623730951) % 1.0 * n)
+
+
+def _rotated_delivered(report, start: int, end: int, shift: int, n: int) -> float:
+    """The delivered fraction of elements [start, end) of a group all-reduced rolled by
+    `shift` (element i sat at (i + shift) mod n)."""
+    if not shift:
+        return _range_delivered(report, start, end)
+    a, b = (start + shift) % n, (end + shift) % n
+    if a < b or end - start == 0:
+        return _range_delivered(report, a, b)
+    # Wrapped: [a, n) and [0, b).
+    first, second = n - a, b
+    total = _range_delivered(report, a, n) * first
+    if second:
+        total += _range_delivered(report, 0, b) * second
+    return total / (first + second)
+
+
+def _range_delivered(report, start: int, end: int) -> float:
+    """Element-weighted mean of the report's per-block delivered fractions over [start, end)."""
+    if end <= start:
+        return 1.0
+    be = report.block_elems
+    blocks = report.block_delivered
+    if be <= 0 or not blocks:
+        return float(report.delivered_fraction)
+    first, last = start // be, (end - 1) // be
+    if first == last:
+        return float(blocks[first])
+    total = blocks[first] * ((first + 1) * be - start) + blocks[last] * (end - last * be)
+    total += math.fsum(blocks[first + 1 : last]) * be
+    return float(total / (end - start))
+
+
+def allreduce_hook(state: GradwireState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average the bucket's gradients over gradwire, in place.
+
+    Register with ``ddp.register_comm_hook(state, allreduce_hook)``. Returns a completed
+    future holding the bucket's buffer.
+    """
+    if not isinstance(state, GradwireState):
+        raise TypeError(
+            "allreduce_hook's state must be a gradwire.ddp.GradwireState, not "
+            f"{type(state).__name__}: ddp.register_comm_hook(GradwireState(ddp), allreduce_hook)"
+        )
+    buf = state.reduce_bucket(bucket)
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+# DDP checks the hook's return annotation by value; the postponed annotations of this module
+# would hand it a string.
+allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
