@@ -1204,4 +1204,91 @@ rate = "100Mbit"
         assert_eq!(ls.switches.len(), 4);
         assert_eq!(ls.hosts.len(), 8);
     }
+
+    /// The switch-switch links of `t`, once each.
+    fn wan_links(t: &Topology) -> Vec<&LinkSpec> {
+        let mut out = Vec::new();
+        for (si, s) in t.switches.iter().enumerate() {
+            for (pi, p) in s.ports.iter().enumerate() {
+                if matches!(p.peer, Peer::Switch(x, xp) if (si, pi) < (x, xp)) {
+                    out.push(&p.link);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_shipped_wans_are_the_papers_scaled() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testbeds");
+        let t = Topology::load(&dir.join("wan9.toml")).unwrap();
+        assert_eq!((t.hosts.len(), t.switches.len()), (9, 9));
+        for (i, h) in t.hosts.iter().enumerate() {
+            // One host per site, in site order.
+            assert_eq!(
+                (h.switch, h.name.clone()),
+                (i, format!("h{}", t.switches[i].name))
+            );
+            assert_eq!(h.ip, host_ip(i));
+        }
+        let links = wan_links(&t);
+        assert_eq!(links.len(), 14);
+        assert_eq!(t.scheduled_links().len(), 14);
+        let sec = 1_000_000_000u64;
+        for l in &links {
+            assert_eq!((l.delay_ns, l.loss), (30_000_000, 0.0002));
+            assert_eq!(l.thresholds, Thresholds::Off);
+            let s = l.schedule.as_ref().unwrap();
+            assert_eq!(s.period_ns(), Some(80 * sec));
+            let at: Vec<u64> = s.steps().iter().map(|x| x.at_ns / sec).collect();
+            assert_eq!(at, [20, 40, 60]);
+            // The paper's 20-155 Mbit/s divided by 10, at every step.
+            for r in std::iter::once(s.base_bps()).chain(s.steps().iter().map(|x| x.rate_bps)) {
+                assert!((2_000_000..=15_500_000).contains(&r), "{r}");
+            }
+            // Two BDPs at the highest rate, at least the policy's buffer.
+            let want = auto_buffer_bytes(s.max_bps(), 30_000_000, 192 * 1024);
+            assert_eq!(l.buffer_bytes, want);
+            assert!(l.buffer_bytes >= 192 * 1024);
+        }
+        // Both ends of the range occur; the graph is irregular (degrees 2 to 4).
+        let all: Vec<u64> = links
+            .iter()
+            .map(|l| l.schedule.as_ref().unwrap().max_bps())
+            .collect();
+        assert!(all.contains(&15_500_000));
+        let degrees: Vec<usize> = t
+            .switches
+            .iter()
+            .map(|s| {
+                s.ports
+                    .iter()
+                    .filter(|p| matches!(p.peer, Peer::Switch(..)))
+                    .count()
+            })
+            .collect();
+        assert_eq!(degrees.iter().min(), Some(&2));
+        assert_eq!(degrees.iter().max(), Some(&4));
+        // Host links: fast LANs.
+        let lan = &t.switches[0].ports[t.hosts[0].port].link;
+        assert_eq!(
+            (lan.rate_bps, lan.loss, lan.schedule.is_none()),
+            (100_000_000, 0.0, true)
+        );
+
+        let t = Topology::load(&dir.join("wan4.toml")).unwrap();
+        assert_eq!((t.hosts.len(), t.switches.len()), (4, 4));
+        let links = wan_links(&t);
+        assert_eq!(links.len(), 5);
+        for l in &links {
+            assert!((1_000_000..=2_000_000).contains(&l.delay_ns));
+            assert_eq!(l.loss, 0.0);
+        }
+        let drop = t.scheduled_links();
+        assert_eq!(drop.len(), 1);
+        assert_eq!((drop[0].a.as_str(), drop[0].b.as_str()), ("s0", "s1"));
+        let s = &drop[0].schedule;
+        assert_eq!((s.rate_at(0), s.rate_at(10 * sec)), (16_000_000, 2_000_000));
+        assert_eq!(s.period_ns(), None);
+    }
 }
