@@ -1555,14 +1555,21 @@ mod tests {
             let mut longer = bytes.clone();
             longer.push(0);
             prop_assert_eq!(Message::parse(&longer), Err(WireError::Trailing(1)));
-            prop_assert_eq!(Message::parse_prefix(&longer).expect("prefix"), (m.clone(), bytes.len()));
+            prop_assert_eq!(
+                Message::parse_prefix(&longer).expect("prefix"),
+                (m.clone(), bytes.len())
+            );
             // The typed parsers agree.
             match &m {
-                Message::LinkReport(x) => prop_assert_eq!(&LinkReport::parse(&bytes).unwrap(), x),
+                Message::LinkReport(x) => {
+                    prop_assert_eq!(&LinkReport::parse(&bytes).unwrap(), x)
+                }
                 Message::TopologyRequest(x) => {
                     prop_assert_eq!(&TopologyRequest::parse(&bytes).unwrap(), x)
                 }
-                Message::PolicyUpdate(x) => prop_assert_eq!(&PolicyUpdate::parse(&bytes).unwrap(), x),
+                Message::PolicyUpdate(x) => {
+                    prop_assert_eq!(&PolicyUpdate::parse(&bytes).unwrap(), x)
+                }
                 Message::PolicyConfirm(x) => {
                     prop_assert_eq!(&PolicyConfirm::parse(&bytes).unwrap(), x)
                 }
@@ -1604,7 +1611,10 @@ mod tests {
         }
 
         #[test]
-        fn chunk_split_and_forward(h in chunk_strategy(), payload in proptest::collection::vec(any::<u8>(), 0..64)) {
+        fn chunk_split_and_forward(
+            h in chunk_strategy(),
+            payload in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
             let mut msg = h.to_vec().unwrap();
             msg.extend_from_slice(&payload);
             let (back, rest) = ChunkHeader::split(&msg).unwrap();

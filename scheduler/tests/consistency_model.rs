@@ -323,7 +323,8 @@ impl Model {
                     }
                     if !g.results.insert((n, round, chunk)) {
                         return Err(format!(
-                            "DUPLICATION: node {n} got a second result for round {round}, chunk {chunk}"
+                            "DUPLICATION: node {n} got a second result for round {round}, \
+                             chunk {chunk}"
                         ));
                     }
                 }
@@ -395,7 +396,7 @@ impl Model {
                     };
                     let outs = g2.nodes[usize::from(*to)]
                         .on_reply(reply)
-                        .map_err(|e| fail(format!("UNHANDLED MESSAGE: {e}")))?;
+                        .map_err(|e| fail(format!("UNHANDLED MESSAGE (its data is lost): {e}")))?;
                     (*to, outs)
                 }
                 Msg::Chunk {
@@ -418,9 +419,9 @@ impl Model {
                         // Dropped: this variant has no Case 2.
                         (*to, Vec::new())
                     } else {
-                        let outs = n
-                            .on_chunk(*from, header.clone(), *payload)
-                            .map_err(|e| fail(format!("UNHANDLED MESSAGE: {e}")))?;
+                        let outs = n.on_chunk(*from, header.clone(), *payload).map_err(|e| {
+                            fail(format!("UNHANDLED MESSAGE (its data is lost): {e}"))
+                        })?;
                         (*to, outs)
                     }
                 }
@@ -438,10 +439,43 @@ impl Model {
                 if versions.len() > 1 {
                     self.seen.mixed_versions.set(true);
                 }
-                out.push((Step::Deliver(m.clone(), choices), g3));
+                let step = Step::Deliver(m.clone(), choices);
+                if let Some(why) = self.check_invariants(&g3) {
+                    return Err((step, why));
+                }
+                out.push((step, g3));
             }
         }
         Ok(out)
+    }
+
+    /// What pinning guarantees in every state: the nodes that know their round's policy
+    /// agree on it per round, and the scheduler has at most one round pinned.
+    /// (Not checked without pinning, where it fails by design: that variant must show the
+    /// harm itself, a deadlock or lost data.)
+    fn check_invariants(&self, g: &Global) -> Option<Violation> {
+        if self.variant == Variant::NoPinning {
+            return None;
+        }
+        let mut by_round: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+        for n in &g.nodes {
+            if matches!(n.stage(), Stage::Adopted | Stage::Running) {
+                let (v, _) = n.policy().expect("a node past its TRP holds a policy");
+                by_round.entry(n.round()).or_default().insert(v);
+            }
+        }
+        if let Some((round, vs)) = by_round.iter().find(|(_, vs)| vs.len() > 1) {
+            return Some(format!(
+                "SPLIT ROUND: nodes run round {round} on policy versions {vs:?}"
+            ));
+        }
+        if let Scheduler::Pinned(s) = &g.sched {
+            let pinned = (0..ROUNDS).filter(|&r| s.pinned(r).is_some()).count();
+            if pinned > 1 {
+                return Some(format!("{pinned} rounds pinned at once"));
+            }
+        }
+        None
     }
 
     /// What is wrong with a state that has no move left, if anything.
@@ -650,7 +684,13 @@ fn protocol_has_no_deadlock_or_loss_in_any_interleaving() {
 fn without_pinning_the_checker_finds_a_counterexample() {
     let r = check(Variant::NoPinning);
     print_counterexample("newest policy per TRP (no pinning)", &r);
-    let (trace, _) = r.violation.as_ref().unwrap();
+    let (trace, why) = r.violation.as_ref().unwrap();
+    assert!(
+        ["DEADLOCK", "LOSS", "UNHANDLED"]
+            .iter()
+            .any(|harm| why.contains(harm)),
+        "{why}"
+    );
     // The counterexample needs the refresh in the middle of a round.
     assert!(trace.iter().any(|l| l.contains("refresh")));
 }
@@ -659,5 +699,6 @@ fn without_pinning_the_checker_finds_a_counterexample() {
 fn without_the_cache_the_checker_finds_a_counterexample() {
     let r = check(Variant::NoCache);
     print_counterexample("early chunks dropped (no Case 2)", &r);
-    assert!(r.violation.is_some());
+    let (_, why) = r.violation.as_ref().unwrap();
+    assert!(why.starts_with("DEADLOCK"), "{why}");
 }
