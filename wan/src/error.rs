@@ -1,0 +1,60 @@
+//! The runtime's errors: each names the node, the peer or the scheduler, and what to check.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Why a node or the scheduler failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WanError {
+    /// A chunk channel with a peer failed, or a peer sent what the round's policy forbids.
+    #[error("node {rank}: link with node {peer}: {error}")]
+    Peer {
+        /// This node.
+        rank: usize,
+        /// The peer.
+        peer: usize,
+        /// What happened.
+        error: String,
+    },
+    /// A round did not finish in time: a node stopped answering, or the network is slower
+    /// than the timeout allows.
+    #[error(
+        "node {rank}: round {round} did not finish within {timeout:?} ({pending} chunks still missing): a node stopped answering, or raise the timeout"
+    )]
+    RoundTimeout {
+        /// This node.
+        rank: usize,
+        /// The round.
+        round: u32,
+        /// Chunks without their result.
+        pending: usize,
+        /// The timeout.
+        timeout: Duration,
+    },
+    /// The scheduler connection failed.
+    #[error("scheduler at {addr}: {error}")]
+    Scheduler {
+        /// Its address.
+        addr: SocketAddr,
+        /// What happened.
+        error: String,
+    },
+    /// A chunk did not fit the round's policy.
+    #[error(transparent)]
+    Sync(#[from] crate::sync::SyncError),
+    /// Links could not be set up.
+    #[error(transparent)]
+    Collective(#[from] gradwire_collective::error::CollectiveError),
+    /// A policy could not be formulated (a disconnected overlay, a bad root).
+    #[error("policy formulation: {0}")]
+    Plan(String),
+    /// Bad configuration.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A thread could not be started, a socket not bound.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// A bug.
+    #[error("internal error: {0}")]
+    Internal(String),
+}

@@ -1,0 +1,394 @@
+//! The scheduler (NetStorm §VIII-B): the network collector (link reports into the overlay),
+//! policy formulation (Algorithms 2 and 3, or a baseline's tree) and policy consistency
+//! (§VII-A: a topology request before each PUSH; the policy is pinned per round).
+//!
+//! **One policy per round.** A refresh may happen while some nodes of round `r` have asked
+//! and others have not. Every topology request of round `r` is answered with the policy the
+//! first request of round `r` got, so all nodes of a round run one policy; a new version
+//! takes effect from the next round that no node has started. Chunks of a node that is one
+//! round ahead are cached by their receivers until those reach the round (Case 2).
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use gradwire_netstorm::config::NetStormConfig;
+use gradwire_netstorm::graph::Overlay;
+
+use crate::control::{read_frame, write_frame};
+use crate::error::WanError;
+use crate::meta::{self, Msg};
+use crate::plan::{formulate, Planner};
+use crate::policy::RoundPolicy;
+
+/// How the scheduler builds policies: NetStorm's, and the baselines, in one code path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Strategy {
+    /// One parameter server (MXNet): every node's parent is the root.
+    Star,
+    /// MLNET's balanced k-ary tree.
+    Bkt,
+    /// TSEngine's maximum-throughput spanning tree.
+    Mst,
+    /// One fastest-aggregation-path tree (the best root).
+    Fapt,
+    /// Multi-root FAPT, from the first measurements only.
+    MrFapt,
+    /// Multi-root FAPT refreshed from passive link reports.
+    MrFaptAware,
+    /// ... with auxiliary paths.
+    MrFaptAwareAux,
+}
+
+impl Strategy {
+    /// Every strategy, in the experiment's order.
+    pub const ALL: [Strategy; 7] = [
+        Strategy::Star,
+        Strategy::Bkt,
+        Strategy::Mst,
+        Strategy::Fapt,
+        Strategy::MrFapt,
+        Strategy::MrFaptAware,
+        Strategy::MrFaptAwareAux,
+    ];
+
+    /// The name used in files and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Star => "star",
+            Strategy::Bkt => "bkt",
+            Strategy::Mst => "mst",
+            Strategy::Fapt => "fapt",
+            Strategy::MrFapt => "mr-fapt",
+            Strategy::MrFaptAware => "mr-fapt+aware",
+            Strategy::MrFaptAwareAux => "mr-fapt+aware+aux",
+        }
+    }
+
+    /// Refreshes the policy from link reports.
+    pub fn aware(self) -> bool {
+        matches!(self, Strategy::MrFaptAware | Strategy::MrFaptAwareAux)
+    }
+
+    /// Uses auxiliary paths.
+    pub fn aux(self) -> bool {
+        self == Strategy::MrFaptAwareAux
+    }
+
+    /// The options NetStorm runs this strategy with: awareness and auxiliary paths switched
+    /// as the strategy says.
+    pub fn netstorm(self, base: &NetStormConfig) -> NetStormConfig {
+        NetStormConfig {
+            enable_awareness: self.aware(),
+            enable_aux_path: self.aux(),
+            ..base.clone()
+        }
+    }
+}
+
+impl std::fmt::Display for Strategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Strategy::ALL
+            .into_iter()
+            .find(|x| x.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Strategy::ALL.iter().map(|x| x.name()).collect();
+                format!("unknown strategy {s:?} (one of {})", names.join(", "))
+            })
+    }
+}
+
+/// How the scheduler runs.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Nodes in the job.
+    pub world: usize,
+    /// The strategy.
+    pub strategy: Strategy,
+    /// NetStorm's options (UPDATE_TIME, roots, chunk shares).
+    pub netstorm: NetStormConfig,
+    /// The overlay as first measured (link rates before any report).
+    pub overlay: Overlay,
+    /// Bytes a tree edge carries per round (weights the transfer delays).
+    pub chunk_bytes: u64,
+}
+
+/// A policy the scheduler formulated.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PolicyRecord {
+    /// Its version.
+    pub version: u32,
+    /// When, in milliseconds since the scheduler started.
+    pub at_ms: f64,
+    /// Each tree's parent vector (root order).
+    pub parents: Vec<Vec<Option<usize>>>,
+}
+
+/// What the scheduler did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SchedulerReport {
+    /// Policies formulated, the first included.
+    pub policies: Vec<PolicyRecord>,
+    /// Link reports received.
+    pub link_reports: usize,
+    /// Topology requests answered.
+    pub requests: usize,
+}
+
+#[derive(Debug)]
+struct State {
+    cfg: SchedulerConfig,
+    planner: Planner,
+    overlay: Overlay,
+    current: RoundPolicy,
+    pinned: BTreeMap<u32, RoundPolicy>,
+    last_refresh: Instant,
+    started: Instant,
+    report: SchedulerReport,
+}
+
+impl State {
+    /// The network collector: a link's new throughput.
+    fn collect(&mut self, from: usize, to: usize, bps: f64) {
+        self.report.link_reports += 1;
+        if self.cfg.strategy.aware() && bps > 0.0 {
+            // Pairs that are not overlay links (a star's edges) are not in the overlay.
+            let _ = self.overlay.set_throughput(from, to, bps);
+        }
+    }
+
+    fn refresh(&mut self) -> Result<(), WanError> {
+        let next = formulate(
+            self.cfg.strategy,
+            &self.overlay,
+            &mut self.planner,
+            &self.cfg.netstorm,
+            self.cfg.chunk_bytes,
+            self.current.version + 1,
+        )?;
+        self.last_refresh = Instant::now();
+        if next.policy != self.current.policy {
+            self.report.policies.push(PolicyRecord {
+                version: next.version,
+                at_ms: self.started.elapsed().as_secs_f64() * 1e3,
+                parents: next.parents(),
+            });
+            self.current = next;
+        }
+        Ok(())
+    }
+
+    fn answer(&mut self, held: u32, round: u32) -> Result<Msg, WanError> {
+        self.report.requests += 1;
+        if !self.pinned.contains_key(&round) {
+            if self.cfg.strategy.aware()
+                && self.last_refresh.elapsed() >= self.cfg.netstorm.update_time
+            {
+                self.refresh()?;
+            }
+            self.pinned.insert(round, self.current.clone());
+            // Rounds more than a few behind have every node past them.
+            self.pinned = self.pinned.split_off(&round.saturating_sub(4));
+        }
+        let p = self
+            .pinned
+            .get(&round)
+            .cloned()
+            .unwrap_or_else(|| self.current.clone());
+        Ok(if held == p.version {
+            Msg::PolicyConfirm {
+                version: p.version,
+                round,
+            }
+        } else {
+            Msg::PolicyUpdate(round, p)
+        })
+    }
+}
+
+/// A running scheduler.
+#[derive(Debug)]
+pub struct SchedulerHandle {
+    addr: SocketAddr,
+    state: Arc<Mutex<State>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Result<SchedulerReport, WanError>>>,
+}
+
+impl SchedulerHandle {
+    /// Where nodes connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// What the network collector does with a link report: the throughput of `from -> to`
+    /// is now `bps` (aware strategies; others keep their first view). For operators (a
+    /// link known to be degraded) and tests.
+    pub fn report_link(&self, from: usize, to: usize, bps: f64) -> Result<(), WanError> {
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| WanError::Internal("scheduler state poisoned".into()))?;
+        st.collect(from, to, bps);
+        Ok(())
+    }
+
+    /// Stop serving and return what happened.
+    pub fn stop(mut self) -> Result<SchedulerReport, WanError> {
+        self.stop.store(true, Ordering::Release);
+        match self.thread.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(r)) => r,
+            _ => Err(WanError::Internal("the scheduler thread panicked".into())),
+        }
+    }
+}
+
+impl Drop for SchedulerHandle {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+/// Start the scheduler on `listener`: the first policy is formulated from `cfg.overlay`.
+pub fn spawn(listener: TcpListener, cfg: SchedulerConfig) -> Result<SchedulerHandle, WanError> {
+    let addr = listener.local_addr()?;
+    listener.set_nonblocking(true)?;
+    let mut planner = Planner::default();
+    let overlay = cfg.overlay.clone();
+    let first = formulate(
+        cfg.strategy,
+        &overlay,
+        &mut planner,
+        &cfg.netstorm,
+        cfg.chunk_bytes,
+        1,
+    )?;
+    let started = Instant::now();
+    let state = Arc::new(Mutex::new(State {
+        report: SchedulerReport {
+            policies: vec![PolicyRecord {
+                version: 1,
+                at_ms: 0.0,
+                parents: first.parents(),
+            }],
+            ..SchedulerReport::default()
+        },
+        planner,
+        overlay,
+        current: first,
+        pinned: BTreeMap::new(),
+        last_refresh: started,
+        started,
+        cfg,
+    }));
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&stop);
+    let shared = Arc::clone(&state);
+    let thread = std::thread::Builder::new()
+        .name("netstorm-scheduler".into())
+        .spawn(move || serve(listener, shared, flag))?;
+    Ok(SchedulerHandle {
+        addr,
+        state,
+        stop,
+        thread: Some(thread),
+    })
+}
+
+fn serve(
+    listener: TcpListener,
+    state: Arc<Mutex<State>>,
+    stop: Arc<AtomicBool>,
+) -> Result<SchedulerReport, WanError> {
+    let mut conns = Vec::new();
+    while !stop.load(Ordering::Acquire) {
+        match listener.accept() {
+            Ok((s, _)) => {
+                let state = Arc::clone(&state);
+                let stop = Arc::clone(&stop);
+                conns.push(
+                    std::thread::Builder::new()
+                        .name("netstorm-node-conn".into())
+                        .spawn(move || connection(s, &state, &stop))?,
+                );
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    for c in conns {
+        let _ = c.join();
+    }
+    let st = state
+        .lock()
+        .map_err(|_| WanError::Internal("scheduler state poisoned".into()))?;
+    Ok(st.report.clone())
+}
+
+/// One node's connection: answer its requests, collect its reports, until it closes.
+fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool) {
+    if s.set_nonblocking(false).is_err()
+        || s.set_read_timeout(Some(Duration::from_millis(200)))
+            .is_err()
+    {
+        return;
+    }
+    let _ = s.set_nodelay(true);
+    while !stop.load(Ordering::Acquire) {
+        let bytes = match read_frame(&mut s) {
+            Ok(b) => b,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue
+            }
+            Err(_) => return,
+        };
+        let Ok(msg) = meta::decode_msg(&bytes) else {
+            log::warn!("scheduler: dropped a connection that sent an invalid message");
+            return;
+        };
+        let Ok(mut st) = state.lock() else { return };
+        let reply = match msg {
+            Msg::LinkReport {
+                from,
+                to,
+                throughput_bps,
+                ..
+            } => {
+                st.collect(from, to, throughput_bps as f64);
+                None
+            }
+            Msg::TopologyRequest { version, round, .. } => match st.answer(version, round) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    log::warn!("scheduler: {e}");
+                    return;
+                }
+            },
+            Msg::PolicyUpdate(..) | Msg::PolicyConfirm { .. } => return,
+        };
+        drop(st);
+        if let Some(m) = reply {
+            let Ok(b) = meta::encode_msg(&m) else { return };
+            if write_frame(&mut s, &b).is_err() {
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! The scheduler and four nodes in one process over in-memory gradwire links: every
+//! strategy synchronizes exactly; a policy switch between rounds (a link reported slow)
+//! loses nothing; a node that dies is named by the others within the timeout.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use gradwire::transport::TransferConfig;
+use gradwire_collective::link::{Links, MemLinkConfig};
+use gradwire_netstorm::config::NetStormConfig;
+use gradwire_netstorm::graph::Overlay;
+use gradwire_wan::node::{Node, NodeConfig};
+use gradwire_wan::scheduler::{self, SchedulerConfig, Strategy};
+use gradwire_wan::WanError;
+
+const N: usize = 4;
+const ELEMS: usize = 5_000;
+
+/// A 4-site ring with one chord: 0-1 fast, 1-2, 2-3, 3-0, 0-2 slower.
+fn overlay() -> Overlay {
+    let mut o = Overlay::new(N);
+    o.add_link(0, 1, 100e6).unwrap();
+    o.add_link(1, 2, 80e6).unwrap();
+    o.add_link(2, 3, 60e6).unwrap();
+    o.add_link(3, 0, 90e6).unwrap();
+    o.add_link(0, 2, 20e6).unwrap();
+    o
+}
+
+fn input(rank: usize, round: u32, e: usize) -> f32 {
+    ((rank * 7 + e * 3 + round as usize) % 13) as f32
+}
+
+fn netstorm() -> NetStormConfig {
+    NetStormConfig {
+        chunk_size: 700,
+        probe_chunk_size: 1000,
+        probe_chunk_num: 2,
+        update_time: Duration::ZERO,
+        ..NetStormConfig::default()
+    }
+}
+
+/// A node's outputs per round (or its error), its versions per round, its aux chunks.
+type NodeOutcome = (Result<Vec<Vec<f32>>, WanError>, Vec<u32>, usize);
+
+struct Run {
+    outputs: Vec<Result<Vec<Vec<f32>>, WanError>>,
+    versions: Vec<Vec<u32>>,
+    sent_aux: usize,
+    policies: usize,
+}
+
+/// `rounds` rounds of `strategy`; `between(round, scheduler)` runs before each round on
+/// node 0's thread; `die`: a rank that returns after its first round.
+fn run(
+    strategy: Strategy,
+    rounds: u32,
+    between: &(dyn Fn(u32, &scheduler::SchedulerHandle) + Sync),
+    die: Option<usize>,
+) -> Run {
+    let edges: Vec<(usize, usize)> = (0..N)
+        .flat_map(|a| (0..N).map(move |b| (a, b)))
+        .filter(|(a, b)| a != b)
+        .collect();
+    let links = Links::in_memory(N, &edges, &MemLinkConfig::default()).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let ns = strategy.netstorm(&netstorm());
+    let sched = scheduler::spawn(
+        listener,
+        SchedulerConfig {
+            world: N,
+            strategy,
+            netstorm: ns.clone(),
+            overlay: overlay(),
+            chunk_bytes: 700 * 4,
+        },
+    )
+    .unwrap();
+    let addr = sched.addr();
+    let cfg = |rank| NodeConfig {
+        rank,
+        job: 7,
+        netstorm: ns.clone(),
+        transfer: TransferConfig {
+            idle_timeout: Duration::from_secs(2),
+            ..TransferConfig::default()
+        },
+        dscp: 10,
+        round_timeout: Duration::from_secs(5),
+    };
+    let results: Vec<NodeOutcome> = std::thread::scope(|s| {
+        let hs: Vec<_> = links
+            .into_iter()
+            .enumerate()
+            .map(|(rank, l)| {
+                let cfg = cfg(rank);
+                let sched = &sched;
+                s.spawn(move || {
+                    let mut node = Node::start(l, addr, cfg).unwrap();
+                    let mut outs = Vec::new();
+                    for round in 0..rounds {
+                        if rank == 0 {
+                            between(round, sched);
+                        }
+                        if die == Some(rank) && round == 1 {
+                            break;
+                        }
+                        let inp: Vec<f32> = (0..ELEMS).map(|e| input(rank, round, e)).collect();
+                        match node.synchronize(&inp) {
+                            Ok(o) => outs.push(o),
+                            Err(e) => {
+                                let rep = node.shutdown();
+                                return (Err(e), rep.versions, rep.sent_aux);
+                            }
+                        }
+                    }
+                    let rep = node.shutdown();
+                    (Ok(outs), rep.versions, rep.sent_aux)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let report = sched.stop().unwrap();
+    Run {
+        sent_aux: results.iter().map(|r| r.2).sum(),
+        versions: results.iter().map(|r| r.1.clone()).collect(),
+        outputs: results.into_iter().map(|r| r.0).collect(),
+        policies: report.policies.len(),
+    }
+}
+
+fn want(round: u32) -> Vec<f32> {
+    (0..ELEMS)
+        .map(|e| (0..N).map(|r| input(r, round, e)).sum::<f32>() / N as f32)
+        .collect()
+}
+
+#[test]
+fn every_strategy_gives_every_node_the_exact_average() {
+    for s in Strategy::ALL {
+        let r = run(s, 3, &|_, _| {}, None);
+        for (rank, out) in r.outputs.iter().enumerate() {
+            let out = out
+                .as_ref()
+                .unwrap_or_else(|e| panic!("{s}: node {rank}: {e}"));
+            assert_eq!(out.len(), 3);
+            for (round, o) in out.iter().enumerate() {
+                assert_eq!(o, &want(round as u32), "{s}: node {rank} round {round}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_policy_switch_between_rounds_loses_nothing() {
+    // Before round 2, the fast 0-1 link collapses: the aware scheduler's next policy
+    // avoids it, and the nodes switch between rounds 1 and 2 (pinned per round).
+    let between = |round: u32, s: &scheduler::SchedulerHandle| {
+        if round == 2 {
+            s.report_link(0, 1, 1e3).unwrap();
+            s.report_link(1, 0, 1e3).unwrap();
+        }
+    };
+    let r = run(Strategy::MrFaptAwareAux, 5, &between, None);
+    for (rank, out) in r.outputs.iter().enumerate() {
+        let out = out.as_ref().unwrap();
+        for (round, o) in out.iter().enumerate() {
+            assert_eq!(o, &want(round as u32), "node {rank} round {round}");
+        }
+    }
+    assert!(r.policies >= 2, "the collapsed link made no new policy");
+    // Every node ran each round under the same version, and the version changed.
+    for round in 0..5 {
+        let v: Vec<u32> = r.versions.iter().map(|v| v[round]).collect();
+        assert!(v.iter().all(|&x| x == v[0]), "round {round}: {v:?}");
+    }
+    assert!(
+        r.versions[0].first() < r.versions[0].last(),
+        "{:?}",
+        r.versions
+    );
+    let _ = r.sent_aux;
+}
+
+#[test]
+fn a_node_that_dies_is_named_within_the_timeout() {
+    let started = Instant::now();
+    let r = run(Strategy::MrFapt, 3, &|_, _| {}, Some(2));
+    assert!(started.elapsed() < Duration::from_secs(30));
+    let mut named = false;
+    for (rank, out) in r.outputs.iter().enumerate() {
+        if rank == 2 {
+            continue;
+        }
+        let e = out.as_ref().expect_err("a dead node must fail the round");
+        let msg = e.to_string();
+        assert!(
+            matches!(e, WanError::Peer { .. } | WanError::RoundTimeout { .. }),
+            "{msg}"
+        );
+        named |= matches!(e, WanError::Peer { peer: 2, .. });
+    }
+    assert!(
+        named,
+        "no node named the dead node 2: {:?}",
+        r.outputs
+            .iter()
+            .map(|o| o.as_ref().err().map(ToString::to_string))
+            .collect::<Vec<_>>()
+    );
+}
