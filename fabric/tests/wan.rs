@@ -49,6 +49,21 @@ b = "s1"
     )
 }
 
+/// (scheduling policy, real-time priority) of this process's thread named `name`, from
+/// /proc (fields 41 and 40 of its `stat`).
+fn thread_policy(name: &str) -> Option<(u32, u32)> {
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim_end() == name {
+            let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+            // Fields after "pid (comm)" start at field 3.
+            let f: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+            return Some((f.get(41 - 3)?.parse().ok()?, f.get(40 - 3)?.parse().ok()?));
+        }
+    }
+    None
+}
+
 /// The WAN port of switch `sw` (its only port towards a switch).
 fn wan_port<'a>(st: &'a FabricStats, sw: &str) -> &'a PortStats {
     st.switch(sw)
@@ -72,6 +87,17 @@ fn a_30ms_link_adds_60ms_to_the_round_trip() {
     let net = FabricNet::up(&topo).unwrap();
     let fabric = spawn(&topo, net.switch_namespaces(), FabricConfig::default()).unwrap();
     let (h0, h1) = (topo.hosts[0].ip, topo.hosts[1].ip);
+    // The fabric's loop runs under SCHED_FIFO (policy 1) at priority 10 by default, so that
+    // the probes' own threads do not delay it. (It sets that as its loop starts.)
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while thread_policy("fabric rtt") != Some((1, 10)) {
+        assert!(
+            Instant::now() < deadline,
+            "fabric thread policy {:?}",
+            thread_policy("fabric rtt")
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 
     // A UDP echo on h1, until told to stop (bounded by its read timeout).
     let stop = Arc::new(AtomicBool::new(false));
