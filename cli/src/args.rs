@@ -37,6 +37,124 @@ pub enum Command {
     Experiment(ExperimentArgs),
     /// Collective jobs: all-reduce a model's layers over every rank of a job.
     Job(JobArgs),
+    /// NetStorm over a WAN: one node per site synchronizes a model over multi-root trees.
+    Wan(WanArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct WanArgs {
+    #[command(subcommand)]
+    pub command: WanCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WanCommand {
+    /// One site's node (one process per site): links to every other node through the
+    /// rendezvous at rank 0 (--master), asks the scheduler for each round's policy, and
+    /// synchronizes a synthetic model every round, checking every element of the average.
+    /// Rank 0 can run the scheduler too (--serve-scheduler, with --topology).
+    Node(WanNodeArgs),
+}
+
+/// A NetStorm strategy: star, bkt, mst, fapt, mr-fapt, mr-fapt+aware, mr-fapt+aware+aux.
+pub fn parse_strategy(s: &str) -> Result<gradwire_wan::scheduler::Strategy, String> {
+    s.trim().parse()
+}
+
+/// Seconds, above 0.
+pub fn parse_secs(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v < 1e7 => Ok(v),
+        _ => Err(format!("{s:?}: give a positive number of seconds")),
+    }
+}
+
+/// NetStorm's hyper-parameters (Table II); unset ones take the paper's defaults.
+#[derive(Debug, Clone, Default, Args)]
+pub struct NetStormArgs {
+    /// CHUNK_SIZE: most elements per chunk (paper: 1000000).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub chunk_size: Option<u64>,
+    /// PROBE_CHUNK_SIZE: only chunks above this many bytes time a link (paper: 2000000).
+    #[arg(long)]
+    pub probe_chunk_size: Option<u64>,
+    /// PROBE_CHUNK_NUM: chunks per link throughput estimate (paper: 4).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    pub probe_chunk_num: Option<u64>,
+    /// PRIMARY_BUSY_BOUND: chunks in flight beyond which a primary path is busy (paper: 2).
+    #[arg(long)]
+    pub primary_busy_bound: Option<usize>,
+    /// AUXILIARY_QUEUE_LENGTH: chunks in flight an auxiliary path takes (paper: 1).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    pub aux_queue_length: Option<u64>,
+    /// UPDATE_TIME: seconds between policy refreshes (paper: 5).
+    #[arg(long, value_parser = parse_secs)]
+    pub update_time: Option<f64>,
+    /// NUM_ROOT_SERVERS: roots of the multi-root trees (default: every node).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub roots: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+pub struct WanNodeArgs {
+    /// This node's rank (site index: host i of the topology).
+    #[arg(long)]
+    pub rank: usize,
+    /// Nodes (sites).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub world: u64,
+    /// Rank 0's rendezvous address, IP:PORT (rank 0 listens there).
+    #[arg(long, value_parser = resolve)]
+    pub master: SocketAddr,
+    /// This node's IP address (default: the address this host reaches the master from).
+    #[arg(long)]
+    pub host: Option<std::net::IpAddr>,
+    /// Job id of the flows and the rendezvous (every node the same).
+    #[arg(long, default_value_t = 15)]
+    pub job: u32,
+    /// The scheduler's address, IP:PORT (default: the master's IP, its port + 1).
+    #[arg(long, value_parser = resolve, conflicts_with = "serve_scheduler")]
+    pub scheduler: Option<SocketAddr>,
+    /// Run the scheduler in this node (rank 0), on the master's IP and --scheduler-port.
+    #[arg(long)]
+    pub serve_scheduler: bool,
+    /// The scheduler's port with --serve-scheduler (default: the master's port + 1).
+    #[arg(long)]
+    pub scheduler_port: Option<u16>,
+    /// Strategy: star, bkt, mst, fapt, mr-fapt, mr-fapt+aware, mr-fapt+aware+aux (the
+    /// scheduler's; every node must give the same).
+    #[arg(long, default_value = "mr-fapt+aware+aux", value_parser = parse_strategy)]
+    pub strategy: gradwire_wan::scheduler::Strategy,
+    /// WAN topology file: the scheduler's overlay (needed with --serve-scheduler). Site i is
+    /// host i; its switch-switch links to other sites are the overlay's links, with their
+    /// starting rates.
+    #[arg(long)]
+    pub topology: Option<PathBuf>,
+    /// Model layer file: its layers, scaled and flattened, are the synchronized tensor.
+    #[arg(long, default_value = "control/models/alexnet.toml")]
+    pub model: PathBuf,
+    /// Model scale (1 = the model's real size; every layer at least one element).
+    #[arg(long, default_value_t = 0.03)]
+    pub scale: f64,
+    /// Most rounds.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub iterations: u32,
+    /// Stop after the round in which this many seconds have passed since the first (every
+    /// node stops after the same round).
+    #[arg(long, value_parser = parse_secs)]
+    pub duration: Option<f64>,
+    /// Longest wait, in seconds, for the other nodes to come, for each round, and for the
+    /// final barrier: then the node fails naming what it waited for.
+    #[arg(long, default_value_t = 120.0, value_parser = parse_secs)]
+    pub timeout: f64,
+    /// Line rate the node's senders never exceed, bits per second with a unit (e.g. 100M).
+    #[arg(long, default_value = "1Gbit", value_parser = |s: &str| parse_rate(s).map(|r| r.bps()))]
+    pub rate: u64,
+    #[command(flatten)]
+    pub netstorm: NetStormArgs,
+    /// Print one JSON report (the per-round lines go to stderr).
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -186,6 +304,55 @@ pub enum ExperimentCommand {
     /// MLNET's job prioritization: concurrent jobs with random priorities, FIFO against
     /// strict-priority switch queues, with and without trees.
     Priority(PriorityArgs),
+    /// NetStorm on the emulated WAN: every strategy (star, bkt, mst, fapt, mr-fapt,
+    /// mr-fapt+aware, mr-fapt+aware+aux) on a static and a dynamic network, one `gradwire wan
+    /// node` process per site. Writes wan.json, wan.csv, wan.png and wan-rates.png.
+    Wan(WanExperimentArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct WanExperimentArgs {
+    /// Write wan.json, wan.csv, wan.png and wan-rates.png into this directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// WAN topology (default testbeds/wan9.toml; testbeds/wan4.toml with --quick).
+    #[arg(long)]
+    pub topology: Option<PathBuf>,
+    /// Model layer file.
+    #[arg(long, default_value = "control/models/alexnet.toml")]
+    pub model: PathBuf,
+    /// Model scale (default 0.03; 0.002 with --quick).
+    #[arg(long)]
+    pub scale: Option<f64>,
+    /// Most rounds per run (default 200; 50 with --quick).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub iterations: Option<u32>,
+    /// Seconds per run (default: the topology's rate schedule period, so that every strategy
+    /// sees the same rates; 20 with --quick).
+    #[arg(long, value_parser = parse_secs)]
+    pub duration: Option<f64>,
+    /// Strategies, comma-separated (default: all, star first).
+    #[arg(long, value_delimiter = ',', value_parser = parse_strategy)]
+    pub strategies: Option<Vec<gradwire_wan::scheduler::Strategy>>,
+    /// Networks, comma-separated: static (every rate fixed at its start), dynamic (the
+    /// topology's rate schedules).
+    #[arg(long, value_delimiter = ',', default_value = "static,dynamic")]
+    pub networks: Vec<String>,
+    /// A short run: testbeds/wan4.toml, a small model, 20 s per run.
+    #[arg(long)]
+    pub quick: bool,
+    /// Each node's longest wait for the others, a round and the final barrier, seconds
+    /// (default 120; 30 with --quick).
+    #[arg(long, value_parser = parse_secs)]
+    pub timeout: Option<f64>,
+    /// Senders' line rate (default: each host link's rate).
+    #[arg(long, value_parser = |s: &str| parse_rate(s).map(|r| r.bps()))]
+    pub rate: Option<u64>,
+    #[command(flatten)]
+    pub netstorm: NetStormArgs,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -10,6 +10,7 @@ mod mlnet_cmd;
 mod report;
 mod run;
 mod stats;
+mod wan_cmd;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -78,10 +79,14 @@ fn main() -> ExitCode {
             args::ExperimentCommand::Incast(a) => experiment::incast(&a),
             args::ExperimentCommand::Mlnet(a) => mlnet_cmd::mlnet(&a),
             args::ExperimentCommand::Priority(a) => mlnet_cmd::priority(&a),
+            args::ExperimentCommand::Wan(a) => wan_cmd::experiment(&a),
         },
         args::Command::Job(j) => match j.command {
             args::JobCommand::Worker(a) => job_cmd::worker(&a),
             args::JobCommand::Run(a) => job_cmd::run(&a),
+        },
+        args::Command::Wan(w) => match w.command {
+            args::WanCommand::Node(a) => wan_cmd::node(&a),
         },
     };
     match result {

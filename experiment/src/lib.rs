@@ -37,6 +37,7 @@
 pub mod fabricbench;
 pub mod mlnet;
 pub mod netbench;
+pub mod wan;
 pub mod workload;
 
 mod flows;

@@ -1,0 +1,1956 @@
+//! NetStorm on the emulated WAN (../shared/papers/netstorm.txt §IX; issue 15): every strategy
+//! of [`gradwire_wan`] synchronizes a synthetic model over the sites of a WAN topology, on a
+//! static and on a dynamic network, one process per site.
+//!
+//! **Sites and the overlay.** A WAN topology (`testbeds/wan9.toml`, `testbeds/wan4.toml`) has
+//! one switch (the site's WAN router) and one host (the site's data centre) per site. Site
+//! `i` is host `i` in the file's host order (rank `i`, address `198.18.1.0 + i`); its switch
+//! is the host's uplink switch, which must hold no other host. The scheduler's overlay
+//! ([`overlay_from_topology`]) has one link per switch-switch link of the topology between
+//! two site switches, with the link's rate at the fabric's start as the throughput both ways
+//! and its one-way delay as the fixed latency; switches without a host must not carry
+//! inter-site links (the overlay would miss them). Trees use overlay links only, so a tree
+//! edge crosses exactly one WAN link; a star's edges to non-neighbours cross several, routed
+//! by the fabric (shortest hop count, ECMP).
+//!
+//! **The workload** ([`Workload`]): a model file's layers scaled and flattened into one f32
+//! tensor, plus one control element. Node `r`'s input in round `k` at element `e` is a small
+//! integer, [`input`]`(r, k, e)`, so the sum over the nodes is exact in any order and the
+//! average the runtime computes (`sum / world`, correctly rounded) is known exactly: every
+//! element of every result is compared with it ([`check_round`]); a wrong element fails the
+//! node with its position. The control element carries each node's wish to go on (1, or 0
+//! once its `--duration` has passed): every node gets the same average, so all stop after the
+//! same round without a protocol of their own (the element is checked to be `k / world` for
+//! a whole `k`, below 1 when this node said 0).
+//!
+//! **One node** ([`run_node`], `gradwire wan node`): links to every other node by the
+//! rendezvous at rank 0's address (the master), the scheduler on rank 0 (`--serve-scheduler`,
+//! master port + 1) or elsewhere, N rounds, then a final barrier (a second rendezvous at
+//! master port + 2) so that no node closes its links while another still needs them. Every
+//! wait is bounded by `--timeout`; a node that does not come, a dead peer, a scheduler that
+//! does not answer end the node with an error naming it.
+//!
+//! **The experiment** ([`run_wan`], `gradwire experiment wan`): for each network and
+//! strategy, a fresh set of namespaces and a fresh fabric ([`run_strategy`]); one `gradwire wan
+//! node` process per site in its host's namespace (`ip netns exec`), rank 0 serving the
+//! scheduler; their JSON reports collected; the fabric stopped and the namespaces removed on
+//! every path (errors, the deadline, Ctrl-C through [`WanConfig::stop`]). The *dynamic*
+//! network is the topology file as written (its links' rate schedules run from the fabric's
+//! start); the *static* one has every rate fixed at its value at the start
+//! ([`network_topology`], the one place the two differ). Each run lasts
+//! [`WanConfig::duration`] (the schedule's period by default, so every strategy sees the same
+//! rates over the same time) or `iterations` rounds, whichever comes first.
+//!
+//! **Figures.** A round's synchronization time is the slowest node's (`NodeReport::sync_ms`,
+//! from its PUSH to its last result chunk); a run's `sync_ms_mean` is their mean and its
+//! `speedup_vs_star` star's mean over its own on the same network. A run is valid when the
+//! fabric kept its clock ([`FabricHealth`]).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read};
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use gradwire::flow::SenderConfig;
+use gradwire::transport::TransferConfig;
+use gradwire_collective::link::{Links, NetLinkConfig};
+use gradwire_collective::rendezvous::{self, RendezvousConfig};
+use gradwire_fabric::netns::FabricNet;
+use gradwire_fabric::run::{spawn, FabricConfig, FabricHandle};
+use gradwire_fabric::topology::{Peer, ScheduledLink, Topology};
+use gradwire_netstorm::config::NetStormConfig;
+use gradwire_netstorm::graph::{LinkSpec, Overlay};
+use gradwire_wan::node::{Node, NodeConfig};
+use gradwire_wan::scheduler::{self, SchedulerConfig, SchedulerReport, Strategy};
+use gradwire_wan::WanError;
+use serde::{Deserialize, Serialize};
+
+use crate::mlnet::FabricHealth;
+use crate::ExperimentError;
+
+/// The experiment's topology (9 sites).
+pub const WAN9: &str = "testbeds/wan9.toml";
+/// The short topology for CI (4 sites, short delays).
+pub const WAN4: &str = "testbeds/wan4.toml";
+/// The paper's model.
+pub const ALEXNET: &str = "control/models/alexnet.toml";
+/// Period of the inputs in the element index.
+pub const PERIOD: usize = 23;
+/// The rendezvous port at rank 0 when nothing else is said; the scheduler listens on the
+/// next port and the final barrier on the one after.
+pub const DEFAULT_MASTER_PORT: u16 = 29_500;
+/// Largest scale (more is a typo, not a bigger model).
+pub const MAX_SCALE: f64 = 100.0;
+/// What a node prints on stderr per round after `node R`; the experiment counts them.
+pub const ROUND_MARK: &str = ": round ";
+/// Lines of a node's stderr kept in the report.
+const STDERR_TAIL: usize = 20;
+/// Longest idle time of one transfer (no data or control progress at all).
+const MAX_IDLE: Duration = Duration::from_secs(10);
+
+// ---------------------------------------------------------------------------------------
+// The workload
+// ---------------------------------------------------------------------------------------
+
+/// Node `rank`'s value of element `e` in round `round`: an integer in -11..=11, periodic in
+/// `e` with [`PERIOD`], different in every round (a stale result is caught).
+pub fn input(rank: usize, round: u32, e: usize) -> f32 {
+    let v = ((rank % PERIOD) * 7 + (round as usize % PERIOD) * 5 + (e % PERIOD) * 3) % PERIOD;
+    v as f32 - 11.0
+}
+
+/// Per residue of the element index, the exact average over nodes `0..world` in `round`, as
+/// the runtime computes it: the exact f32 sum (small integers) divided by `world`.
+pub fn expected(world: usize, round: u32) -> [f32; PERIOD] {
+    let mut want = [0.0f32; PERIOD];
+    for (k, w) in want.iter_mut().enumerate() {
+        let sum: f32 = (0..world).map(|r| input(r, round, k)).sum();
+        *w = sum / world as f32;
+    }
+    want
+}
+
+/// The synthetic model: a layer file's layers scaled, flattened into one tensor.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Workload {
+    /// The model's name.
+    pub model: String,
+    /// The scale.
+    pub scale: f64,
+    /// Layers (name, elements), front first.
+    pub layers: Vec<(String, usize)>,
+    /// Model elements (the tensor has one more, the control element).
+    pub elems: usize,
+}
+
+/// A model file that cannot be used, or a bad scale.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    /// Bad scale.
+    #[error(
+        "--scale {0}: use a number above 0 and at most {MAX_SCALE} (1 = the model's real size)"
+    )]
+    Scale(f64),
+    /// The model file's own message names the file.
+    #[error("model {0}")]
+    Model(#[from] gradwire_control::model::ModelError),
+    /// No layers.
+    #[error("model {0}: it has no layers; give a model file with [[layers]] entries")]
+    NoLayers(String),
+}
+
+impl Workload {
+    /// `path`'s layers at `scale` (every layer at least one element).
+    pub fn load(path: &Path, scale: f64) -> Result<Workload, WorkloadError> {
+        if !(scale.is_finite() && scale > 0.0 && scale <= MAX_SCALE) {
+            return Err(WorkloadError::Scale(scale));
+        }
+        let model = gradwire_control::model::load_model(path)?;
+        if model.layers.is_empty() {
+            return Err(WorkloadError::NoLayers(path.display().to_string()));
+        }
+        let layers: Vec<(String, usize)> = model
+            .layers
+            .iter()
+            // Saturating float-to-int; bounded by MAX_SCALE x a layer's count.
+            .map(|l| {
+                (
+                    l.name.clone(),
+                    (l.params as f64 * scale).round().max(1.0) as usize,
+                )
+            })
+            .collect();
+        let elems = layers.iter().map(|l| l.1).sum();
+        Ok(Workload {
+            model: model.name,
+            scale,
+            layers,
+            elems,
+        })
+    }
+
+    /// Node `rank`'s tensor in `round`: the model's elements, then the control element
+    /// (1 = go on after this round, 0 = stop).
+    pub fn tensor(&self, rank: usize, round: u32, go_on: bool) -> Vec<f32> {
+        let mut v = Vec::with_capacity(self.elems + 1);
+        v.extend((0..self.elems).map(|e| input(rank, round, e)));
+        v.push(if go_on { 1.0 } else { 0.0 });
+        v
+    }
+
+    /// The layer holding element `e` and `e`'s index in it.
+    pub fn locate(&self, e: usize) -> (&str, usize) {
+        let mut start = 0;
+        for (name, n) in &self.layers {
+            if e < start + n {
+                return (name, e - start);
+            }
+            start += n;
+        }
+        ("control element", e - start)
+    }
+}
+
+/// A result that is not the exact average.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error(
+    "node {rank}: WRONG RESULT in round {round}: element {elem} ({layer}[{index}]) is {got}, \
+     expected {want} ({what}); the synchronization is broken"
+)]
+pub struct WrongElement {
+    /// The node.
+    pub rank: usize,
+    /// The round.
+    pub round: u32,
+    /// The element.
+    pub elem: usize,
+    /// Its layer.
+    pub layer: String,
+    /// Its index in the layer.
+    pub index: usize,
+    /// What came.
+    pub got: f32,
+    /// What should have.
+    pub want: f32,
+    /// What the expected value is.
+    pub what: String,
+}
+
+/// Check node `rank`'s result of `round` (`world` nodes; this node asked to go on or not):
+/// every model element is the exact average, the control element `k / world` for a whole
+/// `k` (below `world` if this node said stop). Returns whether every node wants to go on.
+pub fn check_round(
+    w: &Workload,
+    world: usize,
+    rank: usize,
+    round: u32,
+    go_on: bool,
+    got: &[f32],
+) -> Result<bool, WrongElement> {
+    let wrong = |elem: usize, got: f32, want: f32, what: String| {
+        let (layer, index) = w.locate(elem);
+        WrongElement {
+            rank,
+            round,
+            elem,
+            layer: layer.to_owned(),
+            index,
+            got,
+            want,
+            what,
+        }
+    };
+    if got.len() != w.elems + 1 {
+        return Err(wrong(
+            got.len().min(w.elems),
+            f32::NAN,
+            f32::NAN,
+            format!(
+                "the result has {} elements, not {} (the model and the control element)",
+                got.len(),
+                w.elems + 1
+            ),
+        ));
+    }
+    let want = expected(world, round);
+    for (e, &g) in got[..w.elems].iter().enumerate() {
+        let x = want[e % PERIOD];
+        if g != x {
+            return Err(wrong(
+                e,
+                g,
+                x,
+                format!("the exact average over nodes 0..{world}"),
+            ));
+        }
+    }
+    let flag = got[w.elems];
+    let n = world as f32;
+    let k = (0..=world).find(|&k| k as f32 / n == flag);
+    match k {
+        Some(k) if go_on || k < world => Ok(k == world),
+        _ => Err(wrong(
+            w.elems,
+            flag,
+            if go_on { 1.0 } else { 0.0 },
+            format!(
+                "k/{world} for a whole k (the nodes that want to go on){}",
+                if go_on {
+                    ""
+                } else {
+                    ", below 1 since this node said stop"
+                }
+            ),
+        )),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Sites and the overlay
+// ---------------------------------------------------------------------------------------
+
+/// An inter-site link of a WAN topology.
+#[derive(Debug, Clone, Serialize)]
+pub struct SiteLink {
+    /// One site (rank).
+    pub a: usize,
+    /// The other site.
+    pub b: usize,
+    /// `a`'s switch name.
+    pub a_switch: String,
+    /// `b`'s switch name.
+    pub b_switch: String,
+    /// Rate at the fabric's start, bit/s.
+    pub rate_bps: u64,
+    /// One-way delay, ns.
+    pub delay_ns: u64,
+    /// The rate over time, if it changes.
+    pub schedule: Option<LinkSchedule>,
+}
+
+/// A link's rate schedule, for reports and plots.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LinkSchedule {
+    /// (seconds since the fabric's start or the period's, bit/s from then on); before the
+    /// first step (and at the start of every period) the link runs at its starting rate.
+    pub steps: Vec<(f64, u64)>,
+    /// The period after which the steps repeat, seconds; `None`: the last step stays.
+    pub period_s: Option<f64>,
+}
+
+/// A topology that is not a WAN of sites.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SiteError {
+    /// Two hosts on one switch.
+    #[error(
+        "topology {topology}: hosts {first} and {second} share switch {switch}; a WAN topology has \
+         one host per site switch (site i = host i, its switch = the host's uplink)"
+    )]
+    SharedSwitch {
+        /// Topology name.
+        topology: String,
+        /// One host.
+        first: String,
+        /// The other.
+        second: String,
+        /// The switch.
+        switch: String,
+    },
+    /// An inter-switch link touching a switch without a host.
+    #[error(
+        "topology {topology}: link {a}-{b} ends at switch {transit}, which has no host; every \
+         switch of a WAN topology is a site with one host (the overlay has sites only)"
+    )]
+    TransitSwitch {
+        /// Topology name.
+        topology: String,
+        /// One end.
+        a: String,
+        /// The other.
+        b: String,
+        /// The end without a host.
+        transit: String,
+    },
+    /// The node count and the topology disagree.
+    #[error(
+        "topology {topology} has {hosts} sites (hosts) but --world is {world}: start one node \
+         per site"
+    )]
+    World {
+        /// Topology name.
+        topology: String,
+        /// Hosts.
+        hosts: usize,
+        /// The world given.
+        world: usize,
+    },
+    /// The overlay is not usable.
+    #[error("topology {topology}: {error}")]
+    Overlay {
+        /// Topology name.
+        topology: String,
+        /// What the overlay said.
+        error: String,
+    },
+}
+
+/// The switch-switch links between site switches, once each (from the lower switch port).
+pub fn site_links(topo: &Topology) -> Result<Vec<SiteLink>, SiteError> {
+    let mut site_of: Vec<Option<usize>> = vec![None; topo.switches.len()];
+    for (i, h) in topo.hosts.iter().enumerate() {
+        if let Some(first) = site_of[h.switch] {
+            return Err(SiteError::SharedSwitch {
+                topology: topo.name.clone(),
+                first: topo.hosts[first].name.clone(),
+                second: h.name.clone(),
+                switch: topo.switches[h.switch].name.clone(),
+            });
+        }
+        site_of[h.switch] = Some(i);
+    }
+    let mut out = Vec::new();
+    for (si, s) in topo.switches.iter().enumerate() {
+        for (pi, p) in s.ports.iter().enumerate() {
+            let Peer::Switch(t, tp) = p.peer else {
+                continue;
+            };
+            if (si, pi) > (t, tp) {
+                continue;
+            }
+            let (Some(a), Some(b)) = (site_of[si], site_of[t]) else {
+                let transit = if site_of[si].is_none() { si } else { t };
+                return Err(SiteError::TransitSwitch {
+                    topology: topo.name.clone(),
+                    a: s.name.clone(),
+                    b: topo.switches[t].name.clone(),
+                    transit: topo.switches[transit].name.clone(),
+                });
+            };
+            let schedule = p.link.schedule.as_ref().map(|sc| LinkSchedule {
+                steps: sc
+                    .steps()
+                    .iter()
+                    .map(|st| (st.at_ns as f64 / 1e9, st.rate_bps))
+                    .collect(),
+                period_s: sc.period_ns().map(|ns| ns as f64 / 1e9),
+            });
+            out.push(SiteLink {
+                a,
+                b,
+                a_switch: s.name.clone(),
+                b_switch: topo.switches[t].name.clone(),
+                rate_bps: p.link.rate_bps,
+                delay_ns: p.link.delay_ns,
+                schedule,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The scheduler's overlay of a WAN topology (see the module's documentation): sites named
+/// after their switches, one link per inter-site link with its starting rate both ways and
+/// its delay as latency.
+pub fn overlay_from_topology(topo: &Topology) -> Result<Overlay, SiteError> {
+    let links = site_links(topo)?;
+    let bad = |e: gradwire_netstorm::graph::GraphError| SiteError::Overlay {
+        topology: topo.name.clone(),
+        error: e.to_string(),
+    };
+    let names = topo
+        .hosts
+        .iter()
+        .map(|h| topo.switches[h.switch].name.clone());
+    let mut o = Overlay::with_names(names).map_err(bad)?;
+    for l in &links {
+        o.add_link_spec(LinkSpec {
+            a: l.a,
+            b: l.b,
+            throughput_ab_bps: l.rate_bps as f64,
+            throughput_ba_bps: l.rate_bps as f64,
+            latency: Duration::from_nanos(l.delay_ns),
+        })
+        .map_err(bad)?;
+    }
+    o.check_connected().map_err(bad)?;
+    Ok(o)
+}
+
+/// The network a run emulates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Network {
+    /// Every link at its starting rate for good.
+    Static,
+    /// The links' rate schedules as the topology file writes them.
+    Dynamic,
+}
+
+impl Network {
+    /// Both, in report order.
+    pub const ALL: [Network; 2] = [Network::Static, Network::Dynamic];
+
+    /// Name in files and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Network::Static => "static",
+            Network::Dynamic => "dynamic",
+        }
+    }
+}
+
+impl std::fmt::Display for Network {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Network {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Network::ALL
+            .into_iter()
+            .find(|n| n.name() == s.trim())
+            .ok_or_else(|| format!("unknown network {s:?} (static or dynamic)"))
+    }
+}
+
+/// The topology the fabric runs for `network`: the only place static and dynamic differ.
+pub fn network_topology(topo: &Topology, network: Network) -> Topology {
+    match network {
+        Network::Static => topo.clone().without_schedules(),
+        Network::Dynamic => topo.clone(),
+    }
+}
+
+/// The longest schedule period of `topo`'s links (else the last step's time), seconds;
+/// `None` without schedules.
+pub fn schedule_span(topo: &Topology) -> Option<f64> {
+    let links: Vec<ScheduledLink> = topo.scheduled_links();
+    links
+        .iter()
+        .map(|l| {
+            l.schedule
+                .period_ns()
+                .unwrap_or_else(|| l.schedule.steps().last().map_or(0, |s| s.at_ns))
+                as f64
+                / 1e9
+        })
+        .reduce(f64::max)
+}
+
+// ---------------------------------------------------------------------------------------
+// One node
+// ---------------------------------------------------------------------------------------
+
+/// Where a node finds the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SchedulerRole {
+    /// This node (rank 0) runs it, listening on this address.
+    Serve(SocketAddr),
+    /// It runs at this address.
+    At(SocketAddr),
+}
+
+impl SchedulerRole {
+    /// The address nodes connect to.
+    pub fn addr(self) -> SocketAddr {
+        match self {
+            SchedulerRole::Serve(a) | SchedulerRole::At(a) => a,
+        }
+    }
+}
+
+/// What one node runs.
+#[derive(Debug, Clone)]
+pub struct NodeSpec {
+    /// This node (site).
+    pub rank: usize,
+    /// Nodes.
+    pub world: usize,
+    /// The job id of its flows and rendezvous.
+    pub job: u32,
+    /// This node's address.
+    pub ip: IpAddr,
+    /// Rank 0's rendezvous address.
+    pub master: SocketAddr,
+    /// The scheduler.
+    pub scheduler: SchedulerRole,
+    /// The strategy (the scheduler's; the node takes its options from it).
+    pub strategy: Strategy,
+    /// The topology the scheduler's overlay comes from (needed to serve the scheduler).
+    pub topology: Option<PathBuf>,
+    /// The synthetic model.
+    pub workload: Workload,
+    /// Most rounds.
+    pub iterations: u32,
+    /// Stop after the round in which this much time has passed since the first (all nodes
+    /// stop after the same round).
+    pub duration: Option<Duration>,
+    /// Longest wait for the set-up, each round and the final barrier.
+    pub timeout: Duration,
+    /// Line rate of this node's senders, bit/s.
+    pub rate_bps: u64,
+    /// NetStorm's options (the strategy switches awareness and auxiliary paths).
+    pub netstorm: NetStormConfig,
+}
+
+/// The scheduler's report, as written in a node's output.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SchedulerSummary {
+    /// Policies formulated, in order.
+    pub policies: Vec<PolicyRecord>,
+    /// Link reports received.
+    pub link_reports: usize,
+    /// Topology requests answered.
+    pub requests: usize,
+}
+
+/// One policy the scheduler formulated.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct PolicyRecord {
+    /// Version.
+    pub version: u32,
+    /// Milliseconds since the scheduler started.
+    pub at_ms: f64,
+    /// Each tree's parents (`None` at its root), in root order.
+    pub parents: Vec<Vec<Option<usize>>>,
+}
+
+impl PolicyRecord {
+    /// Whether some tree has an edge between `a` and `b` (either way).
+    pub fn uses_link(&self, a: usize, b: usize) -> bool {
+        self.parents.iter().any(|t| {
+            t.get(a).copied().flatten() == Some(b) || t.get(b).copied().flatten() == Some(a)
+        })
+    }
+}
+
+impl From<SchedulerReport> for SchedulerSummary {
+    fn from(r: SchedulerReport) -> Self {
+        SchedulerSummary {
+            policies: r
+                .policies
+                .into_iter()
+                .map(|p| PolicyRecord {
+                    version: p.version,
+                    at_ms: p.at_ms,
+                    parents: p.parents,
+                })
+                .collect(),
+            link_reports: r.link_reports,
+            requests: r.requests,
+        }
+    }
+}
+
+/// What `gradwire wan node --json` prints.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct NodeOutput {
+    /// This node.
+    pub rank: usize,
+    /// Nodes.
+    pub world: usize,
+    /// The strategy.
+    pub strategy: String,
+    /// The model.
+    pub model: String,
+    /// Its scale.
+    pub scale: f64,
+    /// Elements synchronized per round (the model's and the control element).
+    pub elements: usize,
+    /// Rounds run.
+    pub rounds: u32,
+    /// Per round: milliseconds from the PUSH to the last result chunk (the runtime's).
+    pub sync_ms: Vec<f64>,
+    /// Per round: when it started (before the topology request), ms since the Unix epoch.
+    pub round_start_unix_ms: Vec<f64>,
+    /// Per round: the policy version.
+    pub versions: Vec<u32>,
+    /// Chunks relayed on auxiliary paths.
+    pub relayed: usize,
+    /// Chunks sent on auxiliary paths.
+    pub sent_aux: usize,
+    /// Link reports sent.
+    pub link_reports: usize,
+    /// Every element of every round was the exact average.
+    pub verified: bool,
+    /// The scheduler's report, on the node that served it.
+    pub scheduler: Option<SchedulerSummary>,
+}
+
+/// Why a node failed; every message names the node.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// Bad arguments.
+    #[error("node {rank}: {what}")]
+    Invalid {
+        /// The node.
+        rank: usize,
+        /// What is wrong and what to do.
+        what: String,
+    },
+    /// The topology file.
+    #[error("node {rank}: {error}")]
+    Topology {
+        /// The node.
+        rank: usize,
+        /// What the topology reader said.
+        error: String,
+    },
+    /// The scheduler could not start.
+    #[error("node {rank}: cannot serve the scheduler on {addr}: {error}")]
+    SchedulerStart {
+        /// The node.
+        rank: usize,
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        error: String,
+    },
+    /// Links could not be set up (a node that did not come).
+    #[error(
+        "node {rank}: connecting to the other {others} nodes through the rendezvous at \
+         {master}: {error}"
+    )]
+    Connect {
+        /// The node.
+        rank: usize,
+        /// Other nodes.
+        others: usize,
+        /// Rank 0's address.
+        master: SocketAddr,
+        /// What the collective layer said (it names the missing ranks).
+        error: String,
+    },
+    /// The runtime failed (a dead peer, a round that did not finish, the scheduler).
+    #[error("node {rank}, round {round}: {}", unprefixed(*rank, error))]
+    Runtime {
+        /// The node.
+        rank: usize,
+        /// The round.
+        round: u32,
+        /// What the runtime said.
+        error: WanError,
+    },
+    /// A wrong result.
+    #[error(transparent)]
+    Wrong(#[from] WrongElement),
+    /// The final barrier failed (a node that stopped after the last round).
+    #[error(
+        "node {rank}: after the last round, waiting for every node to finish (barrier at \
+         {addr}): {error}"
+    )]
+    Barrier {
+        /// The node.
+        rank: usize,
+        /// Its address.
+        addr: SocketAddr,
+        /// What the rendezvous said (it names the missing ranks).
+        error: String,
+    },
+}
+
+/// `error`'s message without a leading `node {rank}: ` (the runtime's errors name the node;
+/// ours already did).
+fn unprefixed(rank: usize, error: &WanError) -> String {
+    let m = error.to_string();
+    m.strip_prefix(&format!("node {rank}: "))
+        .map_or_else(|| m.clone(), str::to_owned)
+}
+
+/// Every ordered pair of `0..world`: the chunk channels' links.
+pub fn all_pairs(world: usize) -> Vec<(usize, usize)> {
+    (0..world)
+        .flat_map(|a| (0..world).filter(move |&b| b != a).map(move |b| (a, b)))
+        .collect()
+}
+
+/// The final barrier's address: master port + 2.
+pub fn barrier_addr(master: SocketAddr) -> SocketAddr {
+    SocketAddr::new(master.ip(), master.port().wrapping_add(2))
+}
+
+/// Run one node; `progress(round, sync_ms)` after each verified round.
+pub fn run_node(
+    spec: &NodeSpec,
+    mut progress: impl FnMut(u32, f64),
+) -> Result<NodeOutput, NodeError> {
+    let rank = spec.rank;
+    let invalid = |what: String| NodeError::Invalid { rank, what };
+    if spec.world == 0 || rank >= spec.world {
+        return Err(invalid(format!(
+            "rank {rank} is not below the world size {}: ranks are 0..world",
+            spec.world
+        )));
+    }
+    if spec.iterations == 0 {
+        return Err(invalid("--iterations 0: run at least one round".into()));
+    }
+    let netstorm = spec.strategy.netstorm(&spec.netstorm);
+    netstorm.validate().map_err(|e| invalid(format!("{e}")))?;
+    // The scheduler first: the other nodes connect to it once their links are up.
+    let served = match spec.scheduler {
+        SchedulerRole::Serve(addr) => Some(serve_scheduler(spec, &netstorm, addr)?),
+        SchedulerRole::At(_) => None,
+    };
+    let links = Links::connect(
+        spec.job,
+        rank,
+        spec.world,
+        spec.ip,
+        spec.master,
+        &all_pairs(spec.world),
+        None,
+        &NetLinkConfig {
+            connect_timeout: spec.timeout,
+            ..NetLinkConfig::default()
+        },
+    )
+    .map_err(|e| NodeError::Connect {
+        rank,
+        others: spec.world - 1,
+        master: spec.master,
+        error: e.to_string(),
+    })?;
+    let cfg = NodeConfig {
+        rank,
+        job: spec.job,
+        netstorm,
+        transfer: TransferConfig {
+            sender: SenderConfig::new(spec.rate_bps),
+            idle_timeout: spec.timeout.min(MAX_IDLE),
+            ..TransferConfig::default()
+        },
+        dscp: gradwire_qos::priority_dscp(0),
+        round_timeout: spec.timeout,
+    };
+    let runtime = |round: u32| move |error: WanError| NodeError::Runtime { rank, round, error };
+    let mut node = Node::start(links, spec.scheduler.addr(), cfg).map_err(runtime(0))?;
+    let w = &spec.workload;
+    let mut starts = Vec::new();
+    let mut rounds = 0u32;
+    let first = Instant::now();
+    let result = (|| -> Result<(), NodeError> {
+        for round in 0..spec.iterations {
+            let go_on =
+                round + 1 < spec.iterations && spec.duration.is_none_or(|d| first.elapsed() < d);
+            let t = w.tensor(rank, round, go_on);
+            starts.push(unix_ms(SystemTime::now()));
+            let got = node.synchronize(&t).map_err(runtime(round))?;
+            let all_go_on = check_round(w, spec.world, rank, round, go_on, &got)?;
+            rounds = round + 1;
+            progress(
+                round,
+                node.report().sync_ms.last().copied().unwrap_or(f64::NAN),
+            );
+            if !all_go_on {
+                break;
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        drop(node);
+        return Err(e);
+    }
+    // Nobody closes its links while another node may still need them.
+    let bar = barrier_addr(spec.master);
+    rendezvous::exchange(
+        bar,
+        spec.job,
+        rank,
+        spec.world,
+        b"done",
+        &RendezvousConfig {
+            timeout: spec.timeout,
+            ..RendezvousConfig::default()
+        },
+    )
+    .map_err(|e| NodeError::Barrier {
+        rank,
+        addr: bar,
+        error: e.to_string(),
+    })?;
+    let report = node.shutdown();
+    let scheduler = match served {
+        Some(h) => Some(
+            h.stop()
+                .map(SchedulerSummary::from)
+                .map_err(runtime(rounds))?,
+        ),
+        None => None,
+    };
+    Ok(NodeOutput {
+        rank,
+        world: spec.world,
+        strategy: spec.strategy.name().to_owned(),
+        model: w.model.clone(),
+        scale: w.scale,
+        elements: w.elems + 1,
+        rounds,
+        sync_ms: report.sync_ms,
+        round_start_unix_ms: starts,
+        versions: report.versions,
+        relayed: report.relayed,
+        sent_aux: report.sent_aux,
+        link_reports: report.link_reports,
+        verified: true,
+        scheduler,
+    })
+}
+
+fn unix_ms(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
+}
+
+/// The scheduler for `spec`, on `addr`, over the overlay of `spec.topology`.
+fn serve_scheduler(
+    spec: &NodeSpec,
+    netstorm: &NetStormConfig,
+    addr: SocketAddr,
+) -> Result<scheduler::SchedulerHandle, NodeError> {
+    let rank = spec.rank;
+    let path = spec.topology.as_ref().ok_or_else(|| NodeError::Invalid {
+        rank,
+        what: "serving the scheduler needs --topology (its overlay comes from the topology's \
+               inter-site links)"
+            .into(),
+    })?;
+    let topo = Topology::load(path).map_err(|e| NodeError::Topology {
+        rank,
+        error: e.to_string(),
+    })?;
+    let site = |e: SiteError| NodeError::Topology {
+        rank,
+        error: e.to_string(),
+    };
+    if topo.hosts.len() != spec.world {
+        return Err(site(SiteError::World {
+            topology: topo.name.clone(),
+            hosts: topo.hosts.len(),
+            world: spec.world,
+        }));
+    }
+    let overlay = overlay_from_topology(&topo).map_err(site)?;
+    let listener = TcpListener::bind(addr).map_err(|e| NodeError::SchedulerStart {
+        rank,
+        addr,
+        error: format!("{e}; give a free port (--scheduler-port)"),
+    })?;
+    let chunk_elems = netstorm.chunk_size.min(spec.workload.elems + 1);
+    scheduler::spawn(
+        listener,
+        SchedulerConfig {
+            world: spec.world,
+            strategy: spec.strategy,
+            netstorm: netstorm.clone(),
+            overlay,
+            chunk_bytes: chunk_elems as u64 * 4,
+        },
+    )
+    .map_err(|e| NodeError::SchedulerStart {
+        rank,
+        addr,
+        error: e.to_string(),
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// The experiment
+// ---------------------------------------------------------------------------------------
+
+/// Kill one node's process after it finished some rounds (the experiment's own tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeFault {
+    /// The node.
+    pub rank: usize,
+    /// Rounds it finishes first.
+    pub after_rounds: u32,
+}
+
+/// `gradwire experiment wan`.
+#[derive(Debug, Clone)]
+pub struct WanConfig {
+    /// The `gradwire` executable (its `wan node` subcommand runs each site).
+    pub exe: PathBuf,
+    /// WAN topology.
+    pub topology: PathBuf,
+    /// Model layer file.
+    pub model: PathBuf,
+    /// Model scale.
+    pub scale: f64,
+    /// Most rounds per run.
+    pub iterations: u32,
+    /// Length of each run (`None`: the schedule's span, see [`schedule_span`]; without
+    /// schedules, `iterations` rounds).
+    pub duration: Option<Duration>,
+    /// Strategies, in order (star first for the speed-ups).
+    pub strategies: Vec<Strategy>,
+    /// Networks, in order.
+    pub networks: Vec<Network>,
+    /// NetStorm's options (the strategy switches awareness and auxiliary paths).
+    pub netstorm: NetStormConfig,
+    /// Each node's longest wait for the set-up, a round and the final barrier.
+    pub timeout: Duration,
+    /// Senders' line rate, bit/s (`None`: the host link's rate).
+    pub rate_bps: Option<u64>,
+    /// Job id.
+    pub job: u32,
+    /// Set (Ctrl-C) to stop every node and tear down.
+    pub stop: Arc<AtomicBool>,
+    /// Kill a node mid-run (tests).
+    pub fault: Option<NodeFault>,
+}
+
+impl WanConfig {
+    /// Defaults with files under the repository root `root`: wan9, AlexNet at 3 % (1.83 M
+    /// elements), every strategy on both networks, at most 200 rounds over one period of the
+    /// schedule (80 s), chunks of 100 000 elements and probes above 200 kB (Table II's 1 M and
+    /// 2 MB divided by 10, as wan9's rates are the paper's divided by 10, so a chunk takes
+    /// as long on a link as in the paper), a 120 s timeout.
+    pub fn new(root: &Path, exe: PathBuf) -> WanConfig {
+        WanConfig {
+            exe,
+            topology: root.join(WAN9),
+            model: root.join(ALEXNET),
+            scale: 0.03,
+            iterations: 200,
+            duration: None,
+            strategies: Strategy::ALL.to_vec(),
+            networks: Network::ALL.to_vec(),
+            netstorm: NetStormConfig {
+                chunk_size: 100_000,
+                probe_chunk_size: 200_000,
+                ..NetStormConfig::default()
+            },
+            timeout: Duration::from_secs(120),
+            rate_bps: None,
+            job: 15,
+            stop: Arc::new(AtomicBool::new(false)),
+            fault: None,
+        }
+    }
+}
+
+/// One node process of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeRun {
+    /// The node.
+    pub rank: usize,
+    /// Its report, when it succeeded.
+    pub output: Option<NodeOutput>,
+    /// Why it failed (its last error line, or how it ended).
+    pub error: Option<String>,
+    /// Seconds from the start of the processes to its end.
+    pub ended_s: f64,
+    /// The last lines it wrote to stderr besides its per-round lines (warnings, the error).
+    pub stderr_tail: Vec<String>,
+}
+
+/// One run (a strategy on a network) on a fresh fabric.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunOutcome {
+    /// Every node.
+    pub nodes: Vec<NodeRun>,
+    /// How the fabric kept up.
+    pub fabric: FabricHealth,
+    /// Seconds from the fabric's start to the nodes' start.
+    pub nodes_started_s: f64,
+    /// When the fabric started, ms since the Unix epoch.
+    pub fabric_start_unix_ms: f64,
+    /// Why the run as a whole failed (set-up, deadline, interrupt).
+    pub error: Option<String>,
+}
+
+impl RunOutcome {
+    /// The first node error, else the run's.
+    pub fn first_error(&self) -> Option<String> {
+        self.nodes
+            .iter()
+            .find_map(|n| {
+                n.error.as_ref().map(|e| {
+                    // Most errors name their node already.
+                    if e.starts_with(&format!("node {}", n.rank)) {
+                        e.clone()
+                    } else {
+                        format!("node {}: {e}", n.rank)
+                    }
+                })
+            })
+            .or_else(|| self.error.clone())
+    }
+}
+
+/// Processes, fabric and namespaces of a run; dropping it kills, stops and removes all.
+struct Testbed {
+    net: Option<FabricNet>,
+    fabric: Option<FabricHandle>,
+    children: Vec<Option<Child>>,
+}
+
+impl Testbed {
+    fn kill(&mut self, rank: usize) {
+        if let Some(Some(c)) = self.children.get_mut(rank) {
+            let _ = c.kill();
+        }
+    }
+
+    fn kill_all(&mut self) {
+        for c in self.children.iter_mut().flatten() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Stop everything; the fabric's health and the teardown's error.
+    fn down(mut self) -> (FabricHealth, Option<String>) {
+        self.kill_all();
+        let stats = self.fabric.take().and_then(|f| {
+            let _ = f.wait_idle(Duration::from_secs(5));
+            f.stop()
+        });
+        let health = FabricHealth {
+            valid: stats.as_ref().is_some_and(|s| !s.lag.behind),
+            lag_p99_us: stats
+                .as_ref()
+                .map_or(f64::NAN, |s| s.lag.p99_ns as f64 / 1e3),
+            late: stats.as_ref().map_or(0, |s| s.lag.late),
+            departures: stats.as_ref().map_or(0, |s| s.lag.departures),
+        };
+        let err = self
+            .net
+            .take()
+            .and_then(|n| n.down().err())
+            .map(|e| format!("removing the testbed: {e}"));
+        (health, err)
+    }
+}
+
+impl Drop for Testbed {
+    fn drop(&mut self) {
+        self.kill_all();
+        if let Some(f) = self.fabric.take() {
+            let _ = f.stop();
+        }
+        if let Some(n) = self.net.take() {
+            let _ = n.down();
+        }
+    }
+}
+
+/// What a node's stderr reader passes on.
+enum Line {
+    /// `node R: round K/N ...`: node R finished K rounds.
+    Round(usize, u32),
+}
+
+/// The `wan node` arguments of rank `rank`.
+fn node_args(
+    cfg: &WanConfig,
+    topo_path: &Path,
+    model: &Path,
+    topo: &Topology,
+    strategy: Strategy,
+    rank: usize,
+    duration: Option<Duration>,
+) -> Vec<String> {
+    let h = &topo.hosts[rank];
+    let master = SocketAddr::new(IpAddr::V4(topo.hosts[0].ip), DEFAULT_MASTER_PORT);
+    let rate = cfg
+        .rate_bps
+        .unwrap_or(topo.switches[h.switch].ports[h.port].link.rate_bps);
+    let ns = &cfg.netstorm;
+    let mut v: Vec<String> = vec![
+        "wan".into(),
+        "node".into(),
+        "--rank".into(),
+        rank.to_string(),
+        "--world".into(),
+        topo.hosts.len().to_string(),
+        "--host".into(),
+        h.ip.to_string(),
+        "--master".into(),
+        master.to_string(),
+        "--job".into(),
+        cfg.job.to_string(),
+        "--strategy".into(),
+        strategy.name().into(),
+        "--topology".into(),
+        topo_path.display().to_string(),
+        "--model".into(),
+        model.display().to_string(),
+        "--scale".into(),
+        cfg.scale.to_string(),
+        "--iterations".into(),
+        cfg.iterations.to_string(),
+        "--timeout".into(),
+        cfg.timeout.as_secs_f64().to_string(),
+        "--rate".into(),
+        format!("{rate}bit"),
+        "--chunk-size".into(),
+        ns.chunk_size.to_string(),
+        "--probe-chunk-size".into(),
+        ns.probe_chunk_size.to_string(),
+        "--probe-chunk-num".into(),
+        ns.probe_chunk_num.to_string(),
+        "--primary-busy-bound".into(),
+        ns.primary_busy_bound.to_string(),
+        "--aux-queue-length".into(),
+        ns.auxiliary_queue_length.to_string(),
+        "--update-time".into(),
+        ns.update_time.as_secs_f64().to_string(),
+        "--json".into(),
+    ];
+    if let Some(k) = ns.num_roots {
+        v.push("--roots".into());
+        v.push(k.to_string());
+    }
+    if let Some(d) = duration {
+        v.push("--duration".into());
+        v.push(d.as_secs_f64().to_string());
+    }
+    if rank == 0 {
+        v.push("--serve-scheduler".into());
+    } else {
+        v.push("--scheduler".into());
+        v.push(SocketAddr::new(master.ip(), master.port() + 1).to_string());
+    }
+    v
+}
+
+fn absolute(p: &Path) -> PathBuf {
+    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned())
+}
+
+/// The last line of a failed node's stderr that says what went wrong.
+fn error_line(stderr: &str) -> Option<String> {
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines
+        .iter()
+        .rev()
+        .find(|l| l.contains("error:"))
+        .or(lines.last())
+        .map(|l| l.trim().trim_start_matches("gradwire: error: ").to_owned())
+}
+
+/// Run `strategy` once on a fresh fabric of `topo` (already the network's variant, see
+/// [`network_topology`]); `topo_path` is the file the scheduler reads (the rates at the
+/// start are the same in both variants). Never leaves a process, a fabric or a namespace
+/// behind.
+pub fn run_strategy(
+    cfg: &WanConfig,
+    topo: &Topology,
+    topo_path: &Path,
+    strategy: Strategy,
+    duration: Option<Duration>,
+) -> RunOutcome {
+    let world = topo.hosts.len();
+    let failed = |e: String| RunOutcome {
+        nodes: Vec::new(),
+        fabric: FabricHealth {
+            valid: false,
+            lag_p99_us: f64::NAN,
+            late: 0,
+            departures: 0,
+        },
+        nodes_started_s: 0.0,
+        fabric_start_unix_ms: 0.0,
+        error: Some(e),
+    };
+    let net = match FabricNet::up(topo) {
+        Ok(n) => n,
+        Err(e) => return failed(format!("building the testbed: {e}")),
+    };
+    let mut bed = Testbed {
+        net: None,
+        fabric: None,
+        children: Vec::new(),
+    };
+    match spawn(topo, net.switch_namespaces(), FabricConfig::default()) {
+        Ok(f) => bed.fabric = Some(f),
+        Err(e) => {
+            let _ = net.down();
+            return failed(format!("starting the fabric: {e}"));
+        }
+    }
+    let fabric_start = SystemTime::now();
+    let fabric_t0 = Instant::now();
+    let host_ns: Vec<String> = (0..world)
+        .filter_map(|i| net.host_ns(i).map(str::to_owned))
+        .collect();
+    bed.net = Some(net);
+    let (tx, rx) = mpsc::channel::<Line>();
+    let topo_path = absolute(topo_path);
+    let model = absolute(&cfg.model);
+    let mut readers: Vec<(JoinHandle<String>, JoinHandle<String>)> = Vec::new();
+    let started = Instant::now();
+    let nodes_started_s = fabric_t0.elapsed().as_secs_f64();
+    let mut setup_error = None;
+    for (rank, ns) in host_ns.iter().enumerate() {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", ns])
+            .arg(&cfg.exe)
+            .args(node_args(
+                cfg, &topo_path, &model, topo, strategy, rank, duration,
+            ))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                setup_error = Some(format!(
+                    "starting node {rank} ({} in {ns}): {e}",
+                    cfg.exe.display()
+                ));
+                break;
+            }
+        };
+        let out = child.stdout.take();
+        let err = child.stderr.take();
+        bed.children.push(Some(child));
+        let o = std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(mut o) = out {
+                let _ = o.read_to_string(&mut s);
+            }
+            s
+        });
+        let tx = tx.clone();
+        let e = std::thread::spawn(move || {
+            let mut kept = String::new();
+            let Some(e) = err else { return kept };
+            let mark = format!("node {rank}{ROUND_MARK}");
+            for line in BufReader::new(e).lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.strip_prefix(&mark) {
+                    let k = rest
+                        .split(|c: char| !c.is_ascii_digit())
+                        .next()
+                        .and_then(|n| n.parse().ok());
+                    if let Some(k) = k {
+                        let _ = tx.send(Line::Round(rank, k));
+                    }
+                } else {
+                    kept.push_str(&line);
+                    kept.push('\n');
+                }
+            }
+            kept
+        });
+        readers.push((o, e));
+    }
+    drop(tx);
+    // Nodes bound each wait themselves; this only catches what they cannot.
+    let deadline =
+        cfg.timeout * 3 + duration.unwrap_or_else(|| cfg.timeout * cfg.iterations.min(1000));
+    let mut status: Vec<Option<(ExitStatus, f64)>> = vec![None; bed.children.len()];
+    let mut run_error = setup_error;
+    let mut faulted = false;
+    while run_error.is_none() {
+        if cfg.stop.load(Ordering::Relaxed) {
+            run_error = Some("interrupted".into());
+            break;
+        }
+        while let Ok(Line::Round(rank, k)) = rx.try_recv() {
+            if let Some(f) = cfg.fault.filter(|f| f.rank == rank && k >= f.after_rounds) {
+                if !faulted {
+                    bed.kill(f.rank);
+                    faulted = true;
+                }
+            }
+        }
+        for (r, c) in bed.children.iter_mut().enumerate() {
+            if status[r].is_none() {
+                if let Some(Ok(Some(s))) = c.as_mut().map(Child::try_wait) {
+                    status[r] = Some((s, started.elapsed().as_secs_f64()));
+                }
+            }
+        }
+        if status.iter().all(Option::is_some) {
+            break;
+        }
+        if started.elapsed() > deadline {
+            let running: Vec<usize> = (0..status.len()).filter(|&r| status[r].is_none()).collect();
+            run_error = Some(format!(
+                "the run did not end within {deadline:?}: node(s) {running:?} still running; \
+                 stopped them"
+            ));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bed.kill_all();
+    let (fabric, down_error) = bed.down();
+    let mut nodes = Vec::new();
+    for (rank, (o, e)) in readers.into_iter().enumerate() {
+        let stdout = o.join().unwrap_or_default();
+        let stderr = e.join().unwrap_or_default();
+        let (st, ended_s) = match status.get(rank).copied().flatten() {
+            Some((s, t)) => (Some(s), t),
+            None => (None, started.elapsed().as_secs_f64()),
+        };
+        let tail: Vec<String> = {
+            let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+            lines[lines.len().saturating_sub(STDERR_TAIL)..]
+                .iter()
+                .map(|l| (*l).to_owned())
+                .collect()
+        };
+        let run = match st {
+            Some(s) if s.success() => match serde_json::from_str::<NodeOutput>(&stdout) {
+                Ok(out) => NodeRun {
+                    rank,
+                    output: Some(out),
+                    error: None,
+                    ended_s,
+                    stderr_tail: tail,
+                },
+                Err(e) => NodeRun {
+                    rank,
+                    output: None,
+                    error: Some(format!("exited 0 but its report is not valid JSON: {e}")),
+                    ended_s,
+                    stderr_tail: tail,
+                },
+            },
+            Some(s) => NodeRun {
+                rank,
+                output: None,
+                error: Some(error_line(&stderr).unwrap_or_else(|| format!("ended: {s}"))),
+                ended_s,
+                stderr_tail: tail,
+            },
+            None => NodeRun {
+                rank,
+                output: None,
+                error: Some("stopped by the experiment".into()),
+                ended_s,
+                stderr_tail: tail,
+            },
+        };
+        nodes.push(run);
+    }
+    RunOutcome {
+        nodes,
+        fabric,
+        nodes_started_s,
+        fabric_start_unix_ms: unix_ms(fabric_start),
+        error: run_error.or(down_error),
+    }
+}
+
+/// One run in the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct WanResult {
+    /// Strategy name.
+    pub strategy: String,
+    /// `static` or `dynamic`.
+    pub network: String,
+    /// Mean over rounds of the slowest node's synchronization time, ms.
+    pub sync_ms_mean: f64,
+    /// Its median.
+    pub sync_ms_median: f64,
+    /// Star's mean over this one's, on the same network.
+    pub speedup_vs_star: f64,
+    /// The fabric kept its clock and every node finished verified.
+    pub valid: bool,
+    /// Every node's every element was the exact average.
+    pub verified: bool,
+    /// Rounds.
+    pub rounds: u32,
+    /// Per round: the slowest node's synchronization time, ms.
+    pub sync_ms: Vec<f64>,
+    /// Per round: when rank 0 started it, seconds since the fabric's start.
+    pub round_start_s: Vec<f64>,
+    /// Mean time from one round's start to the next at rank 0 (everything a round costs:
+    /// topology request, synchronization, checks), ms.
+    pub round_ms_mean: f64,
+    /// Policies the scheduler formulated (the first included).
+    pub policies: usize,
+    /// Policy versions the nodes ran.
+    pub versions_used: Vec<u32>,
+    /// Chunks sent on auxiliary paths, all nodes.
+    pub aux_chunks: usize,
+    /// Chunk hops relayed on auxiliary paths, all nodes.
+    pub relayed: usize,
+    /// Link reports the nodes sent.
+    pub link_reports: usize,
+    /// How the fabric kept up.
+    pub fabric: FabricHealth,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// Every node's outcome.
+    pub nodes: Vec<NodeRun>,
+}
+
+/// One target of the issue.
+#[derive(Debug, Clone, Serialize)]
+pub struct Target {
+    /// Met (`None`: a run it needs is missing or failed).
+    pub met: Option<bool>,
+    /// What it asks.
+    pub goal: String,
+    /// The figures it was judged on.
+    pub figures: BTreeMap<String, f64>,
+}
+
+/// The issue's targets.
+#[derive(Debug, Clone, Serialize)]
+pub struct Targets {
+    /// mr-fapt+aware+aux at least 5x star's synchronization speed on the dynamic network.
+    pub netstorm_5x_star_dynamic: Target,
+    /// Each added mechanism helps on the dynamic network: fapt -> mr-fapt -> mr-fapt+aware ->
+    /// mr-fapt+aware+aux, each faster than the one before.
+    pub each_mechanism_helps: Target,
+    /// The same chain on the static network (awareness can only help where rates change).
+    pub each_mechanism_helps_static: Target,
+    /// FAPT beats BKT and MST on every network run.
+    pub fapt_beats_bkt_and_mst: Target,
+    /// Every run was valid (the fabric kept its clock) and verified.
+    pub all_runs_valid: bool,
+}
+
+/// The experiment's report.
+#[derive(Debug, Clone, Serialize)]
+pub struct WanReport {
+    /// Topology name.
+    pub topology: String,
+    /// Sites (nodes).
+    pub sites: usize,
+    /// The inter-site links and their schedules.
+    pub links: Vec<SiteLink>,
+    /// The synthetic model.
+    pub workload: Workload,
+    /// Most rounds per run.
+    pub iterations: u32,
+    /// Length of each run, seconds (`None`: `iterations` rounds).
+    pub duration_s: Option<f64>,
+    /// NetStorm's options (before the strategy switches awareness and auxiliary paths).
+    pub netstorm: NetStormConfig,
+    /// Every run.
+    pub results: Vec<WanResult>,
+    /// The issue's targets.
+    pub targets: Targets,
+}
+
+fn mean(v: &[f64]) -> f64 {
+    let v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v.iter().sum::<f64>() / v.len() as f64
+    }
+}
+
+/// Summarize one run.
+pub fn summarize(strategy: Strategy, network: Network, o: RunOutcome) -> WanResult {
+    let outs: Vec<&NodeOutput> = o.nodes.iter().filter_map(|n| n.output.as_ref()).collect();
+    let complete = !o.nodes.is_empty() && outs.len() == o.nodes.len() && o.error.is_none();
+    let rounds = outs.iter().map(|n| n.rounds).min().unwrap_or(0);
+    let sync_ms: Vec<f64> = (0..rounds as usize)
+        .map(|k| {
+            outs.iter()
+                .filter_map(|n| n.sync_ms.get(k).copied())
+                .fold(f64::NAN, f64::max)
+        })
+        .collect();
+    let rank0 = outs.iter().find(|n| n.rank == 0);
+    let round_start_s: Vec<f64> = rank0.map_or_else(Vec::new, |n| {
+        n.round_start_unix_ms
+            .iter()
+            .map(|t| (t - o.fabric_start_unix_ms) / 1e3)
+            .collect()
+    });
+    let round_ms: Vec<f64> = round_start_s
+        .windows(2)
+        .map(|w| (w[1] - w[0]) * 1e3)
+        .collect();
+    let mut versions_used: Vec<u32> = outs.iter().flat_map(|n| n.versions.clone()).collect();
+    versions_used.sort_unstable();
+    versions_used.dedup();
+    let verified = complete && outs.iter().all(|n| n.verified);
+    WanResult {
+        strategy: strategy.name().to_owned(),
+        network: network.name().to_owned(),
+        sync_ms_mean: if complete { mean(&sync_ms) } else { f64::NAN },
+        sync_ms_median: if complete {
+            crate::mlnet::quantile(&sync_ms, 0.5)
+        } else {
+            f64::NAN
+        },
+        speedup_vs_star: f64::NAN,
+        valid: o.fabric.valid && verified,
+        verified,
+        rounds,
+        sync_ms,
+        round_start_s,
+        round_ms_mean: mean(&round_ms),
+        policies: rank0
+            .and_then(|n| n.scheduler.as_ref())
+            .map_or(0, |s| s.policies.len()),
+        versions_used,
+        aux_chunks: outs.iter().map(|n| n.sent_aux).sum(),
+        relayed: outs.iter().map(|n| n.relayed).sum(),
+        link_reports: outs.iter().map(|n| n.link_reports).sum(),
+        fabric: o.fabric,
+        error: o.first_error(),
+        nodes: o.nodes,
+    }
+}
+
+/// Fill in the speed-ups over star, per network.
+pub fn speedups(results: &mut [WanResult]) {
+    let star: BTreeMap<String, f64> = results
+        .iter()
+        .filter(|r| r.strategy == Strategy::Star.name())
+        .map(|r| (r.network.clone(), r.sync_ms_mean))
+        .collect();
+    for r in results {
+        r.speedup_vs_star = star
+            .get(&r.network)
+            .map_or(f64::NAN, |s| s / r.sync_ms_mean);
+    }
+}
+
+fn find(results: &[WanResult], s: Strategy, n: Network) -> Option<&WanResult> {
+    results
+        .iter()
+        .find(|r| r.strategy == s.name() && r.network == n.name())
+        .filter(|r| r.sync_ms_mean.is_finite())
+}
+
+fn chain(results: &[WanResult], n: Network) -> Target {
+    let steps = [
+        Strategy::Fapt,
+        Strategy::MrFapt,
+        Strategy::MrFaptAware,
+        Strategy::MrFaptAwareAux,
+    ];
+    let mut figures = BTreeMap::new();
+    let mut met = Some(true);
+    for s in steps {
+        match find(results, s, n) {
+            Some(r) => {
+                figures.insert(format!("{}_sync_ms", s.name()), r.sync_ms_mean);
+            }
+            None => met = None,
+        }
+    }
+    for w in steps.windows(2) {
+        if let (Some(a), Some(b)) = (find(results, w[0], n), find(results, w[1], n)) {
+            let gain = a.sync_ms_mean / b.sync_ms_mean;
+            figures.insert(format!("{}_over_{}", w[1].name(), w[0].name()), gain);
+            if gain <= 1.0 {
+                met = met.map(|_| false);
+            }
+        }
+    }
+    Target {
+        met,
+        goal: format!(
+            "on the {n} network each added mechanism helps: fapt -> mr-fapt -> mr-fapt+aware \
+             -> mr-fapt+aware+aux, each with a lower mean synchronization time (the paper: \
+             awareness about +20 %, auxiliary paths up to +65 %)"
+        ),
+        figures,
+    }
+}
+
+/// Judge the issue's targets on `results` (with speed-ups filled in).
+pub fn targets(results: &[WanResult]) -> Targets {
+    let pro = find(results, Strategy::MrFaptAwareAux, Network::Dynamic);
+    let star = find(results, Strategy::Star, Network::Dynamic);
+    let mut f5 = BTreeMap::new();
+    let met5 = match (pro, star) {
+        (Some(p), Some(s)) => {
+            f5.insert("speedup".into(), p.speedup_vs_star);
+            f5.insert("mr-fapt+aware+aux_sync_ms".into(), p.sync_ms_mean);
+            f5.insert("star_sync_ms".into(), s.sync_ms_mean);
+            Some(p.speedup_vs_star >= 5.0)
+        }
+        _ => None,
+    };
+    let mut fb = BTreeMap::new();
+    let mut met_b = None;
+    for n in Network::ALL {
+        let (Some(f), Some(b), Some(m)) = (
+            find(results, Strategy::Fapt, n),
+            find(results, Strategy::Bkt, n),
+            find(results, Strategy::Mst, n),
+        ) else {
+            continue;
+        };
+        fb.insert(format!("{n}_fapt_sync_ms"), f.sync_ms_mean);
+        fb.insert(format!("{n}_bkt_sync_ms"), b.sync_ms_mean);
+        fb.insert(format!("{n}_mst_sync_ms"), m.sync_ms_mean);
+        let ok = f.sync_ms_mean < b.sync_ms_mean && f.sync_ms_mean < m.sync_ms_mean;
+        met_b = Some(met_b.unwrap_or(true) && ok);
+    }
+    Targets {
+        netstorm_5x_star_dynamic: Target {
+            met: met5,
+            goal: "mr-fapt+aware+aux at least 5x star's synchronization speed on the dynamic \
+                   network (the paper: 6.5-9.2x)"
+                .into(),
+            figures: f5,
+        },
+        each_mechanism_helps: chain(results, Network::Dynamic),
+        each_mechanism_helps_static: chain(results, Network::Static),
+        fapt_beats_bkt_and_mst: Target {
+            met: met_b,
+            goal: "single-root FAPT synchronizes faster than BKT and MST on every network run"
+                .into(),
+            figures: fb,
+        },
+        all_runs_valid: !results.is_empty() && results.iter().all(|r| r.valid),
+    }
+}
+
+/// Run the experiment: every network, every strategy, each on a fresh fabric.
+pub fn run_wan(cfg: &WanConfig) -> Result<WanReport, ExperimentError> {
+    let topo = Topology::load(&cfg.topology)?;
+    let links = site_links(&topo).map_err(|e| ExperimentError::Other(e.to_string()))?;
+    overlay_from_topology(&topo).map_err(|e| ExperimentError::Other(e.to_string()))?;
+    if topo.hosts.len() < 2 {
+        return Err(ExperimentError::Other(format!(
+            "topology {} has {} site(s): NetStorm needs at least 2",
+            topo.name,
+            topo.hosts.len()
+        )));
+    }
+    // Fail here, once, rather than in every node.
+    let workload =
+        Workload::load(&cfg.model, cfg.scale).map_err(|e| ExperimentError::Other(e.to_string()))?;
+    if !cfg.exe.exists() {
+        return Err(ExperimentError::Other(format!(
+            "the gradwire executable {} does not exist",
+            cfg.exe.display()
+        )));
+    }
+    let duration = cfg
+        .duration
+        .or_else(|| schedule_span(&topo).map(Duration::from_secs_f64));
+    let mut results = Vec::new();
+    for &network in &cfg.networks {
+        let variant = network_topology(&topo, network);
+        for &strategy in &cfg.strategies {
+            if cfg.stop.load(Ordering::Relaxed) {
+                return Err(ExperimentError::Other(
+                    "interrupted: stopped every node and removed the namespaces".into(),
+                ));
+            }
+            eprintln!("wan: {strategy} on the {network} network...");
+            let o = run_strategy(cfg, &variant, &cfg.topology, strategy, duration);
+            let r = summarize(strategy, network, o);
+            eprintln!(
+                "wan: {strategy} on the {network} network: {} rounds, sync {:.0} ms mean, {} \
+                 policies, {} aux chunks, valid {}{}",
+                r.rounds,
+                r.sync_ms_mean,
+                r.policies,
+                r.aux_chunks,
+                r.valid,
+                r.error
+                    .as_deref()
+                    .map(|e| format!(", error: {e}"))
+                    .unwrap_or_default()
+            );
+            if cfg.stop.load(Ordering::Relaxed) {
+                return Err(ExperimentError::Other(
+                    "interrupted: stopped every node and removed the namespaces".into(),
+                ));
+            }
+            results.push(r);
+        }
+    }
+    speedups(&mut results);
+    let targets = targets(&results);
+    Ok(WanReport {
+        topology: topo.name.clone(),
+        sites: topo.hosts.len(),
+        links,
+        workload,
+        iterations: cfg.iterations,
+        duration_s: duration.map(|d| d.as_secs_f64()),
+        netstorm: cfg.netstorm.clone(),
+        results,
+        targets,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gradwire_control::render::fabric::FabricQos;
+    use gradwire_fabric::topology::default_policy;
+
+    fn workload(elems: &[usize]) -> Workload {
+        Workload {
+            model: "m".into(),
+            scale: 1.0,
+            layers: elems
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| (format!("l{i}"), n))
+                .collect(),
+            elems: elems.iter().sum(),
+        }
+    }
+
+    /// The average each node computes, as the runtime does: sum, then divide.
+    fn average(w: &Workload, world: usize, round: u32, go_on: &[bool]) -> Vec<f32> {
+        let mut sum = vec![0.0f32; w.elems + 1];
+        for (r, &g) in go_on.iter().enumerate().take(world) {
+            for (s, x) in sum.iter_mut().zip(w.tensor(r, round, g)) {
+                *s += x;
+            }
+        }
+        sum.iter().map(|s| s / world as f32).collect()
+    }
+
+    #[test]
+    fn inputs_are_small_integers_and_the_average_is_exact() {
+        for r in 0..40 {
+            for k in 0..30 {
+                for e in 0..50 {
+                    let v = input(r, k, e);
+                    assert!((-11.0..=11.0).contains(&v) && v.fract() == 0.0);
+                    assert_eq!(v, input(r, k, e + PERIOD));
+                }
+            }
+        }
+        // Rounds differ, so a stale result is caught.
+        assert_ne!(expected(9, 0), expected(9, 1));
+        let w = workload(&[30, 1, 17]);
+        for world in [1, 2, 4, 9] {
+            let got = average(&w, world, 3, &vec![true; world]);
+            assert_eq!(check_round(&w, world, 0, 3, true, &got), Ok(true));
+        }
+    }
+
+    #[test]
+    fn a_wrong_element_is_found_and_named() {
+        let w = workload(&[30, 1, 17]);
+        let mut got = average(&w, 4, 2, &[true; 4]);
+        got[31] += 0.25;
+        let e = check_round(&w, 4, 1, 2, true, &got).unwrap_err();
+        assert_eq!(
+            (e.elem, e.layer.as_str(), e.index, e.rank),
+            (31, "l2", 0, 1)
+        );
+        assert!(e.to_string().contains("WRONG RESULT in round 2"), "{e}");
+        // Another round's result is wrong too.
+        let stale = average(&w, 4, 1, &[true; 4]);
+        assert!(check_round(&w, 4, 1, 2, true, &stale).is_err());
+        // Too short.
+        assert!(check_round(&w, 4, 1, 2, true, &got[..10]).is_err());
+    }
+
+    #[test]
+    fn the_control_element_stops_everyone_after_the_same_round() {
+        let w = workload(&[5]);
+        // One node past its duration: everyone stops.
+        let go = [true, false, true];
+        let got = average(&w, 3, 0, &go);
+        for (r, &g) in go.iter().enumerate() {
+            assert_eq!(check_round(&w, 3, r, 0, g, &got), Ok(false));
+        }
+        // A node that said stop but sees "everyone goes on" was not heard.
+        let all = average(&w, 3, 0, &[true; 3]);
+        assert!(check_round(&w, 3, 1, 0, false, &all).is_err());
+        // Not k/world.
+        let mut bad = all.clone();
+        bad[5] = 0.4;
+        assert!(check_round(&w, 3, 0, 0, true, &bad).is_err());
+    }
+
+    fn qos() -> FabricQos {
+        FabricQos::from_policy(&default_policy()).unwrap()
+    }
+
+    const FOUR: &str = r#"
+name = "w"
+[defaults]
+rate = "100Mbit"
+[[switch]]
+name = "a"
+[[switch]]
+name = "b"
+[[switch]]
+name = "c"
+[[host]]
+name = "ha"
+uplink = "a"
+[[host]]
+name = "hb"
+uplink = "b"
+[[host]]
+name = "hc"
+uplink = "c"
+[[link]]
+a = "a"
+b = "b"
+rate = "10Mbit"
+delay = "30ms"
+schedule = [{ at = "20s", rate = "2Mbit" }]
+period = "40s"
+[[link]]
+a = "c"
+b = "b"
+rate = "4Mbit"
+delay = "1ms"
+"#;
+
+    #[test]
+    fn the_overlay_has_one_link_per_inter_site_link() {
+        let t = Topology::from_toml(FOUR, qos()).unwrap();
+        let links = site_links(&t).unwrap();
+        assert_eq!(links.len(), 2);
+        let o = overlay_from_topology(&t).unwrap();
+        assert_eq!((o.num_nodes(), o.num_links()), (3, 2));
+        assert_eq!(o.name(2), Some("c"));
+        let ab = o.link(o.link_between(0, 1).unwrap());
+        assert_eq!(ab.throughput_from(1), Some(10e6));
+        assert_eq!(ab.latency(), Duration::from_millis(30));
+        assert!(o.link_between(0, 2).is_none());
+        assert_eq!(
+            o.link(o.link_between(2, 1).unwrap()).throughput_from(2),
+            Some(4e6)
+        );
+        assert_eq!(schedule_span(&t), Some(40.0));
+        let st = network_topology(&t, Network::Static);
+        assert_eq!(schedule_span(&st), None);
+        assert_eq!(site_links(&st).unwrap()[0].rate_bps, 10_000_000);
+        let ab = &links[0];
+        assert_eq!(
+            ab.schedule,
+            Some(LinkSchedule {
+                steps: vec![(20.0, 2_000_000)],
+                period_s: Some(40.0)
+            })
+        );
+    }
+
+    #[test]
+    fn topologies_that_are_not_wans_of_sites_are_refused() {
+        let shared = FOUR.replace("uplink = \"c\"", "uplink = \"b\"");
+        let t = Topology::from_toml(&shared, qos()).unwrap();
+        let e = overlay_from_topology(&t).unwrap_err().to_string();
+        assert!(e.contains("share switch b"), "{e}");
+        let transit = format!("{FOUR}[[switch]]\nname = \"x\"\n[[link]]\na = \"x\"\nb = \"a\"\n");
+        let t = Topology::from_toml(&transit, qos()).unwrap();
+        let e = overlay_from_topology(&t).unwrap_err().to_string();
+        assert!(e.contains("switch x, which has no host"), "{e}");
+        let cut = FOUR.replace("a = \"c\"\nb = \"b\"", "a = \"c\"\nb = \"c\"");
+        if let Ok(t) = Topology::from_toml(&cut, qos()) {
+            assert!(overlay_from_topology(&t).is_err());
+        }
+    }
+
+    #[test]
+    fn names_and_pairs() {
+        assert_eq!("dynamic".parse::<Network>(), Ok(Network::Dynamic));
+        assert!("wobbly".parse::<Network>().is_err());
+        assert_eq!(all_pairs(3).len(), 6);
+        assert!(all_pairs(3).iter().all(|(a, b)| a != b));
+        let m: SocketAddr = "198.18.1.0:29500".parse().unwrap();
+        assert_eq!(barrier_addr(m).port(), 29_502);
+        let p = PolicyRecord {
+            version: 1,
+            at_ms: 0.0,
+            parents: vec![vec![None, Some(0), Some(1)]],
+        };
+        assert!(p.uses_link(1, 0) && p.uses_link(0, 1) && p.uses_link(2, 1));
+        assert!(!p.uses_link(0, 2));
+    }
+}

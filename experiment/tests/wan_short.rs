@@ -1,0 +1,264 @@
+//! Short NetStorm runs on `testbeds/wan4.toml` (root; seconds to tens of seconds each), one
+//! `gradwire wan node` process per site as `gradwire experiment wan` runs them:
+//! - every strategy gives every node the same, exact average (each node checks every
+//!   element of every round);
+//! - a site that stops answering (its process killed mid-run) makes every other node fail
+//!   with an error naming it, within the timeout;
+//! - a link whose rate drops is avoided by the trees of a later refresh (awareness on);
+//! - policies that change between rounds (UPDATE_TIME 0.2 s) lose nothing and do not
+//!   deadlock: every round of every node verified.
+//!
+//! Invariants only, never timings. The tests run the `gradwire` executable of this build
+//! (`cargo build -p gradwire-cli` first, a no-op when `cargo test --workspace` built it), or
+//! `GRADWIRE_BIN`. Everything runs in namespaces the driver creates and removes, bounded by
+//! the nodes' timeouts and the driver's deadline.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use gradwire_experiment::wan::{
+    network_topology, run_strategy, summarize, Network, NodeFault, WanConfig, WanResult, WAN4,
+};
+use gradwire_fabric::topology::Topology;
+use gradwire_netns::require_root;
+use gradwire_wan::scheduler::Strategy;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The `gradwire` executable of this build: `GRADWIRE_BIN`, else built next to this test
+/// (target/<profile>/gradwire).
+fn gradwire_exe() -> PathBuf {
+    static EXE: OnceLock<PathBuf> = OnceLock::new();
+    EXE.get_or_init(|| {
+        if let Some(p) = std::env::var_os("GRADWIRE_BIN") {
+            return PathBuf::from(p);
+        }
+        // target/<profile>/deps/wan_short-<hash>
+        let me = std::env::current_exe().unwrap();
+        let profile = me.parent().and_then(Path::parent).unwrap().to_owned();
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.args([
+            "build",
+            "--locked",
+            "-p",
+            "gradwire-cli",
+            "--bin",
+            "gradwire",
+        ])
+        .current_dir(root());
+        if profile.file_name().is_some_and(|n| n == "release") {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("running cargo to build gradwire");
+        assert!(
+            status.success(),
+            "building gradwire failed ({status}); build it (cargo build -p gradwire-cli) or set \
+             GRADWIRE_BIN"
+        );
+        let exe = profile.join("gradwire");
+        assert!(exe.exists(), "{} was not built", exe.display());
+        exe
+    })
+    .clone()
+}
+
+/// A small model file in a directory removed on drop.
+struct TinyModel {
+    dir: PathBuf,
+}
+
+impl TinyModel {
+    fn new(tag: &str, layers: &[u64]) -> TinyModel {
+        let dir = std::env::temp_dir().join(format!("gradwire-wan-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut text = format!(
+            "name = \"tiny\"\ntotal_params = {}\n",
+            layers.iter().sum::<u64>()
+        );
+        for (i, n) in layers.iter().enumerate() {
+            text.push_str(&format!("\n[[layers]]\nname = \"l{i}\"\nparams = {n}\n"));
+        }
+        std::fs::write(dir.join("tiny.toml"), text).unwrap();
+        TinyModel { dir }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.join("tiny.toml")
+    }
+}
+
+impl Drop for TinyModel {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn config(model: &TinyModel) -> WanConfig {
+    let mut cfg = WanConfig::new(&root(), gradwire_exe());
+    cfg.topology = root().join(WAN4);
+    cfg.model = model.path();
+    cfg.scale = 1.0;
+    cfg.iterations = 2;
+    cfg.duration = None;
+    cfg.timeout = Duration::from_secs(20);
+    cfg.netstorm.chunk_size = 8_000;
+    cfg.netstorm.probe_chunk_size = 16_000;
+    cfg
+}
+
+fn run(cfg: &WanConfig, network: Network, strategy: Strategy) -> WanResult {
+    let topo = Topology::load(&cfg.topology).unwrap();
+    let variant = network_topology(&topo, network);
+    let duration = cfg.duration;
+    summarize(
+        strategy,
+        network,
+        run_strategy(cfg, &variant, &cfg.topology, strategy, duration),
+    )
+}
+
+fn assert_verified(r: &WanResult, rounds: u32) {
+    assert!(r.error.is_none(), "{}: {:?}", r.strategy, r.error);
+    assert!(r.verified, "{}: not verified", r.strategy);
+    assert_eq!(r.nodes.len(), 4, "{}", r.strategy);
+    for n in &r.nodes {
+        let o = n.output.as_ref().unwrap();
+        assert!(o.verified && o.rounds >= rounds, "{}: {o:?}", r.strategy);
+        assert_eq!(o.sync_ms.len(), o.rounds as usize);
+    }
+}
+
+#[test]
+fn every_strategy_gives_every_node_the_exact_average() {
+    if !require_root("every_strategy_gives_every_node_the_exact_average") {
+        return;
+    }
+    let model = TinyModel::new("all", &[30_000, 20_000, 10_007]);
+    let cfg = config(&model);
+    for s in Strategy::ALL {
+        let r = run(&cfg, Network::Static, s);
+        assert_verified(&r, 2);
+        assert_eq!(r.rounds, 2, "{s}");
+        assert!(r.policies >= 1, "{s}: the scheduler reported no policy");
+    }
+}
+
+#[test]
+fn a_site_that_stops_answering_fails_the_others_naming_it() {
+    if !require_root("a_site_that_stops_answering_fails_the_others_naming_it") {
+        return;
+    }
+    let model = TinyModel::new("dead", &[30_000, 20_000]);
+    let mut cfg = config(&model);
+    cfg.iterations = 100_000;
+    cfg.duration = Some(Duration::from_secs(60));
+    cfg.timeout = Duration::from_secs(10);
+    cfg.fault = Some(NodeFault {
+        rank: 2,
+        after_rounds: 2,
+    });
+    let r = run(&cfg, Network::Static, Strategy::MrFaptAwareAux);
+    let dead = &r.nodes[2];
+    assert!(dead.output.is_none(), "node 2 was not killed: {dead:?}");
+    for n in r.nodes.iter().filter(|n| n.rank != 2) {
+        let e = n
+            .error
+            .as_deref()
+            .unwrap_or_else(|| panic!("node {} did not fail although node 2 died: {n:?}", n.rank));
+        assert!(
+            e.contains("node 2") || e.contains("rank(s) [2]") || e.contains("[2]"),
+            "node {}'s error does not name node 2: {e}",
+            n.rank
+        );
+        // Within the timeout of the death (and some slack for the process to end).
+        assert!(
+            n.ended_s <= dead.ended_s + cfg.timeout.as_secs_f64() + 5.0,
+            "node {} failed {:.1} s after node 2 died (timeout {:?}): {e}",
+            n.rank,
+            n.ended_s - dead.ended_s,
+            cfg.timeout
+        );
+    }
+}
+
+/// wan4's s0-s1 (sites 0 and 1) drops from the fastest link (16 Mbit/s) to the slowest
+/// (2 Mbit/s) 10 s after the fabric starts.
+const DROP_S: f64 = 10.0;
+
+#[test]
+fn a_link_whose_rate_drops_is_avoided_at_the_next_refresh() {
+    if !require_root("a_link_whose_rate_drops_is_avoided_at_the_next_refresh") {
+        return;
+    }
+    let model = TinyModel::new("drop", &[120_000, 80_000]);
+    let mut cfg = config(&model);
+    cfg.iterations = 100_000;
+    cfg.duration = Some(Duration::from_secs(22));
+    cfg.netstorm.chunk_size = 25_000;
+    cfg.netstorm.probe_chunk_size = 50_000;
+    cfg.netstorm.probe_chunk_num = 2;
+    cfg.netstorm.update_time = Duration::from_secs(1);
+    let r = run(&cfg, Network::Dynamic, Strategy::MrFaptAware);
+    assert_verified(&r, 1);
+    let sched = r.nodes[0]
+        .output
+        .as_ref()
+        .and_then(|o| o.scheduler.clone())
+        .expect("rank 0 serves the scheduler and reports it");
+    let first = sched.policies.first().unwrap();
+    assert!(
+        first.uses_link(0, 1),
+        "the first policy does not use s0-s1, the fastest link, so its drop tests nothing: {first:?}"
+    );
+    let last = sched.policies.last().unwrap();
+    // The scheduler starts after the fabric: its clock is behind the schedule's.
+    assert!(
+        last.at_ms / 1e3 >= DROP_S - 1.0,
+        "no policy after the drop at {DROP_S} s: {:?}",
+        sched.policies
+    );
+    assert!(
+        !last.uses_link(0, 1),
+        "the last policy (at {:.1} s) still uses s0-s1 after its drop: {last:?} (all: {:?})",
+        last.at_ms / 1e3,
+        sched.policies
+    );
+    assert!(r.link_reports > 0, "no link reports with awareness on");
+}
+
+#[test]
+fn policy_switches_between_rounds_lose_nothing_and_do_not_deadlock() {
+    if !require_root("policy_switches_between_rounds_lose_nothing_and_do_not_deadlock") {
+        return;
+    }
+    let model = TinyModel::new("switch", &[120_000, 80_000]);
+    let mut cfg = config(&model);
+    cfg.iterations = 100_000;
+    cfg.duration = Some(Duration::from_secs(16));
+    cfg.netstorm.chunk_size = 25_000;
+    cfg.netstorm.probe_chunk_size = 50_000;
+    cfg.netstorm.probe_chunk_num = 2;
+    cfg.netstorm.update_time = Duration::from_millis(200);
+    let r = run(&cfg, Network::Dynamic, Strategy::MrFaptAwareAux);
+    assert_verified(&r, 2);
+    assert!(
+        r.policies >= 2 && r.versions_used.len() >= 2,
+        "the policy never changed ({} policies, versions used {:?}): nothing was switched",
+        r.policies,
+        r.versions_used
+    );
+    // Every node ran every round (the control element stops all after the same one).
+    let rounds: Vec<u32> = r
+        .nodes
+        .iter()
+        .map(|n| n.output.as_ref().unwrap().rounds)
+        .collect();
+    assert!(rounds.iter().all(|&k| k == rounds[0]), "{rounds:?}");
+}
