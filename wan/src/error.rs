@@ -19,7 +19,7 @@ pub enum WanError {
     /// A round did not finish in time: a node stopped answering, or the network is slower
     /// than the timeout allows.
     #[error(
-        "node {rank}: round {round} did not finish within {timeout:?} ({pending} chunks still missing): a node stopped answering, or raise the timeout"
+        "node {rank}: round {round} did not finish within {timeout:?} ({pending} chunks still missing; links closed by nodes {closed:?}): a node stopped answering, or raise the timeout"
     )]
     RoundTimeout {
         /// This node.
@@ -30,7 +30,13 @@ pub enum WanError {
         pending: usize,
         /// The timeout.
         timeout: Duration,
+        /// Nodes whose links to this one closed (finished early, or dead).
+        closed: Vec<usize>,
     },
+    /// A peer or the scheduler broke NetStorm's protocol (a chunk from a node that is not
+    /// a child in its tree, a second copy, the wrong version).
+    #[error("protocol: {0}")]
+    Protocol(String),
     /// The scheduler connection failed.
     #[error("scheduler at {addr}: {error}")]
     Scheduler {
@@ -39,9 +45,6 @@ pub enum WanError {
         /// What happened.
         error: String,
     },
-    /// A chunk did not fit the round's policy.
-    #[error(transparent)]
-    Sync(#[from] crate::sync::SyncError),
     /// Links could not be set up.
     #[error(transparent)]
     Collective(#[from] gradwire_collective::error::CollectiveError),

@@ -4,23 +4,23 @@
 //!
 //! - [`channel`]: chunk channels, one directed gradwire link each, driven by a thread per
 //!   direction, timing every chunk for the passive link measurement.
-//! - [`sync`]: one round at one node as a state machine: aggregate-forward up each root's
-//!   tree, results down, auxiliary chunks forwarded by their path.
-//! - [`policy`]: the round's trees, shares and auxiliary paths.
-//! - [`meta`]: chunk metadata and control messages, in NetStorm's wire format.
+//! - [`policy`]: the round's chunks under its policy.
+//! - [`plan`]: policy formulation for NetStorm's strategies and the baselines.
 //! - [`control`]: the node-scheduler connection (TRP before each PUSH, link reports).
-//! - [`scheduler`]: the scheduler (network collector, policy formulation, consistency).
-//! - [`node`]: the node loop.
+//! - [`scheduler`]: the scheduler (network collector, policy formulation, and the
+//!   consistency module's versions and per-round pins).
+//! - [`node`]: the node loop around the consistency module's node state machine.
+//!
+//! The protocol itself (rounds, caching, relays, pinning) is the scheduler crate's
+//! model-checked [`gradwire_netstorm::consistency`]; this crate does the I/O.
 #![deny(unsafe_code)]
 
 pub mod channel;
 pub mod control;
 pub mod error;
-pub mod meta;
 pub mod node;
 pub mod plan;
 pub mod policy;
 pub mod scheduler;
-pub mod sync;
 
 pub use error::WanError;

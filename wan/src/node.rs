@@ -1,10 +1,15 @@
 //! A general node (NetStorm §VIII-A): it trains (the caller's input), asks the scheduler for
 //! the round's policy before each PUSH, pushes, aggregates, forwards and pulls chunks over
 //! its chunk channels, relays auxiliary chunks, and reports the links it measured.
+//!
+//! The protocol is the model-checked state machine of the scheduler crate
+//! ([`NodeState`]); this loop moves its outputs onto the channels and the channels' chunks
+//! into it, and makes the one decision the state machine leaves to the runtime: whether a
+//! PUSH goes on its primary edge or, when that edge is busy, on an auxiliary path (§VI-A).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,14 +17,15 @@ use crossbeam_channel::RecvTimeoutError;
 use gradwire::tensor::Tensor;
 use gradwire::transport::TransferConfig;
 use gradwire_collective::link::Links;
-use gradwire_netstorm::awareness::{Estimator, LinkMonitor};
+use gradwire_netstorm::awareness::{ChunkSample, Estimator, LinkMonitor};
 use gradwire_netstorm::config::NetStormConfig;
+use gradwire_netstorm::consistency::{NodeState, Output, Payload};
+use gradwire_netstorm::wire::{ChunkHeader, LinkReport, Message, Phase};
 
 use crate::channel::{self, ChannelConfig, ChunkTx, Event, Outgoing};
-use crate::control::{Answer, SchedulerClient};
+use crate::control::SchedulerClient;
 use crate::error::WanError;
-use crate::meta;
-use crate::sync::{Action, ChunkMeta, RoundState};
+use crate::policy::{aux_map, chunk_plan};
 
 /// How a node runs.
 #[derive(Debug, Clone)]
@@ -56,6 +62,18 @@ pub struct NodeReport {
     pub link_reports: usize,
 }
 
+/// A chunk's values; partial sums add up element by element.
+#[derive(Debug, Clone, PartialEq)]
+struct Values(Vec<f32>);
+
+impl Payload for Values {
+    fn accumulate(&mut self, other: &Self) {
+        for (a, b) in self.0.iter_mut().zip(&other.0) {
+            *a += b;
+        }
+    }
+}
+
 /// A running node: its channels and its scheduler connection.
 #[derive(Debug)]
 pub struct Node {
@@ -65,11 +83,8 @@ pub struct Node {
     stop: Arc<AtomicBool>,
     rx_threads: Vec<std::thread::JoinHandle<()>>,
     scheduler: SchedulerClient,
-    version: u32,
-    round: u32,
-    /// Chunks that came before this node knew their round's policy (§VII-A, Case 2).
-    early: Vec<(usize, ChunkMeta, Vec<f32>)>,
-    /// Peers whose links to this node have closed.
+    state: NodeState<Values>,
+    /// Peers whose links to this node have closed (finished, or dead).
     closed: Vec<usize>,
     monitor: LinkMonitor,
     report: NodeReport,
@@ -78,6 +93,11 @@ pub struct Node {
 impl Node {
     /// A node over `links` (to every other node), talking to the scheduler at `scheduler`.
     pub fn start(links: Links, scheduler: SocketAddr, cfg: NodeConfig) -> Result<Node, WanError> {
+        cfg.netstorm
+            .validate()
+            .map_err(|e| WanError::Config(e.to_string()))?;
+        let me = u16::try_from(cfg.rank)
+            .map_err(|_| WanError::Config(format!("node {} is beyond 16-bit ids", cfg.rank)))?;
         let epoch = Instant::now();
         let (tx_events, events) = crossbeam_channel::unbounded();
         let stop = Arc::new(AtomicBool::new(false));
@@ -112,7 +132,7 @@ impl Node {
                 Arc::clone(&stop),
             )?);
         }
-        let scheduler = SchedulerClient::connect(scheduler, cfg.rank, cfg.round_timeout)?;
+        let scheduler = SchedulerClient::connect(scheduler, cfg.round_timeout)?;
         let ns = &cfg.netstorm;
         let monitor = LinkMonitor::new(
             ns.probe_chunk_size,
@@ -134,55 +154,55 @@ impl Node {
             stop,
             rx_threads,
             scheduler,
-            version: 0,
-            round: 0,
-            early: Vec::new(),
+            state: NodeState::new(me, 0),
             closed: Vec::new(),
             monitor,
         })
     }
 
+    fn peer_err(&self, peer: usize, error: impl ToString) -> WanError {
+        WanError::Peer {
+            rank: self.cfg.rank,
+            peer,
+            error: error.to_string(),
+        }
+    }
+
     /// One synchronization round: returns the average of every node's `input`.
     pub fn synchronize(&mut self, input: &[f32]) -> Result<Vec<f32>, WanError> {
-        let round = self.round;
+        let round = self.state.round();
+        let proto =
+            |e: gradwire_netstorm::consistency::ConsistencyError| WanError::Protocol(e.to_string());
         // Topology request before the PUSH (§VII-A): block for the round's policy.
-        let (version, policy) = match self.scheduler.request(self.version, round)? {
-            Answer::Update(p) => (p.version, p),
-            Answer::Confirm(v) => (v, self.scheduler.current(v)?),
-        };
-        self.version = version;
+        let mut trp = None;
+        for o in self.state.begin_round(round).map_err(proto)? {
+            if let Output::Request(r) = o {
+                trp = Some(r);
+            }
+        }
+        let trp = trp.ok_or_else(|| WanError::Internal("no topology request".into()))?;
+        let reply = self.scheduler.request(trp)?;
+        self.state.on_reply(reply).map_err(proto)?;
+        let (version, policy) = self
+            .state
+            .policy()
+            .ok_or_else(|| WanError::Internal("adopted no policy".into()))?;
+        let policy = policy.clone();
+        let world = usize::from(policy.nodes());
+        let plan = chunk_plan(&policy, input.len(), self.cfg.netstorm.chunk_size)
+            .map_err(WanError::Config)?;
+        let aux = aux_map(&policy);
         let started = Instant::now();
-        let aux = policy.aux_map();
-        let chunk_elems = self.cfg.netstorm.chunk_size;
-        let (mut state, first) = {
-            let routes = self.router(&aux);
-            RoundState::start(self.cfg.rank, round, policy, input, chunk_elems, &routes)?
-        };
-        self.perform(first)?;
-        for &peer in &self.closed {
-            if state.waits_on(peer) {
-                return Err(WanError::Peer {
-                    rank: self.cfg.rank,
-                    peer,
-                    error: "it closed its link before this round (it stopped or died)".into(),
-                });
-            }
-        }
-        // Chunks that arrived early for this round.
-        let early = std::mem::take(&mut self.early);
-        for (from, m, values) in early {
-            if m.round == round {
-                let acts = {
-                    let routes = self.router(&aux);
-                    state.on_chunk(from, m, values, &routes)?
-                };
-                self.perform(acts)?;
-            } else {
-                self.early.push((from, m, values));
-            }
-        }
+        let mut results: Vec<Option<Vec<f32>>> = vec![None; plan.len()];
+        let own = plan
+            .iter()
+            .enumerate()
+            .map(|(c, (r, root))| (*root, c as u32, Values(input[r.clone()].to_vec())))
+            .collect();
+        let outs = self.state.contribute(own).map_err(proto)?;
+        let mut done = self.perform(outs, &aux, &mut results)?;
         let deadline = started + self.cfg.round_timeout;
-        while !state.finished() {
+        while !done {
             let left = deadline.saturating_duration_since(Instant::now());
             let ev = match self.events.recv_timeout(left) {
                 Ok(ev) => ev,
@@ -190,8 +210,9 @@ impl Node {
                     return Err(WanError::RoundTimeout {
                         rank: self.cfg.rank,
                         round,
-                        pending: state.pending(),
+                        pending: results.iter().filter(|r| r.is_none()).count(),
                         timeout: self.cfg.round_timeout,
+                        closed: self.closed.clone(),
                     })
                 }
                 Err(RecvTimeoutError::Disconnected) => {
@@ -200,155 +221,148 @@ impl Node {
             };
             match ev {
                 Event::Sent { .. } => {}
-                Event::Closed { peer } => {
-                    // A peer that finished may leave; one this round still waits for has
-                    // died.
-                    self.closed.push(peer);
-                    if state.waits_on(peer) {
-                        return Err(WanError::Peer {
-                            rank: self.cfg.rank,
-                            peer,
-                            error: "it closed its link before sending what this round needs (it stopped or died)".into(),
-                        });
-                    }
-                }
-                Event::Failed { peer, error } => {
-                    return Err(WanError::Peer {
-                        rank: self.cfg.rank,
-                        peer,
-                        error,
-                    })
-                }
+                // A peer that finished may leave; if this round still needed it, the round
+                // times out naming it.
+                Event::Closed { peer } => self.closed.push(peer),
+                Event::Failed { peer, error } => return Err(self.peer_err(peer, error)),
                 Event::Chunk(c) => {
                     self.measure(c.from, c.sample)?;
-                    let m = meta::decode(&c.meta).map_err(|why| WanError::Peer {
-                        rank: self.cfg.rank,
-                        peer: c.from,
-                        error: format!("invalid chunk metadata: {why}"),
-                    })?;
-                    let values =
-                        c.data
-                            .as_f32()
-                            .map(<[f32]>::to_vec)
-                            .ok_or_else(|| WanError::Peer {
-                                rank: self.cfg.rank,
-                                peer: c.from,
-                                error: "a chunk that is not f32".into(),
-                            })?;
-                    // Relays go on at once, whatever the round (source routing).
-                    let relayed = crate::sync::relay(self.cfg.rank, c.from, &m, &values).map_err(
-                        |error| WanError::Peer {
-                            rank: self.cfg.rank,
-                            peer: c.from,
-                            error,
-                        },
-                    )?;
-                    if let Some(a) = relayed {
-                        self.report.relayed += 1;
-                        self.perform(vec![a])?;
-                        continue;
-                    }
-                    if m.round > round {
-                        // A node already in the next round (it finished this one).
-                        self.early.push((c.from, m, values));
-                        continue;
-                    }
-                    if m.round < round {
-                        return Err(WanError::Peer {
-                            rank: self.cfg.rank,
-                            peer: c.from,
-                            error: format!(
-                                "a chunk of round {}, which this node finished",
-                                m.round
-                            ),
-                        });
-                    }
-                    let acts = {
-                        let routes = self.router(&aux);
-                        state.on_chunk(c.from, m, values, &routes)?
-                    };
-                    self.perform(acts)?;
+                    let header = ChunkHeader::parse(&c.meta)
+                        .map_err(|e| self.peer_err(c.from, format!("invalid chunk header: {e}")))?;
+                    let values = c
+                        .data
+                        .as_f32()
+                        .map(<[f32]>::to_vec)
+                        .ok_or_else(|| self.peer_err(c.from, "a chunk that is not f32"))?;
+                    let from = u16::try_from(c.from)
+                        .map_err(|_| self.peer_err(c.from, "a node id beyond 16 bits"))?;
+                    let outs = self
+                        .state
+                        .on_chunk(from, header, Values(values))
+                        .map_err(|e| self.peer_err(c.from, e))?;
+                    done = self.perform(outs, &aux, &mut results)?;
                 }
             }
         }
         self.report
             .sync_ms
             .push(started.elapsed().as_secs_f64() * 1e3);
-        self.report.versions.push(state.version());
-        self.round = self.round.wrapping_add(1);
-        state
-            .output()
-            .ok_or_else(|| WanError::Internal("a finished round without its output".into()))
+        self.report.versions.push(version);
+        // The roots hold sums; every node divides the same sum the same way.
+        let n = world as f32;
+        let mut out = Vec::with_capacity(input.len());
+        for r in results {
+            let r =
+                r.ok_or_else(|| WanError::Internal("a finished round without a result".into()))?;
+            out.extend(r.iter().map(|v| v / n));
+        }
+        Ok(out)
     }
 
-    /// The route of a chunk up a tree edge: `None` for the primary edge, or an auxiliary
-    /// path when the primary is busy and that path's first hop has room (§VI-A).
-    fn router<'a>(
-        &'a self,
-        aux: &'a BTreeMap<(usize, usize), Vec<Vec<usize>>>,
-    ) -> impl Fn(usize, usize) -> Option<Vec<usize>> + 'a {
+    /// Carry out the state machine's outputs; `true` once the round is done.
+    fn perform(
+        &mut self,
+        outs: Vec<Output<Values>>,
+        aux: &BTreeMap<(u16, u16), Vec<Vec<u16>>>,
+        results: &mut [Option<Vec<f32>>],
+    ) -> Result<bool, WanError> {
+        let mut done = false;
+        for o in outs {
+            match o {
+                Output::Send {
+                    to,
+                    header,
+                    payload,
+                } => {
+                    let (to, header) = self.route(to, header, aux)?;
+                    if header.is_aux {
+                        if header.hop == 1 {
+                            self.report.sent_aux += 1;
+                        } else {
+                            self.report.relayed += 1;
+                        }
+                    }
+                    let tx = self
+                        .txs
+                        .get(usize::from(to))
+                        .and_then(Option::as_ref)
+                        .ok_or_else(|| WanError::Internal(format!("no channel to node {to}")))?;
+                    let meta = header
+                        .to_vec()
+                        .map_err(|e| WanError::Internal(e.to_string()))?;
+                    let out = Outgoing {
+                        meta,
+                        data: Tensor::from_f32(&payload.0),
+                    };
+                    if !tx.send(out) {
+                        return Err(self.peer_err(usize::from(to), "its channel has failed"));
+                    }
+                }
+                Output::Result { chunk, payload, .. } => {
+                    if let Some(slot) = results.get_mut(chunk as usize) {
+                        *slot = Some(payload.0);
+                    }
+                }
+                Output::RoundDone { .. } => done = true,
+                Output::Request(_) | Output::Adopted { .. } => {}
+            }
+        }
+        Ok(done)
+    }
+
+    /// A PUSH goes on its primary edge unless that edge has PRIMARY_BUSY_BOUND chunks
+    /// queued; then on the fastest auxiliary path whose first hop has fewer than
+    /// AUXILIARY_QUEUE_LENGTH; when all are busy, on the primary edge after all (§VI-A).
+    fn route(
+        &self,
+        to: u16,
+        header: ChunkHeader,
+        aux: &BTreeMap<(u16, u16), Vec<Vec<u16>>>,
+    ) -> Result<(u16, ChunkHeader), WanError> {
         let ns = &self.cfg.netstorm;
-        move |me: usize, parent: usize| {
-            if !ns.enable_aux_path {
-                return None;
-            }
-            let busy = |q: usize| {
-                self.txs
-                    .get(q)
-                    .and_then(Option::as_ref)
-                    .map_or(usize::MAX, ChunkTx::in_flight)
-            };
-            if busy(parent) < ns.primary_busy_bound {
-                return None;
-            }
-            aux.get(&(me, parent))?
-                .iter()
-                .find(|p| p.len() >= 2 && busy(p[1]) < ns.auxiliary_queue_length)
-                .cloned()
+        if !ns.enable_aux_path || header.is_aux || header.phase != Phase::Push {
+            return Ok((to, header));
         }
-    }
-
-    fn perform(&mut self, actions: Vec<Action>) -> Result<(), WanError> {
-        for a in actions {
-            let Action::Send {
-                to,
-                meta: m,
-                values,
-            } = a;
-            if !m.path.is_empty() && m.hop == 1 {
-                self.report.sent_aux += 1;
-            }
-            let tx = self
-                .txs
-                .get(to)
+        let queued = |q: u16| {
+            self.txs
+                .get(usize::from(q))
                 .and_then(Option::as_ref)
-                .ok_or(WanError::Internal(format!("no channel to node {to}")))?;
-            let out = Outgoing {
-                meta: meta::encode(&m).map_err(|e| WanError::Internal(e.to_string()))?,
-                data: Tensor::from_f32(&values),
-            };
-            if !tx.send(out) {
-                return Err(WanError::Peer {
-                    rank: self.cfg.rank,
-                    peer: to,
-                    error: "its channel has failed".into(),
-                });
+                .map_or(usize::MAX, ChunkTx::in_flight)
+        };
+        if queued(to) < ns.primary_busy_bound {
+            return Ok((to, header));
+        }
+        let me = self.state.me();
+        let Some(paths) = aux.get(&(me, to)) else {
+            return Ok((to, header));
+        };
+        for p in paths {
+            if let Some(&first) = p.get(1) {
+                if queued(first) < ns.auxiliary_queue_length {
+                    let h = header
+                        .via(p)
+                        .map_err(|e| WanError::Internal(e.to_string()))?;
+                    return Ok((first, h));
+                }
             }
         }
-        Ok(())
+        Ok((to, header))
     }
 
     /// Feed the passive measurement; report a link when it has enough chunks.
-    fn measure(
-        &mut self,
-        from: usize,
-        s: gradwire_netstorm::awareness::ChunkSample,
-    ) -> Result<(), WanError> {
+    fn measure(&mut self, from: usize, s: ChunkSample) -> Result<(), WanError> {
         if !self.cfg.netstorm.enable_awareness {
             return Ok(());
         }
         if let Some(m) = self.monitor.record(from, self.cfg.rank, s) {
-            self.scheduler.report(&m, self.round)?;
+            let report = LinkReport {
+                from: u16::try_from(m.from).unwrap_or(u16::MAX),
+                to: self.state.me(),
+                throughput_bps: m.throughput_bps as u64,
+                samples: u16::try_from(m.samples).unwrap_or(u16::MAX),
+                measured_at_round: self.state.round(),
+            };
+            self.scheduler.send(&Message::LinkReport(report))?;
             self.report.link_reports += 1;
         }
         Ok(())
@@ -367,7 +381,7 @@ impl Node {
             // Chunks that still arrive are not needed: this node has its results.
             let _ = self.events.recv_timeout(Duration::from_millis(50));
         }
-        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.stop.store(true, Ordering::Release);
         self.txs.clear();
         for h in self.rx_threads.drain(..) {
             let _ = h.join();

@@ -14,7 +14,6 @@ use gradwire_netstorm::graph::Overlay;
 use gradwire_netstorm::wire::{AuxPaths, Policy, RootTree};
 
 use crate::error::WanError;
-use crate::policy::RoundPolicy;
 use crate::scheduler::Strategy;
 
 /// MLNET's balanced tree arity for BKT: binary, MLNET's best tree in gradwire's own MLNET
@@ -32,16 +31,15 @@ fn plan_err(e: impl std::fmt::Display) -> WanError {
     WanError::Plan(e.to_string())
 }
 
-/// The policy of `strategy` on `overlay`, as version `version`; `bytes`: what a tree edge
-/// carries (weights the transfer delays).
+/// The policy of `strategy` on `overlay`; `bytes`: what a tree edge carries (weights the
+/// transfer delays).
 pub fn formulate(
     strategy: Strategy,
     overlay: &Overlay,
     planner: &mut Planner,
     ns: &NetStormConfig,
     bytes: u64,
-    version: u32,
-) -> Result<RoundPolicy, WanError> {
+) -> Result<Policy, WanError> {
     let n = overlay.num_nodes();
     let nodes = u16::try_from(n).map_err(plan_err)?;
     let root = match planner.single_root {
@@ -128,6 +126,5 @@ pub fn formulate(
             }
         }
     }
-    let policy = Policy::new(nodes, roots, aux).map_err(plan_err)?;
-    Ok(RoundPolicy::new(version, policy))
+    Policy::new(nodes, roots, aux).map_err(plan_err)
 }

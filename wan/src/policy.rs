@@ -1,6 +1,6 @@
-//! The policy a round runs under, as the node loop uses it: NetStorm's [`Policy`] (one tree
-//! per root with its chunk share, the auxiliary paths of the tree edges), its version, and
-//! the chunks of the round's tensor assigned to the roots.
+//! The chunks of a round's tensor under its policy: cut into chunks of at most CHUNK_SIZE
+//! elements and assigned to the roots in proportion to their shares, interleaved, the same
+//! on every node (NetStorm §IV-C).
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -8,95 +8,65 @@ use std::ops::Range;
 use gradwire_netstorm::shares::assign_chunks;
 use gradwire_netstorm::wire::Policy;
 
-/// One round's policy at a node.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RoundPolicy {
-    /// Version (the scheduler's counter, from 1).
-    pub version: u32,
-    /// Trees, shares and auxiliary paths.
-    pub policy: Policy,
-    /// Chunk -> root, fixed by [`RoundPolicy::chunks`].
-    assignment: Vec<usize>,
+/// Chunk `c` of the plan: its elements and its root.
+pub fn chunk_plan(
+    policy: &Policy,
+    elems: usize,
+    chunk_elems: usize,
+) -> Result<Vec<(Range<usize>, u16)>, String> {
+    let roots: Vec<u16> = policy.roots().collect();
+    let shares: Vec<f64> = policy.trees().iter().map(|t| f64::from(t.share)).collect();
+    let plan = assign_chunks(&[elems], chunk_elems, &shares).map_err(|e| e.to_string())?;
+    Ok(plan.into_iter().map(|a| (a.range, roots[a.slot])).collect())
 }
 
-impl RoundPolicy {
-    /// Version `version` of `policy`.
-    pub fn new(version: u32, policy: Policy) -> RoundPolicy {
-        RoundPolicy {
-            version,
-            policy,
-            assignment: Vec::new(),
-        }
-    }
+/// Auxiliary paths of every tree edge `(child, parent)`, fastest first.
+pub fn aux_map(policy: &Policy) -> BTreeMap<(u16, u16), Vec<Vec<u16>>> {
+    policy
+        .aux()
+        .iter()
+        .map(|a| ((a.from, a.to), a.paths.clone()))
+        .collect()
+}
 
-    /// Nodes in the job.
-    pub fn world(&self) -> usize {
-        usize::from(self.policy.nodes())
-    }
+/// Each tree's parent vector, for reports.
+pub fn parents(policy: &Policy) -> Vec<Vec<Option<usize>>> {
+    policy
+        .trees()
+        .iter()
+        .map(|t| t.parent.iter().map(|p| p.map(usize::from)).collect())
+        .collect()
+}
 
-    /// Cut `elems` into chunks of at most `chunk_elems` and give each a root in proportion
-    /// to the shares, interleaved (every node computes the same assignment).
-    pub fn chunks(
-        &mut self,
-        elems: usize,
-        chunk_elems: usize,
-    ) -> Result<Vec<Range<usize>>, String> {
-        let roots: Vec<usize> = self.policy.roots().map(usize::from).collect();
-        let shares: Vec<f64> = self
-            .policy
-            .trees()
-            .iter()
-            .map(|t| f64::from(t.share))
-            .collect();
-        let plan = assign_chunks(&[elems], chunk_elems, &shares).map_err(|e| e.to_string())?;
-        self.assignment = plan.iter().map(|a| roots[a.slot]).collect();
-        Ok(plan.into_iter().map(|a| a.range).collect())
-    }
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gradwire_netstorm::wire::RootTree;
 
-    /// The root of chunk `c`'s tree.
-    pub fn root_of_chunk(&self, c: usize) -> usize {
-        self.assignment.get(c).copied().unwrap_or(0)
-    }
-
-    /// `node`'s parent in `root`'s tree.
-    pub fn parent(&self, root: usize, node: usize) -> Option<usize> {
-        let (root, node) = (u16::try_from(root).ok()?, u16::try_from(node).ok()?);
-        self.policy.tree(root)?.parent_of(node).map(usize::from)
-    }
-
-    /// `node`'s children in `root`'s tree.
-    pub fn children(&self, root: usize, node: usize) -> Vec<usize> {
-        let (Ok(root), Ok(node)) = (u16::try_from(root), u16::try_from(node)) else {
-            return Vec::new();
+    #[test]
+    fn chunks_cover_the_tensor_and_follow_the_shares() {
+        let t = |root: u16, share, parent| RootTree {
+            root,
+            share,
+            parent,
         };
-        self.policy
-            .tree(root)
-            .map_or_else(Vec::new, |t| t.children(node).map(usize::from).collect())
-    }
-
-    /// Auxiliary paths of every tree edge `(child, parent)`, fastest first.
-    pub fn aux_map(&self) -> BTreeMap<(usize, usize), Vec<Vec<usize>>> {
-        self.policy
-            .aux()
-            .iter()
-            .map(|a| {
-                (
-                    (usize::from(a.from), usize::from(a.to)),
-                    a.paths
-                        .iter()
-                        .map(|p| p.iter().map(|&v| usize::from(v)).collect())
-                        .collect(),
-                )
-            })
-            .collect()
-    }
-
-    /// Each tree's parent vector, for reports.
-    pub fn parents(&self) -> Vec<Vec<Option<usize>>> {
-        self.policy
-            .trees()
-            .iter()
-            .map(|t| t.parent.iter().map(|p| p.map(usize::from)).collect())
-            .collect()
+        let p = Policy::new(
+            3,
+            vec![
+                t(0, 3, vec![None, Some(0), Some(0)]),
+                t(2, 1, vec![Some(2), Some(2), None]),
+            ],
+            Vec::new(),
+        )
+        .unwrap();
+        let plan = chunk_plan(&p, 1000, 100).unwrap();
+        assert_eq!(plan.len(), 10);
+        assert_eq!(plan.iter().map(|c| c.0.len()).sum::<usize>(), 1000);
+        let to0 = plan.iter().filter(|c| c.1 == 0).count();
+        assert!(
+            (7..=8).contains(&to0),
+            "{to0} of 10 chunks to the root with 3/4 of the share"
+        );
+        assert_eq!(parents(&p)[1], vec![Some(2), Some(2), None]);
     }
 }

@@ -4,11 +4,10 @@
 //!
 //! **One policy per round.** A refresh may happen while some nodes of round `r` have asked
 //! and others have not. Every topology request of round `r` is answered with the policy the
-//! first request of round `r` got, so all nodes of a round run one policy; a new version
-//! takes effect from the next round that no node has started. Chunks of a node that is one
-//! round ahead are cached by their receivers until those reach the round (Case 2).
+//! first request of round `r` got ([`SchedulerState`], model-checked in the scheduler
+//! crate), so all nodes of a round run one policy; a new version takes effect from the next
+//! round that no node has started.
 
-use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,13 +15,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gradwire_netstorm::config::NetStormConfig;
+use gradwire_netstorm::consistency::SchedulerState;
 use gradwire_netstorm::graph::Overlay;
+use gradwire_netstorm::wire::{Message, TopologyRequest};
 
 use crate::control::{read_frame, write_frame};
 use crate::error::WanError;
-use crate::meta::{self, Msg};
 use crate::plan::{formulate, Planner};
-use crate::policy::RoundPolicy;
+use crate::policy::parents;
 
 /// How the scheduler builds policies: NetStorm's, and the baselines, in one code path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -150,8 +150,8 @@ struct State {
     cfg: SchedulerConfig,
     planner: Planner,
     overlay: Overlay,
-    current: RoundPolicy,
-    pinned: BTreeMap<u32, RoundPolicy>,
+    /// Versions and the per-round pins (the model-checked consistency module).
+    consistency: SchedulerState,
     last_refresh: Instant,
     started: Instant,
     report: SchedulerReport,
@@ -167,6 +167,7 @@ impl State {
         }
     }
 
+    /// Policy formulation from the current view; a changed policy is a new version.
     fn refresh(&mut self) -> Result<(), WanError> {
         let next = formulate(
             self.cfg.strategy,
@@ -174,45 +175,37 @@ impl State {
             &mut self.planner,
             &self.cfg.netstorm,
             self.cfg.chunk_bytes,
-            self.current.version + 1,
         )?;
         self.last_refresh = Instant::now();
-        if next.policy != self.current.policy {
+        if &next != self.consistency.policy() {
+            let parents = parents(&next);
+            let version = self
+                .consistency
+                .install(next)
+                .map_err(|e| WanError::Plan(e.to_string()))?;
             self.report.policies.push(PolicyRecord {
-                version: next.version,
+                version,
                 at_ms: self.started.elapsed().as_secs_f64() * 1e3,
-                parents: next.parents(),
+                parents,
             });
-            self.current = next;
         }
         Ok(())
     }
 
-    fn answer(&mut self, held: u32, round: u32) -> Result<Msg, WanError> {
+    /// A TRP: refresh first when UPDATE_TIME has passed and the round is not pinned yet.
+    fn answer(&mut self, req: &TopologyRequest) -> Result<Message, WanError> {
         self.report.requests += 1;
-        if !self.pinned.contains_key(&round) {
-            if self.cfg.strategy.aware()
-                && self.last_refresh.elapsed() >= self.cfg.netstorm.update_time
-            {
-                self.refresh()?;
-            }
-            self.pinned.insert(round, self.current.clone());
-            // Rounds more than a few behind have every node past them.
-            self.pinned = self.pinned.split_off(&round.saturating_sub(4));
+        if self.cfg.strategy.aware()
+            && self.consistency.pinned(req.round).is_none()
+            && self.last_refresh.elapsed() >= self.cfg.netstorm.update_time
+        {
+            self.refresh()?;
         }
-        let p = self
-            .pinned
-            .get(&round)
-            .cloned()
-            .unwrap_or_else(|| self.current.clone());
-        Ok(if held == p.version {
-            Msg::PolicyConfirm {
-                version: p.version,
-                round,
-            }
-        } else {
-            Msg::PolicyUpdate(round, p)
-        })
+        let reply = self
+            .consistency
+            .on_request(req)
+            .map_err(|e| WanError::Plan(e.to_string()))?;
+        Ok(reply.into())
     }
 }
 
@@ -265,13 +258,19 @@ pub fn spawn(listener: TcpListener, cfg: SchedulerConfig) -> Result<SchedulerHan
     listener.set_nonblocking(true)?;
     let mut planner = Planner::default();
     let overlay = cfg.overlay.clone();
+    if overlay.num_nodes() != cfg.world {
+        return Err(WanError::Config(format!(
+            "the overlay has {} sites for a {}-node job",
+            overlay.num_nodes(),
+            cfg.world
+        )));
+    }
     let first = formulate(
         cfg.strategy,
         &overlay,
         &mut planner,
         &cfg.netstorm,
         cfg.chunk_bytes,
-        1,
     )?;
     let started = Instant::now();
     let state = Arc::new(Mutex::new(State {
@@ -279,14 +278,13 @@ pub fn spawn(listener: TcpListener, cfg: SchedulerConfig) -> Result<SchedulerHan
             policies: vec![PolicyRecord {
                 version: 1,
                 at_ms: 0.0,
-                parents: first.parents(),
+                parents: parents(&first),
             }],
             ..SchedulerReport::default()
         },
         planner,
         overlay,
-        current: first,
-        pinned: BTreeMap::new(),
+        consistency: SchedulerState::new(first),
         last_refresh: started,
         started,
         cfg,
@@ -347,8 +345,8 @@ fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool) {
     }
     let _ = s.set_nodelay(true);
     while !stop.load(Ordering::Acquire) {
-        let bytes = match read_frame(&mut s) {
-            Ok(b) => b,
+        let msg = match read_frame(&mut s) {
+            Ok(m) => m,
             Err(e)
                 if matches!(
                     e.kind(),
@@ -357,36 +355,36 @@ fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool) {
             {
                 continue
             }
-            Err(_) => return,
-        };
-        let Ok(msg) = meta::decode_msg(&bytes) else {
-            log::warn!("scheduler: dropped a connection that sent an invalid message");
-            return;
+            Err(e) => {
+                if e.kind() == std::io::ErrorKind::InvalidData {
+                    log::warn!("scheduler: dropped a connection that sent an invalid frame: {e}");
+                }
+                return;
+            }
         };
         let Ok(mut st) = state.lock() else { return };
         let reply = match msg {
-            Msg::LinkReport {
-                from,
-                to,
-                throughput_bps,
-                ..
-            } => {
-                st.collect(from, to, throughput_bps as f64);
+            Message::LinkReport(r) => {
+                st.collect(
+                    usize::from(r.from),
+                    usize::from(r.to),
+                    r.throughput_bps as f64,
+                );
                 None
             }
-            Msg::TopologyRequest { version, round, .. } => match st.answer(version, round) {
+            Message::TopologyRequest(req) => match st.answer(&req) {
                 Ok(m) => Some(m),
                 Err(e) => {
-                    log::warn!("scheduler: {e}");
+                    log::warn!("scheduler: node {}: {e}", req.node);
                     return;
                 }
             },
-            Msg::PolicyUpdate(..) | Msg::PolicyConfirm { .. } => return,
+            // Only the scheduler sends these; a node that does is broken.
+            Message::PolicyUpdate(_) | Message::PolicyConfirm(_) | Message::Chunk(_) => return,
         };
         drop(st);
         if let Some(m) = reply {
-            let Ok(b) = meta::encode_msg(&m) else { return };
-            if write_frame(&mut s, &b).is_err() {
+            if write_frame(&mut s, &m).is_err() {
                 return;
             }
         }
