@@ -10,6 +10,10 @@
 
 use serde::Serialize;
 
+/// Shortest time between two steps, and shortest period: a schedule is for network conditions
+/// that change over seconds, and the fabric wakes for every change.
+pub const MIN_STEP_NS: u64 = 1_000_000;
+
 /// One step of a schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct RateStep {
@@ -32,8 +36,8 @@ pub struct RateSchedule {
 pub enum ScheduleError {
     /// Steps must go forward in time.
     #[error(
-        "step {index}: `at` must be later than step {}'s ({} is not after {}); list the steps \
-         in time order",
+        "step {index}: `at` must be at least 1ms later than step {}'s ({} is not after {}); \
+         list the steps in time order",
         index - 1,
         fmt_ns(*at_ns),
         fmt_ns(*prev_ns)
@@ -64,9 +68,12 @@ pub enum ScheduleError {
         /// The last step's time.
         at_ns: u64,
     },
-    /// A zero period.
-    #[error("`period` must be above 0")]
-    ZeroPeriod,
+    /// A period under [`MIN_STEP_NS`].
+    #[error("`period` ({}) must be at least 1ms", fmt_ns(*period_ns))]
+    ShortPeriod {
+        /// The period.
+        period_ns: u64,
+    },
     /// No steps.
     #[error("a schedule needs at least one step")]
     Empty,
@@ -95,7 +102,7 @@ impl RateSchedule {
                 return Err(ScheduleError::ZeroRate { index });
             }
             if let Some(prev) = index.checked_sub(1).map(|i| steps[i]) {
-                if s.at_ns <= prev.at_ns {
+                if s.at_ns < prev.at_ns.saturating_add(MIN_STEP_NS) {
                     return Err(ScheduleError::NotIncreasing {
                         index,
                         at_ns: s.at_ns,
@@ -105,7 +112,7 @@ impl RateSchedule {
             }
         }
         match period_ns {
-            Some(0) => return Err(ScheduleError::ZeroPeriod),
+            Some(p) if p < MIN_STEP_NS => return Err(ScheduleError::ShortPeriod { period_ns: p }),
             Some(p) if p <= last => {
                 return Err(ScheduleError::PeriodTooShort {
                     period_ns: p,
@@ -265,7 +272,23 @@ mod tests {
         assert_eq!(e, ScheduleError::ZeroRate { index: 1 });
         let e = bad(vec![step(20, 3)], Some(20 * MS));
         assert!(e.to_string().contains("longer than the last step"), "{e}");
-        assert_eq!(bad(vec![step(0, 3)], Some(0)), ScheduleError::ZeroPeriod);
+        let e = bad(vec![step(0, 3)], Some(999_999));
+        assert_eq!(e, ScheduleError::ShortPeriod { period_ns: 999_999 });
+        assert!(e.to_string().contains("at least 1ms"), "{e}");
+        // Steps closer than 1 ms: the fabric would wake for each.
+        let close = vec![
+            step(20, 3),
+            RateStep {
+                at_ns: 20 * MS + 999_999,
+                rate_bps: 1,
+            },
+        ];
+        let e = bad(close, None);
+        assert!(
+            matches!(e, ScheduleError::NotIncreasing { index: 1, .. }),
+            "{e}"
+        );
+        RateSchedule::new(1, vec![step(20, 3), step(21, 4)], Some(22 * MS)).unwrap();
         assert_eq!(bad(vec![], None), ScheduleError::Empty);
     }
 }

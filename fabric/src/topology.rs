@@ -425,7 +425,7 @@ fn resolve_link(
                 ScheduleError::NotIncreasing { index, .. } | ScheduleError::ZeroRate { index } => {
                     format!("field `{field}.schedule[{index}]`: {e}")
                 }
-                ScheduleError::PeriodTooShort { .. } | ScheduleError::ZeroPeriod => {
+                ScheduleError::PeriodTooShort { .. } | ScheduleError::ShortPeriod { .. } => {
                     format!("field `{pfield}`: {e}")
                 }
                 ScheduleError::Empty => {
@@ -1113,7 +1113,7 @@ rate = "100Mbit"
         };
         let m = e("", &steps("20s", "10s"));
         assert!(
-            m.starts_with("field `link[0].schedule[1]`: step 1: `at` must be later"),
+            m.starts_with("field `link[0].schedule[1]`: step 1: `at` must be at least 1ms later"),
             "{m}"
         );
         assert!(m.contains("10s is not after 20s"), "{m}");
