@@ -396,6 +396,26 @@ fn plot_bars(r: &WanReport, path: &Path) -> Res {
             .map_err(|x| e(&x))?
             .label(format!("{net} network"))
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], color.filled()));
+        // Runs without a figure (failed) are marked where their bar would be.
+        let failed: Vec<f64> = names
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| {
+                r.results
+                    .iter()
+                    .any(|x| &&x.strategy == s && &x.network == net && !x.sync_ms_mean.is_finite())
+            })
+            .map(|(i, _)| i as f64 + 0.1 + k as f64 * width)
+            .collect();
+        chart
+            .draw_series(failed.iter().map(|&x0| {
+                Text::new(
+                    "failed",
+                    (x0, top * 0.02),
+                    ("sans-serif", 13).into_font().color(&color),
+                )
+            }))
+            .map_err(|x| e(&x))?;
         chart
             .draw_series(
                 bars.iter()
@@ -480,6 +500,7 @@ fn plot_rates(r: &WanReport, path: &Path) -> Res {
         series.push((format!("{}-{}", l.a_switch, l.b_switch), pts));
     }
     let top_rate = largest(series.iter().flat_map(|s| s.1.iter().map(|p| p.1))) * 1.1 + 0.1;
+    let any_rates = !series.is_empty();
     let mut chart = ChartBuilder::on(&upper)
         .caption(
             format!(
@@ -517,14 +538,16 @@ fn plot_rates(r: &WanReport, path: &Path) -> Res {
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
             });
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .label_font(("sans-serif", 11))
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|x| e(&x))?;
+    if any_rates {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .label_font(("sans-serif", 11))
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|x| e(&x))?;
+    }
 
     let top_ms = largest(dynamic.iter().flat_map(|x| x.sync_ms.iter().copied())) * 1.1 + 1.0;
     let mut chart = ChartBuilder::on(&lower)
@@ -566,13 +589,15 @@ fn plot_rates(r: &WanReport, path: &Path) -> Res {
             .draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))
             .map_err(|x| e(&x))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|x| e(&x))?;
+    if !dynamic.is_empty() {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|x| e(&x))?;
+    }
     root.present().map_err(|x| e(&x))?;
     Ok(())
 }

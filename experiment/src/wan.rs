@@ -1052,10 +1052,13 @@ pub struct RunOutcome {
 }
 
 impl RunOutcome {
-    /// The first node error, else the run's.
+    /// The error of the node that failed first (usually the cause; the others follow),
+    /// else the run's.
     pub fn first_error(&self) -> Option<String> {
-        self.nodes
-            .iter()
+        let mut failed: Vec<&NodeRun> = self.nodes.iter().filter(|n| n.error.is_some()).collect();
+        failed.sort_by(|a, b| a.ended_s.total_cmp(&b.ended_s));
+        failed
+            .into_iter()
             .find_map(|n| {
                 n.error.as_ref().map(|e| {
                     // Most errors name their node already.
