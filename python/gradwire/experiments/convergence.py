@@ -198,6 +198,7 @@ def run_one(
     run_timeout: float,
     rate_bps: int,
     priority_classes: int,
+    tcp_rto_min_ms: int | None,
     workdir: Path,
     logdir: Path,
 ) -> dict:
@@ -208,6 +209,9 @@ def run_one(
     with Testbed(binary, topology, name) as tb:
         record["fabric_sched"] = tb.prioritise_fabric()
         hosts = sorted(tb.hosts(), key=lambda h: h["name"])
+        if tcp_rto_min_ms is not None:
+            for h in hosts:
+                _set_rto_min(h["netns"], tcp_rto_min_ms)
         world = len(hosts)
         master = hosts[0]["ip"]
         procs: list[subprocess.Popen] = []
@@ -323,6 +327,21 @@ def run_one(
         record.update(final_accuracy=None, accuracy_per_epoch=[], iteration_ms_mean=None,
                       delivered_fraction_mean=None)
     return record
+
+
+def _set_rto_min(netns: str, ms: int) -> None:
+    """Every route of the host gets TCP's rto_min (it also bounds the tail-loss probe of a
+    lone segment): a diagnostic of how much TCP's timers cost, for both transports."""
+    routes = json.loads(
+        subprocess.run(["ip", "-n", netns, "-j", "route", "show"], capture_output=True, text=True,
+                       check=True, timeout=10).stdout
+    )
+    for r in routes:
+        cmd = ["ip", "-n", netns, "route", "change", r["dst"]]
+        if "gateway" in r:
+            cmd += ["via", r["gateway"]]
+        cmd += ["dev", r["dev"], *r.get("flags", []), "rto_min", f"{ms}ms"]
+        subprocess.run(cmd, capture_output=True, check=True, timeout=10)
 
 
 def _rank_outputs(workdir: Path, tag: str, world: int) -> list[dict]:
@@ -504,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate-bps", type=int, default=None, help="gradwire senders' line rate (default: the topology's link rate)")
     ap.add_argument("--priority-classes", type=int, default=PRIORITY_CLASSES,
                     help=f"the hook's coalescing classes, 1..7 (default {PRIORITY_CLASSES})")
+    ap.add_argument("--tcp-rto-min-ms", type=int, default=None,
+                    help="diagnostic: TCP rto_min on every host's routes (default: the kernel's 200 ms)")
     ap.add_argument("--run-timeout", type=float, default=None, help="seconds per run before it is killed")
     a = ap.parse_args(argv)
 
@@ -543,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
                 topo = topology if loss == 0.0 else lossy_topology(topology, loss, tmp)
                 for v in variants:
                     print(f"convergence: {v} at {loss:.0%} link loss ...", file=sys.stderr, flush=True)
-                    r = run_one(binary, topo, name, v, loss, epochs, run_timeout, rate_bps, a.priority_classes, tmp, logdir)
+                    r = run_one(binary, topo, name, v, loss, epochs, run_timeout, rate_bps, a.priority_classes,
+                                a.tcp_rto_min_ms, tmp, logdir)
                     results.append(r)
                     print(
                         f"convergence: {v} at {loss:.0%}: accuracy {_fmt(r.get('final_accuracy'), 100, '%')}"
@@ -565,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
             "topology": str(topology), "link_rate_bps": _rate_bps(spec["defaults"]["rate"]),
             "gradwire_rate_bps": rate_bps, "gradwire_priority_classes": a.priority_classes,
             "link_losses": losses, "fabric_scheduling": f"SCHED_FIFO {FABRIC_RT_PRIORITY}",
+            "tcp_rto_min_ms": a.tcp_rto_min_ms,
             "warmup_iterations_excluded": 2,
         },
         "elapsed_s": time.monotonic() - t0,
