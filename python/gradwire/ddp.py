@@ -15,11 +15,14 @@ rank's address from ``ip=``, ``GRADWIRE_IP``, or the local address that routes t
 ``MASTER_ADDR``.
 
 Each bucket DDP hands over is cut into its parameters. Consecutive parameters with the same
-loss bound and the same DLCP priority class are all-reduced as one slice of the bucket's
-buffer (in place, ``op="average"``: each block is averaged over the ranks whose contribution
-arrived, never divided by the full world when some are missing, DLCP Appendix A). Each
-parameter's delivered fraction is read from the report's per-block figures over its own
-element range, and lands in ``state.log`` and the ``on_report`` callback.
+loss bound and the same DLCP priority class (``priority_classes``, 7 by default: one per
+data DSCP) are all-reduced as one slice of the bucket's buffer (in place, ``op="average"``:
+each block is averaged over the ranks whose contribution arrived, never divided by the full
+world when some are missing, DLCP Appendix A). A lossy slice is rotated by a different offset
+every iteration (``spread_loss``): the transport meets a bound by leaving out the tail of each
+transfer, which would otherwise be the same elements every time. Each parameter's delivered
+fraction is read from the report's per-block figures over its own element range, and lands
+in ``state.log`` and the ``on_report`` callback.
 
 Layers: by default a parameter's layer is the position of the module that owns it among the
 modules with trainable parameters, in registration order (the forward order of a
