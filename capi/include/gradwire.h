@@ -13,6 +13,11 @@
  *   element counts are checked for overflow. No Rust panic crosses this interface: a bug
  *   inside gradwire returns GW_ERR_INTERNAL.
  * - Buffers are used in place and only during the call: gradwire keeps no pointer to them.
+ * - A failed gw_all_reduce or gw_broadcast leaves its buffer untouched after an argument
+ *   error (GW_ERR_NULL, GW_ERR_INVALID_ARGUMENT) or GW_ERR_BUSY/GW_ERR_UNUSABLE. After
+ *   GW_ERR_PEER, GW_ERR_DATA or GW_ERR_INTERNAL it stopped part-way: the buffer holds partial
+ *   values (unspecified); keep a copy if you need the input again. gw_recv writes its buffer
+ *   only on success.
  *
  * Thread safety
  * - A gw_session is used by one thread at a time. A call made while another thread is inside
@@ -93,7 +98,10 @@ typedef struct gw_config {
   double loss_bound;
   // Set-up deadline and per-operation peer timeout in milliseconds (default 30000).
   uint64_t timeout_ms;
-  // Build links between every pair of ranks, needed by gw_send/gw_recv (default true).
+  // Build links between every pair of ranks (default true), for gw_send/gw_recv between
+  // any two ranks. false: only the ring's links (what the collectives need; about five
+  // file descriptors fewer per peer), so a rank can only gw_send to rank + 1 and gw_recv
+  // from rank - 1 (mod world).
   bool point_to_point;
   // TESTING: drop this fraction of data packets on arrival (default 0 = off).
   double inject_loss;
@@ -112,9 +120,11 @@ typedef struct gw_config {
 typedef struct gw_op_options {
   // Loss bound of this operation in [0, 1); negative: the session's (gw_config.loss_bound).
   double loss_bound;
-  // The tensor's layer (0 = the output layer, the most urgent).
+  // The tensor's layer, counted from the input: 0 = the front (input) layer, the most
+  // urgent (its gradients are needed first by the next forward pass; DLCP tagging).
   uint16_t layer;
-  // Number of layers of the model; 0: unknown (the DSCP of data queue 0).
+  // Number of layers of the model: with layer, picks the DSCP (layer < num_layers, else
+  // GW_ERR_INVALID_ARGUMENT); 0: unknown, the lowest data priority (DSCP 0).
   uint16_t num_layers;
   // DSCP to send with (0..63), overriding the layer's; -1: from the layer.
   int dscp;
@@ -125,8 +135,14 @@ typedef struct gw_op_options {
 typedef struct gw_p2p_options {
   // Tensor id, to tell apart several tensors between the same two ranks.
   uint32_t tensor;
-  // The tensor's layer (its DSCP by default; the priority function sees it).
+  // The tensor's layer, 0 = the front (input) layer, the most urgent. The priority
+  // function sees it; with DLCP's default tagging (no priority function) it picks the DSCP
+  // together with num_layers.
   uint16_t layer;
+  // Number of layers of the model, for DLCP's default tagging: the sender needs layer <
+  // num_layers (else GW_ERR_INVALID_ARGUMENT); 0: unknown, the lowest data priority (DSCP
+  // 0). Not used by gw_recv nor with a priority function.
+  uint16_t num_layers;
   // Loss bound of this transfer in [0, 1) (the receiver's decides); negative: the
   // session's.
   double loss_bound;
@@ -166,11 +182,14 @@ typedef struct gw_reduce_report {
   uint64_t bytes_sent;
 } gw_reduce_report;
 
-// What a broadcast did.
+// What a broadcast did. Which blocks arrived: gw_last_broadcast_received().
 typedef struct gw_broadcast_report {
-  // Blocks of the buffer.
+  // Blocks of the buffer (block b = elements [b * block_elems, (b+1) * block_elems)).
   size_t blocks;
-  // Blocks this rank received (all of them at the root).
+  // Elements per block (the last block may be shorter).
+  size_t block_elems;
+  // Blocks that hold the root's values (all of them at the root, and without loss); the
+  // others kept their previous contents.
   size_t received_blocks;
   // Wall time of the operation in seconds.
   double elapsed_s;
@@ -192,7 +211,7 @@ typedef struct gw_segment_info {
   uint32_t index;
   // Byte offset of the segment in the tensor.
   uint64_t offset;
-  // Layer of the tensor (gw_p2p_options.layer).
+  // Layer of the tensor (gw_p2p_options.layer; 0 = the front layer).
   uint16_t layer;
   // Element type of the tensor.
   gw_dtype dtype;
@@ -227,7 +246,8 @@ typedef struct gw_send_report {
 typedef struct gw_recv_report {
   // Segments of the tensor.
   uint32_t segments;
-  // Segments that arrived (the others are zero-filled).
+  // Segments that arrived (the others are zero-filled: gw_last_recv_missing() gives their
+  // byte ranges).
   uint32_t received_segments;
   // received_segments / segments.
   double delivered_fraction;
@@ -285,7 +305,8 @@ struct gw_config gw_config_default(uint32_t rank, uint32_t world, const char *ip
 // number of layers, the layer's DSCP.
 struct gw_op_options gw_op_options_default(void);
 
-// Default options of a send or receive: tensor 0, layer 0, the session's loss bound.
+// Default options of a send or receive: tensor 0, layer 0, unknown number of layers (DSCP 0
+// with the default tagging), the session's loss bound.
 struct gw_p2p_options gw_p2p_options_default(void);
 
 // Sets up a session with gradwire's own rendezvous: rank 0 serves it at `master` ("IP:port"
@@ -313,9 +334,13 @@ int gw_endpoint_bind(const struct gw_config *cfg, struct gw_endpoint **out);
 int gw_endpoint_address(const struct gw_endpoint *ep, const uint8_t **bytes, size_t *len);
 
 // Two-phase set-up, phase 2: `addrs[r]` (`lens[r]` bytes) is rank r's gw_endpoint_address(),
-// for every rank r < world, this rank's own included. Blocks until every link is up or the
-// timeout passes. Whether it succeeds or fails, `ep` is spent (it cannot be connected again)
-// but must still be freed with gw_endpoint_free.
+// for every rank r < world (the world `ep` was bound with), this rank's own included. Blocks
+// until every link is up or the timeout passes. Refused before anything is set up, leaving
+// `ep` as it was: a NULL pointer (GW_ERR_NULL), a `world` other than the configured one
+// (GW_ERR_INVALID_ARGUMENT), an address longer than 64 KiB (GW_ERR_SETUP: a rank's address
+// never is, so the exchange mixed something up). Otherwise, whether it succeeds or fails,
+// `ep` is spent (it cannot be connected again) but must still be freed with
+// gw_endpoint_free.
 //
 // # Safety
 // `ep` is NULL or from gw_endpoint_bind and not freed; `addrs` and `lens` are arrays of
@@ -364,6 +389,11 @@ int gw_session_world(const struct gw_session *s, uint32_t *world);
 // GW_OP_SUM); `report` (NULL: not wanted) says how much arrived, and
 // gw_last_block_delivered()/gw_last_rank_delivered() give the details.
 //
+// On an argument error (GW_ERR_NULL, GW_ERR_INVALID_ARGUMENT), GW_ERR_BUSY or
+// GW_ERR_UNUSABLE, `buf` is untouched. After GW_ERR_PEER, GW_ERR_DATA or GW_ERR_INTERNAL the
+// operation stopped part-way: `buf` holds partial values (some elements reduced, some not;
+// unspecified), so restore it from your own copy if you need the input again.
+//
 // # Safety
 // `s` is NULL or a live session; `buf` is NULL (count 0 only) or valid for reads and writes
 // of `count` elements; `opts` is NULL or valid; `report` is NULL or writable.
@@ -387,12 +417,27 @@ int gw_last_block_delivered(const struct gw_session *s, double *out, size_t cap,
 // As gw_last_block_delivered.
 int gw_last_rank_delivered(const struct gw_session *s, double *out, size_t cap, size_t *len);
 
-// Broadcast in place from rank `root`: every rank's `buf` (`count` elements of `dtype`, the
-// same on every rank) ends up with root's. `opts` as for gw_all_reduce (NULL: defaults).
+// Broadcast in place from rank `root` (below the world size): every rank's `buf` (`count`
+// elements of `dtype`, the same on every rank) ends up with root's. `opts` as for
+// gw_all_reduce (NULL: defaults). With a loss bound > 0 some blocks may keep their previous
+// contents: `report` counts them and gw_last_broadcast_received() says which. On an error,
+// `buf` is as after a failed gw_all_reduce: untouched after an argument error, partly the
+// root's values (unspecified) after GW_ERR_PEER, GW_ERR_DATA or GW_ERR_INTERNAL.
 //
 // # Safety
 // As gw_all_reduce.
 int gw_broadcast(struct gw_session *s, uint32_t root, void *buf, size_t count, gw_dtype dtype, const struct gw_op_options *opts, struct gw_broadcast_report *report);
+
+// The last successful gw_broadcast's per-block flags: whether block b (elements
+// [b * block_elems, ...), see gw_broadcast_report) holds the root's values (true) or kept
+// this rank's previous contents (false, only with a loss bound > 0). Copies min(cap, blocks)
+// flags into `out` and sets `*len` to the number of blocks, like gw_last_block_delivered.
+// Before any broadcast, `*len` is 0.
+//
+// # Safety
+// `s` is NULL or a live session; `out` is NULL (cap 0) or writable for `cap` bools; `len`
+// is writable.
+int gw_last_broadcast_received(const struct gw_session *s, bool *out, size_t cap, size_t *len);
 
 // Waits until every rank has entered the barrier.
 //
@@ -402,8 +447,10 @@ int gw_barrier(struct gw_session *s);
 
 // DLCP's send of one tensor to rank `peer`: `count` elements of `dtype` (any dtype) at
 // `buf`, copied once. Each segment is tagged by `priority` (called with `ctx`; see
-// gw_priority_fn), or, if it is NULL, by DLCP's default tagging (the layer's DSCP, ECN by
-// magnitude). Returns when the receiver has what its loss bound asks for.
+// gw_priority_fn), or, if it is NULL, by DLCP's default tagging: the DSCP of
+// opts->layer of opts->num_layers (front layers more urgent; num_layers 0: DSCP 0), and
+// ECN-capable by gradient magnitude. Returns when the receiver has what its loss bound asks
+// for.
 //
 // # Safety
 // `s` is NULL or a live session; `buf` is NULL (count 0 only) or valid for reads of `count`
@@ -413,12 +460,23 @@ int gw_send(struct gw_session *s, uint32_t peer, const void *buf, size_t count, 
 
 // DLCP's receive of one tensor from rank `peer` into `buf` (`count` elements of `dtype`, the
 // sender's count and dtype). Returns once at least 1 - loss bound of the segments arrived;
-// the missing ones are zero-filled. `report` (NULL: not wanted) says how much arrived.
+// the missing ones are zero-filled. `report` (NULL: not wanted) says how much arrived and
+// gw_last_recv_missing() which byte ranges are missing. `buf` is written only on success.
 //
 // # Safety
 // `s` is NULL or a live session; `buf` is NULL (count 0 only) or valid for writes of
 // `count` elements; `opts` is NULL or valid; `report` is NULL or writable.
 int gw_recv(struct gw_session *s, uint32_t peer, void *buf, size_t count, gw_dtype dtype, const struct gw_p2p_options *opts, struct gw_recv_report *report);
+
+// The byte ranges the last successful gw_recv did not get (they are zero in its buffer):
+// range i is `lens[i]` bytes from byte `offsets[i]`, in increasing order. Copies min(cap,
+// ranges) of them into `offsets` and `lens` and sets `*len` to the number of ranges (0 when
+// everything arrived, or before any gw_recv); call with NULL arrays and cap 0 to get it.
+//
+// # Safety
+// `s` is NULL or a live session; `offsets` and `lens` are NULL (cap 0) or writable for `cap`
+// values each; `len` is writable.
+int gw_last_recv_missing(const struct gw_session *s, uint64_t *offsets, size_t *lens, size_t cap, size_t *len);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -31,6 +31,10 @@ struct SessionState {
     /// The last all-reduce's per-block and per-rank delivered fractions.
     block_delivered: Vec<f64>,
     rank_delivered: Vec<f64>,
+    /// The last broadcast's per-block flags: whether the block holds the root's values.
+    broadcast_received: Vec<bool>,
+    /// The last receive's missing byte ranges `(offset, length)`.
+    recv_missing: Vec<(u64, usize)>,
 }
 
 /// This rank's bound sockets before the address exchange (two-phase set-up). Made by
@@ -38,6 +42,8 @@ struct SessionState {
 #[derive(Debug)]
 pub struct gw_endpoint {
     endpoint: Option<Endpoint>,
+    /// The configured world: the number of entries gw_endpoint_connect must be given.
+    world: usize,
 }
 
 impl gw_session {
@@ -50,6 +56,8 @@ impl gw_session {
                 session,
                 block_delivered: Vec::new(),
                 rank_delivered: Vec::new(),
+                broadcast_received: Vec::new(),
+                recv_missing: Vec::new(),
             }),
         }))
     }
@@ -272,7 +280,8 @@ pub extern "C" fn gw_op_options_default() -> gw_op_options {
     gw_op_options::default()
 }
 
-/// Default options of a send or receive: tensor 0, layer 0, the session's loss bound.
+/// Default options of a send or receive: tensor 0, layer 0, unknown number of layers (DSCP 0
+/// with the default tagging), the session's loss bound.
 #[no_mangle]
 pub extern "C" fn gw_p2p_options_default() -> gw_p2p_options {
     gw_p2p_options::default()
@@ -322,9 +331,11 @@ pub unsafe extern "C" fn gw_endpoint_bind(
         }
         // SAFETY: the caller's contract.
         let cfg = unsafe { session_config(cfg) }?;
+        let world = cfg.world;
         let endpoint = Endpoint::bind(cfg)?;
         let ep = Box::into_raw(Box::new(gw_endpoint {
             endpoint: Some(endpoint),
+            world,
         }));
         // SAFETY: checked non-NULL above; writable by the caller's contract.
         unsafe { write_out(out, ep, "out") }
@@ -367,9 +378,13 @@ fn connected() -> CError {
 }
 
 /// Two-phase set-up, phase 2: `addrs[r]` (`lens[r]` bytes) is rank r's gw_endpoint_address(),
-/// for every rank r < world, this rank's own included. Blocks until every link is up or the
-/// timeout passes. Whether it succeeds or fails, `ep` is spent (it cannot be connected again)
-/// but must still be freed with gw_endpoint_free.
+/// for every rank r < world (the world `ep` was bound with), this rank's own included. Blocks
+/// until every link is up or the timeout passes. Refused before anything is set up, leaving
+/// `ep` as it was: a NULL pointer (GW_ERR_NULL), a `world` other than the configured one
+/// (GW_ERR_INVALID_ARGUMENT), an address longer than 64 KiB (GW_ERR_SETUP: a rank's address
+/// never is, so the exchange mixed something up). Otherwise, whether it succeeds or fails,
+/// `ep` is spent (it cannot be connected again) but must still be freed with
+/// gw_endpoint_free.
 ///
 /// # Safety
 /// `ep` is NULL or from gw_endpoint_bind and not freed; `addrs` and `lens` are arrays of
@@ -389,7 +404,20 @@ pub unsafe extern "C" fn gw_endpoint_connect(
         if out.is_null() {
             return Err(CError::null("out"));
         }
-        if world > 0 && (addrs.is_null() || lens.is_null()) {
+        // SAFETY: non-NULL, from gw_endpoint_bind, used by this thread only (the contract).
+        let ep = unsafe { &mut *ep };
+        if ep.endpoint.is_none() {
+            return Err(connected());
+        }
+        // Before allocating anything for `world` entries: it must be the configured world.
+        if world != ep.world {
+            return Err(CError::invalid(format!(
+                "world is {world} but the endpoint was bound for a {}-rank job: pass one address \
+                 per rank (addrs and lens of gw_config.world entries)",
+                ep.world
+            )));
+        }
+        if addrs.is_null() || lens.is_null() {
             return Err(CError::null(if addrs.is_null() { "addrs" } else { "lens" }));
         }
         let mut table = Vec::with_capacity(world);
@@ -399,11 +427,21 @@ pub unsafe extern "C" fn gw_endpoint_connect(
             if p.is_null() {
                 return Err(CError::null(&format!("addrs[{r}]")));
             }
+            // The lengths come from other ranks through the caller's exchange: a wrong one
+            // must be refused before it sizes a slice over the caller's memory.
+            if n > MAX_ENDPOINT_LEN {
+                return Err(CError::new(
+                    GW_ERR_SETUP,
+                    format!(
+                        "lens[{r}] is {n} bytes, but an address is at most {MAX_ENDPOINT_LEN}: \
+                         check that the exchange gives every rank's gw_endpoint_address() \
+                         bytes and length, in rank order"
+                    ),
+                ));
+            }
             // SAFETY: non-NULL and valid for `n` bytes by the caller's contract.
             table.push(unsafe { slice::from_raw_parts(p, n) }.to_vec());
         }
-        // SAFETY: non-NULL, from gw_endpoint_bind, used by this thread only (the contract).
-        let ep = unsafe { &mut *ep };
         let endpoint = ep.endpoint.take().ok_or_else(connected)?;
         let session = endpoint.connect(&table)?;
         // SAFETY: checked non-NULL above; writable by the caller's contract.
@@ -552,6 +590,11 @@ pub unsafe extern "C" fn gw_session_world(s: *const gw_session, world: *mut u32)
 /// GW_OP_SUM); `report` (NULL: not wanted) says how much arrived, and
 /// gw_last_block_delivered()/gw_last_rank_delivered() give the details.
 ///
+/// On an argument error (GW_ERR_NULL, GW_ERR_INVALID_ARGUMENT), GW_ERR_BUSY or
+/// GW_ERR_UNUSABLE, `buf` is untouched. After GW_ERR_PEER, GW_ERR_DATA or GW_ERR_INTERNAL the
+/// operation stopped part-way: `buf` holds partial values (some elements reduced, some not;
+/// unspecified), so restore it from your own copy if you need the input again.
+///
 /// # Safety
 /// `s` is NULL or a live session; `buf` is NULL (count 0 only) or valid for reads and writes
 /// of `count` elements; `opts` is NULL or valid; `report` is NULL or writable.
@@ -589,10 +632,10 @@ pub unsafe extern "C" fn gw_all_reduce(
 /// Copies up to `cap` values into `out` and sets `*len` to how many there are in total.
 ///
 /// # Safety
-/// `out` is NULL (cap 0) or writable for `cap` doubles; `len` is writable.
-unsafe fn copy_fractions(
-    v: &[f64],
-    out: *mut f64,
+/// `out` is NULL (cap 0) or writable for `cap` values; `len` is writable.
+unsafe fn copy_values<T: Copy>(
+    v: &[T],
+    out: *mut T,
     cap: usize,
     len: *mut usize,
 ) -> Result<(), CError> {
@@ -604,7 +647,7 @@ unsafe fn copy_fractions(
     }
     let n = v.len().min(cap);
     if n > 0 {
-        // SAFETY: `out` is non-NULL and writable for cap >= n doubles (the caller's contract);
+        // SAFETY: `out` is non-NULL and writable for cap >= n values (the caller's contract);
         // `v` is ours, so the two do not overlap.
         unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, n) };
     }
@@ -633,7 +676,7 @@ pub unsafe extern "C" fn gw_last_block_delivered(
         let s = unsafe { deref(s, "s") }?;
         let st = s.lock()?;
         // SAFETY: the caller's contract.
-        unsafe { copy_fractions(&st.block_delivered, out, cap, len) }
+        unsafe { copy_values(&st.block_delivered, out, cap, len) }
     })
 }
 
@@ -655,12 +698,16 @@ pub unsafe extern "C" fn gw_last_rank_delivered(
         let s = unsafe { deref(s, "s") }?;
         let st = s.lock()?;
         // SAFETY: the caller's contract.
-        unsafe { copy_fractions(&st.rank_delivered, out, cap, len) }
+        unsafe { copy_values(&st.rank_delivered, out, cap, len) }
     })
 }
 
-/// Broadcast in place from rank `root`: every rank's `buf` (`count` elements of `dtype`, the
-/// same on every rank) ends up with root's. `opts` as for gw_all_reduce (NULL: defaults).
+/// Broadcast in place from rank `root` (below the world size): every rank's `buf` (`count`
+/// elements of `dtype`, the same on every rank) ends up with root's. `opts` as for
+/// gw_all_reduce (NULL: defaults). With a loss bound > 0 some blocks may keep their previous
+/// contents: `report` counts them and gw_last_broadcast_received() says which. On an error,
+/// `buf` is as after a failed gw_all_reduce: untouched after an argument error, partly the
+/// root's values (unspecified) after GW_ERR_PEER, GW_ERR_DATA or GW_ERR_INTERNAL.
 ///
 /// # Safety
 /// As gw_all_reduce.
@@ -688,7 +735,33 @@ pub unsafe extern "C" fn gw_broadcast(
         let r = st.session.broadcast(root as usize, dt, bytes, &opts)?;
         // SAFETY: the caller's contract.
         unsafe { write_opt(report, gw_broadcast_report::from(&r)) };
+        st.broadcast_received = r.block_received;
         Ok(())
+    })
+}
+
+/// The last successful gw_broadcast's per-block flags: whether block b (elements
+/// [b * block_elems, ...), see gw_broadcast_report) holds the root's values (true) or kept
+/// this rank's previous contents (false, only with a loss bound > 0). Copies min(cap, blocks)
+/// flags into `out` and sets `*len` to the number of blocks, like gw_last_block_delivered.
+/// Before any broadcast, `*len` is 0.
+///
+/// # Safety
+/// `s` is NULL or a live session; `out` is NULL (cap 0) or writable for `cap` bools; `len`
+/// is writable.
+#[no_mangle]
+pub unsafe extern "C" fn gw_last_broadcast_received(
+    s: *const gw_session,
+    out: *mut bool,
+    cap: usize,
+    len: *mut usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let s = unsafe { deref(s, "s") }?;
+        let st = s.lock()?;
+        // SAFETY: the caller's contract.
+        unsafe { copy_values(&st.broadcast_received, out, cap, len) }
     })
 }
 
@@ -738,8 +811,10 @@ impl CPriority {
 
 /// DLCP's send of one tensor to rank `peer`: `count` elements of `dtype` (any dtype) at
 /// `buf`, copied once. Each segment is tagged by `priority` (called with `ctx`; see
-/// gw_priority_fn), or, if it is NULL, by DLCP's default tagging (the layer's DSCP, ECN by
-/// magnitude). Returns when the receiver has what its loss bound asks for.
+/// gw_priority_fn), or, if it is NULL, by DLCP's default tagging: the DSCP of
+/// opts->layer of opts->num_layers (front layers more urgent; num_layers 0: DSCP 0), and
+/// ECN-capable by gradient magnitude. Returns when the receiver has what its loss bound asks
+/// for.
 ///
 /// # Safety
 /// `s` is NULL or a live session; `buf` is NULL (count 0 only) or valid for reads of `count`
@@ -773,6 +848,7 @@ pub unsafe extern "C" fn gw_send(
             .map(|p| move |seg: &SegmentInfo<'_>| p.tag(seg));
         let prio: Option<&PriorityFn<'_>> = closure.as_ref().map(|c| c as &PriorityFn<'_>);
         let mut st = s.lock()?;
+        types::check_p2p_link(st.session.config(), peer as usize, true)?;
         let r = st.session.send(peer as usize, dt, bytes, &opts, prio)?;
         // SAFETY: the caller's contract.
         unsafe { write_opt(report, gw_send_report::from(&r)) };
@@ -782,7 +858,8 @@ pub unsafe extern "C" fn gw_send(
 
 /// DLCP's receive of one tensor from rank `peer` into `buf` (`count` elements of `dtype`, the
 /// sender's count and dtype). Returns once at least 1 - loss bound of the segments arrived;
-/// the missing ones are zero-filled. `report` (NULL: not wanted) says how much arrived.
+/// the missing ones are zero-filled. `report` (NULL: not wanted) says how much arrived and
+/// gw_last_recv_missing() which byte ranges are missing. `buf` is written only on success.
 ///
 /// # Safety
 /// `s` is NULL or a live session; `buf` is NULL (count 0 only) or valid for writes of
@@ -808,9 +885,55 @@ pub unsafe extern "C" fn gw_recv(
         // SAFETY: the caller's contract.
         let (dt, bytes) = unsafe { buf_mut(buf, count, dtype) }?;
         let mut st = s.lock()?;
+        types::check_p2p_link(st.session.config(), peer as usize, false)?;
         let r = st.session.recv(peer as usize, dt, bytes, &opts)?;
         // SAFETY: the caller's contract.
         unsafe { write_opt(report, gw_recv_report::from(&r)) };
+        st.recv_missing = r.missing;
+        Ok(())
+    })
+}
+
+/// The byte ranges the last successful gw_recv did not get (they are zero in its buffer):
+/// range i is `lens[i]` bytes from byte `offsets[i]`, in increasing order. Copies min(cap,
+/// ranges) of them into `offsets` and `lens` and sets `*len` to the number of ranges (0 when
+/// everything arrived, or before any gw_recv); call with NULL arrays and cap 0 to get it.
+///
+/// # Safety
+/// `s` is NULL or a live session; `offsets` and `lens` are NULL (cap 0) or writable for `cap`
+/// values each; `len` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn gw_last_recv_missing(
+    s: *const gw_session,
+    offsets: *mut u64,
+    lens: *mut usize,
+    cap: usize,
+    len: *mut usize,
+) -> c_int {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let s = unsafe { deref(s, "s") }?;
+        if len.is_null() {
+            return Err(CError::null("len"));
+        }
+        if cap > 0 && (offsets.is_null() || lens.is_null()) {
+            return Err(CError::null(if offsets.is_null() {
+                "offsets (with cap > 0)"
+            } else {
+                "lens (with cap > 0)"
+            }));
+        }
+        let st = s.lock()?;
+        let missing = &st.recv_missing;
+        for (i, &(off, n)) in missing.iter().take(cap).enumerate() {
+            // SAFETY: non-NULL (cap > 0 here) and writable for cap > i values (the contract).
+            unsafe {
+                offsets.add(i).write(off);
+                lens.add(i).write(n);
+            }
+        }
+        // SAFETY: checked non-NULL above.
+        unsafe { len.write(missing.len()) };
         Ok(())
     })
 }

@@ -75,6 +75,36 @@ pub(crate) fn byte_len(count: usize, dtype: DType) -> Result<usize, CError> {
     })
 }
 
+/// Refuses a point-to-point transfer this session has no link for, with what to do: without
+/// point_to_point, a rank is linked only to its ring neighbours (it sends to rank + 1 and
+/// receives from rank - 1). Peers out of range or this rank itself are left to the session,
+/// which names them.
+pub(crate) fn check_p2p_link(
+    cfg: &SessionConfig,
+    peer: usize,
+    sending: bool,
+) -> Result<(), CError> {
+    let (rank, world) = (cfg.rank, cfg.world);
+    if cfg.point_to_point || peer >= world || peer == rank {
+        return Ok(());
+    }
+    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+    if (sending && peer == next) || (!sending && peer == prev) {
+        return Ok(());
+    }
+    let (what, dir) = if sending {
+        ("gw_send", "to")
+    } else {
+        ("gw_recv", "from")
+    };
+    Err(CError::invalid(format!(
+        "{what}: rank {rank} has no link {dir} rank {peer}: this session was set up with \
+         gw_config.point_to_point = false, which links each rank only to its ring neighbours \
+         (gw_send to rank {next}, gw_recv from rank {prev}); set point_to_point = true on every \
+         rank for transfers between any two ranks"
+    )))
+}
+
 /// A job's configuration. Get one from gw_config_default() and change the fields you need;
 /// gradwire copies what it needs during the call it is passed to.
 #[repr(C)]
@@ -92,7 +122,10 @@ pub struct gw_config {
     pub loss_bound: f64,
     /// Set-up deadline and per-operation peer timeout in milliseconds (default 30000).
     pub timeout_ms: u64,
-    /// Build links between every pair of ranks, needed by gw_send/gw_recv (default true).
+    /// Build links between every pair of ranks (default true), for gw_send/gw_recv between
+    /// any two ranks. false: only the ring's links (what the collectives need; about five
+    /// file descriptors fewer per peer), so a rank can only gw_send to rank + 1 and gw_recv
+    /// from rank - 1 (mod world).
     pub point_to_point: bool,
     /// TESTING: drop this fraction of data packets on arrival (default 0 = off).
     pub inject_loss: f64,
@@ -158,9 +191,11 @@ impl gw_config {
 pub struct gw_op_options {
     /// Loss bound of this operation in [0, 1); negative: the session's (gw_config.loss_bound).
     pub loss_bound: f64,
-    /// The tensor's layer (0 = the output layer, the most urgent).
+    /// The tensor's layer, counted from the input: 0 = the front (input) layer, the most
+    /// urgent (its gradients are needed first by the next forward pass; DLCP tagging).
     pub layer: u16,
-    /// Number of layers of the model; 0: unknown (the DSCP of data queue 0).
+    /// Number of layers of the model: with layer, picks the DSCP (layer < num_layers, else
+    /// GW_ERR_INVALID_ARGUMENT); 0: unknown, the lowest data priority (DSCP 0).
     pub num_layers: u16,
     /// DSCP to send with (0..63), overriding the layer's; -1: from the layer.
     pub dscp: c_int,
@@ -209,8 +244,14 @@ impl gw_op_options {
 pub struct gw_p2p_options {
     /// Tensor id, to tell apart several tensors between the same two ranks.
     pub tensor: u32,
-    /// The tensor's layer (its DSCP by default; the priority function sees it).
+    /// The tensor's layer, 0 = the front (input) layer, the most urgent. The priority
+    /// function sees it; with DLCP's default tagging (no priority function) it picks the DSCP
+    /// together with num_layers.
     pub layer: u16,
+    /// Number of layers of the model, for DLCP's default tagging: the sender needs layer <
+    /// num_layers (else GW_ERR_INVALID_ARGUMENT); 0: unknown, the lowest data priority (DSCP
+    /// 0). Not used by gw_recv nor with a priority function.
+    pub num_layers: u16,
     /// Loss bound of this transfer in [0, 1) (the receiver's decides); negative: the
     /// session's.
     pub loss_bound: f64,
@@ -221,6 +262,7 @@ impl Default for gw_p2p_options {
         gw_p2p_options {
             tensor: 0,
             layer: 0,
+            num_layers: 0,
             loss_bound: -1.0,
         }
     }
@@ -231,7 +273,7 @@ impl gw_p2p_options {
         P2pOptions {
             tensor: self.tensor,
             layer: self.layer,
-            num_layers: 0,
+            num_layers: self.num_layers,
             loss_bound: loss_bound(self.loss_bound),
         }
     }
@@ -245,7 +287,7 @@ pub struct gw_segment_info {
     pub index: u32,
     /// Byte offset of the segment in the tensor.
     pub offset: u64,
-    /// Layer of the tensor (gw_p2p_options.layer).
+    /// Layer of the tensor (gw_p2p_options.layer; 0 = the front layer).
     pub layer: u16,
     /// Element type of the tensor.
     pub dtype: gw_dtype,
@@ -320,13 +362,16 @@ impl From<&ReduceReport> for gw_reduce_report {
     }
 }
 
-/// What a broadcast did.
+/// What a broadcast did. Which blocks arrived: gw_last_broadcast_received().
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct gw_broadcast_report {
-    /// Blocks of the buffer.
+    /// Blocks of the buffer (block b = elements [b * block_elems, (b+1) * block_elems)).
     pub blocks: usize,
-    /// Blocks this rank received (all of them at the root).
+    /// Elements per block (the last block may be shorter).
+    pub block_elems: usize,
+    /// Blocks that hold the root's values (all of them at the root, and without loss); the
+    /// others kept their previous contents.
     pub received_blocks: usize,
     /// Wall time of the operation in seconds.
     pub elapsed_s: f64,
@@ -336,6 +381,7 @@ impl From<&BroadcastReport> for gw_broadcast_report {
     fn from(r: &BroadcastReport) -> Self {
         gw_broadcast_report {
             blocks: r.blocks,
+            block_elems: r.block_elems,
             received_blocks: r.received_blocks,
             elapsed_s: r.elapsed_s,
         }
@@ -376,7 +422,8 @@ impl From<&SendSummary> for gw_send_report {
 pub struct gw_recv_report {
     /// Segments of the tensor.
     pub segments: u32,
-    /// Segments that arrived (the others are zero-filled).
+    /// Segments that arrived (the others are zero-filled: gw_last_recv_missing() gives their
+    /// byte ranges).
     pub received_segments: u32,
     /// received_segments / segments.
     pub delivered_fraction: f64,

@@ -122,6 +122,18 @@ fn three_ranks_all_reduce_broadcast_barrier_and_send_recv_exactly() {
             ));
             assert!(b.iter().enumerate().all(|(e, &x)| x == e as f32));
             assert_eq!(brep.received_blocks, brep.blocks);
+            assert_eq!(brep.blocks, ELEMS.div_ceil(brep.block_elems));
+            let mut n = usize::MAX;
+            ok(gw_last_broadcast_received(s.0, ptr::null_mut(), 0, &mut n));
+            assert_eq!(n, brep.blocks);
+            let mut flags = vec![false; n];
+            ok(gw_last_broadcast_received(
+                s.0,
+                flags.as_mut_ptr(),
+                n,
+                &mut n,
+            ));
+            assert!(flags.iter().all(|&f| f), "{flags:?}");
 
             ok(gw_barrier(s.0));
 
@@ -129,6 +141,7 @@ fn three_ranks_all_reduce_broadcast_barrier_and_send_recv_exactly() {
             let opts = gw_p2p_options {
                 tensor: 5,
                 layer: 3,
+                num_layers: 8,
                 loss_bound: 0.0,
             };
             let want: Vec<f32> = (0..P2P).map(|e| (e % 1000) as f32 / 500.0).collect();
@@ -163,6 +176,15 @@ fn three_ranks_all_reduce_broadcast_barrier_and_send_recv_exactly() {
                 assert_eq!(got, want);
                 assert_eq!(rep.received_segments, rep.segments);
                 assert_eq!(rep.delivered_fraction, 1.0);
+                let mut n = usize::MAX;
+                ok(gw_last_recv_missing(
+                    s.0,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    0,
+                    &mut n,
+                ));
+                assert_eq!(n, 0, "nothing is missing");
             }
             ok(gw_barrier(s.0));
             segments
@@ -689,6 +711,27 @@ fn buffers_dtypes_ops_and_options_are_checked_on_a_live_session() {
                 gw_recv(s.0, 0, buf, 8, -1, ptr::null(), ptr::null_mut()),
                 GW_ERR_INVALID_ARGUMENT,
             );
+            // DLCP's default tagging needs the layer below num_layers.
+            let bad_layer = gw_p2p_options {
+                layer: 4,
+                num_layers: 4,
+                ..gw_p2p_options_default()
+            };
+            let m = fails(
+                gw_send(
+                    s.0,
+                    1,
+                    buf,
+                    8,
+                    GW_DTYPE_F32,
+                    &bad_layer,
+                    None,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                ),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            assert!(m.contains("num_layers 4"), "{m}");
             for peer in [0, 2, u32::MAX] {
                 let m = fails(
                     gw_send(
@@ -781,16 +824,23 @@ fn a_peer_that_never_comes_is_an_error_within_the_timeout() {
 fn a_peer_gone_mid_job_fails_the_operation_with_its_rank() {
     let m = master(free_port());
     let (m0, m1) = (&m, &m);
+    // Both ranks finish set-up before rank 1 leaves: its set-up can end before rank 0's
+    // (rank 0 still accepting its links), and leaving then would fail rank 0's set-up instead
+    // of its all-reduce. (A barrier that fails rather than hangs if one rank's set-up fails.)
+    let (meet0, meet1) = Meet::pair();
     std::thread::scope(|sc| {
         sc.spawn(move || {
             let mut c = config(1, 2);
             c.timeout_ms = 3000;
+            let s = Session::rendezvous(&c, m1);
+            meet1.sync();
             // Joins, then leaves without a word.
-            drop(Session::rendezvous(&c, m1));
+            drop(s);
         });
         let mut c = config(0, 2);
         c.timeout_ms = 3000;
         let s = Session::rendezvous(&c, m0);
+        meet0.sync();
         std::thread::sleep(Duration::from_millis(200));
         let mut x = vec![1.0f32; 50_000];
         let t = Instant::now();
@@ -814,4 +864,411 @@ fn a_peer_gone_mid_job_fails_the_operation_with_its_rank() {
         let rc = unsafe { gw_barrier(s.0) };
         assert_ne!(rc, GW_OK);
     });
+}
+
+#[test]
+fn endpoint_connect_refuses_a_wrong_world_and_oversized_lengths_before_reading_them() {
+    let cfg = config(0, 2);
+    let mut ep = ptr::null_mut();
+    // SAFETY: valid config and out-pointer.
+    ok(unsafe { gw_endpoint_bind(&cfg, &mut ep) });
+    let (mut p, mut n) = (ptr::null(), 0);
+    // SAFETY: a live endpoint.
+    ok(unsafe { gw_endpoint_address(ep, &mut p, &mut n) });
+    let tiny = [0u8; 4];
+    let addrs = [p, tiny.as_ptr()];
+    let mut s = ptr::null_mut();
+    // Lengths from another rank that no address has: refused before a slice of that length is
+    // made over the 4 bytes at tiny (reading them would be out of bounds).
+    for huge in [usize::MAX, isize::MAX as usize + 1, 64 * 1024 + 1] {
+        let lens = [n, huge];
+        // SAFETY: a live endpoint; the arrays hold 2 entries; addrs[1] is *not* valid for
+        // lens[1] bytes, which the library must refuse without reading.
+        let rc = unsafe { gw_endpoint_connect(ep, addrs.as_ptr(), lens.as_ptr(), 2, &mut s) };
+        let m = fails(rc, GW_ERR_SETUP);
+        assert!(
+            m.contains("lens[1]") && m.contains(&huge.to_string()),
+            "{m}"
+        );
+    }
+    // A world other than the configured one, before anything is allocated for it (usize::MAX
+    // entries would not fit in memory; the arrays hold 2).
+    let lens = [n, tiny.len()];
+    for world in [0, 1, 3, usize::MAX] {
+        // SAFETY: as above; the library must not read past the 2 entries.
+        let rc = unsafe { gw_endpoint_connect(ep, addrs.as_ptr(), lens.as_ptr(), world, &mut s) };
+        let m = fails(rc, GW_ERR_INVALID_ARGUMENT);
+        assert!(
+            m.contains(&format!("world is {world}")) && m.contains("2-rank"),
+            "{m}"
+        );
+    }
+    assert!(s.is_null(), "no session is written on failure");
+    // None of these spent the endpoint: its address is still there.
+    let (mut p2, mut n2) = (ptr::null(), 0);
+    // SAFETY: a live endpoint.
+    ok(unsafe { gw_endpoint_address(ep, &mut p2, &mut n2) });
+    assert_eq!((p2, n2), (p, n));
+    // SAFETY: freed once.
+    unsafe { gw_endpoint_free(ep) };
+}
+
+#[test]
+fn a_broadcast_root_outside_the_job_is_an_invalid_argument() {
+    with_sessions(
+        2,
+        |_| {},
+        // SAFETY: every call gets a live session and buffers of the counts it is given.
+        |_, s| unsafe {
+            let mut x = [1.0f32; 8];
+            for root in [2, 7, u32::MAX] {
+                let m = fails(
+                    gw_broadcast(
+                        s.0,
+                        root,
+                        x.as_mut_ptr().cast(),
+                        x.len(),
+                        GW_DTYPE_F32,
+                        ptr::null(),
+                        ptr::null_mut(),
+                    ),
+                    GW_ERR_INVALID_ARGUMENT,
+                );
+                assert!(m.contains(&format!("root {root}")), "{m}");
+            }
+            assert_eq!(x, [1.0; 8], "an argument error leaves the buffer untouched");
+            // Refused before anything was sent: the session still works.
+            ok(gw_barrier(s.0));
+        },
+    );
+}
+
+#[test]
+fn a_ring_only_session_refuses_transfers_off_the_ring_and_says_why() {
+    const WORLD: u32 = 3;
+    let want: Vec<f32> = (0..1000).map(|e| e as f32).collect();
+    with_sessions(
+        WORLD,
+        |c| c.point_to_point = false,
+        // SAFETY: every call gets a live session and buffers of the counts it is given.
+        |r, s| unsafe {
+            let mut buf = vec![0.0f32; want.len()];
+            let send = |peer| {
+                gw_send(
+                    s.0,
+                    peer,
+                    want.as_ptr().cast(),
+                    want.len(),
+                    GW_DTYPE_F32,
+                    ptr::null(),
+                    None,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                )
+            };
+            if r == 0 {
+                // Rank 0 is linked to rank 1 (next) and from rank 2 (previous) only.
+                let m = fails(send(2), GW_ERR_INVALID_ARGUMENT);
+                assert!(
+                    m.contains("no link to rank 2") && m.contains("point_to_point"),
+                    "{m}"
+                );
+                let m = fails(
+                    gw_recv(
+                        s.0,
+                        1,
+                        buf.as_mut_ptr().cast(),
+                        buf.len(),
+                        GW_DTYPE_F32,
+                        ptr::null(),
+                        ptr::null_mut(),
+                    ),
+                    GW_ERR_INVALID_ARGUMENT,
+                );
+                assert!(
+                    m.contains("no link from rank 1") && m.contains("point_to_point"),
+                    "{m}"
+                );
+                // Along the ring it works.
+                ok(send(1));
+            } else if r == 1 {
+                ok(gw_recv(
+                    s.0,
+                    0,
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    GW_DTYPE_F32,
+                    ptr::null(),
+                    ptr::null_mut(),
+                ));
+                assert_eq!(buf, want);
+            }
+            ok(gw_barrier(s.0));
+        },
+    );
+}
+
+#[test]
+fn loss_within_the_bound_shows_which_broadcast_blocks_and_recv_bytes_arrived() {
+    const ELEMS: usize = 100_000;
+    let out = with_sessions(
+        2,
+        |c| {
+            c.inject_loss = 0.1;
+            c.seed = 3 + u64::from(c.rank);
+            c.loss_bound = 0.3;
+        },
+        // SAFETY: every call gets a live session and buffers of the counts it is given.
+        |r, s| unsafe {
+            // Broadcast from rank 0: rank 1's blocks that did not arrive keep their -1.
+            let mut b: Vec<f32> = (0..ELEMS)
+                .map(|e| if r == 0 { e as f32 } else { -1.0 })
+                .collect();
+            let mut brep = gw_broadcast_report::default();
+            ok(gw_broadcast(
+                s.0,
+                0,
+                b.as_mut_ptr().cast(),
+                ELEMS,
+                GW_DTYPE_F32,
+                ptr::null(),
+                &mut brep,
+            ));
+            let mut n = 0;
+            ok(gw_last_broadcast_received(s.0, ptr::null_mut(), 0, &mut n));
+            let mut flags = vec![false; n];
+            ok(gw_last_broadcast_received(
+                s.0,
+                flags.as_mut_ptr(),
+                n,
+                &mut n,
+            ));
+            assert_eq!(n, brep.blocks);
+            assert_eq!(
+                flags.iter().filter(|&&f| f).count(),
+                brep.received_blocks,
+                "{brep:?}"
+            );
+            for (blk, &arrived) in flags.iter().enumerate() {
+                let lo = blk * brep.block_elems;
+                let hi = (lo + brep.block_elems).min(ELEMS);
+                let root_values = (lo..hi).all(|e| b[e] == e as f32);
+                let kept = (lo..hi).all(|e| b[e] == -1.0);
+                assert!(
+                    if arrived { root_values } else { kept },
+                    "rank {r} block {blk}: arrived {arrived}"
+                );
+            }
+
+            // Ones from rank 0 to rank 1: the missing ranges are exactly the zeros.
+            let ones = vec![1.0f32; ELEMS];
+            let mut missing = Vec::new();
+            if r == 0 {
+                ok(gw_send(
+                    s.0,
+                    1,
+                    ones.as_ptr().cast(),
+                    ELEMS,
+                    GW_DTYPE_F32,
+                    ptr::null(),
+                    None,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                ));
+            } else {
+                let mut got = vec![0.5f32; ELEMS];
+                let mut rep = gw_recv_report::default();
+                ok(gw_recv(
+                    s.0,
+                    0,
+                    got.as_mut_ptr().cast(),
+                    ELEMS,
+                    GW_DTYPE_F32,
+                    ptr::null(),
+                    &mut rep,
+                ));
+                let mut n = usize::MAX;
+                ok(gw_last_recv_missing(
+                    s.0,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    0,
+                    &mut n,
+                ));
+                let (mut offs, mut lens) = (vec![0u64; n], vec![0usize; n]);
+                ok(gw_last_recv_missing(
+                    s.0,
+                    offs.as_mut_ptr(),
+                    lens.as_mut_ptr(),
+                    n,
+                    &mut n,
+                ));
+                assert_eq!(n, offs.len());
+                let mut zero = vec![false; ELEMS];
+                let mut end = 0;
+                for (&o, &l) in offs.iter().zip(&lens) {
+                    let o = o as usize;
+                    assert!(o >= end && l > 0, "ranges in order, not empty: {offs:?}");
+                    assert!(o % 4 == 0 && l % 4 == 0 && o + l <= ELEMS * 4);
+                    zero[o / 4..(o + l) / 4].fill(true);
+                    end = o + l;
+                }
+                for (e, &x) in got.iter().enumerate() {
+                    assert_eq!(x, if zero[e] { 0.0 } else { 1.0 }, "element {e}");
+                }
+                let missing_segments = rep.segments - rep.received_segments;
+                assert!(
+                    (missing_segments == 0) == offs.is_empty(),
+                    "{rep:?} {offs:?}"
+                );
+                missing = offs;
+            }
+            ok(gw_barrier(s.0));
+            (brep, missing)
+        },
+    );
+    // With 10 % injected loss and a 30 % bound, something is short somewhere.
+    let (b1, missing) = &out[1];
+    assert!(
+        b1.received_blocks < b1.blocks || !missing.is_empty(),
+        "10 % loss should leave a broadcast block or a received segment missing: {out:?}"
+    );
+}
+
+/// A raw IPv4 socket that gets a copy of every UDP packet this host receives, IP header
+/// included (needs CAP_NET_RAW). std has no raw sockets: the fd is made with libc's socket()
+/// and read through UdpSocket, whose recv and read timeout are the same system calls.
+fn udp_sniffer() -> std::net::UdpSocket {
+    use std::os::fd::FromRawFd;
+    extern "C" {
+        fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int;
+    }
+    const AF_INET: c_int = 2;
+    const SOCK_RAW: c_int = 3;
+    const IPPROTO_UDP: c_int = 17;
+    // SAFETY: socket() takes plain integers and returns a new fd or -1.
+    let fd = unsafe { socket(AF_INET, SOCK_RAW, IPPROTO_UDP) };
+    assert!(fd >= 0, "raw socket: {}", std::io::Error::last_os_error());
+    // SAFETY: a fresh fd this function owns; UdpSocket closes it on drop.
+    let sock = unsafe { std::net::UdpSocket::from_raw_fd(fd) };
+    sock.set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    sock
+}
+
+#[test]
+fn default_tagging_puts_the_layers_dscp_on_the_data_packets() {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    if !gradwire_netns::require_root("default_tagging_puts_the_layers_dscp_on_the_data_packets") {
+        return;
+    }
+    // A namespace of its own, so that the only UDP packets on its loopback are this test's
+    // (removed on drop, also when the test fails).
+    let ns = format!("{}-dscp", gradwire_netns::new_netns_prefix());
+    let set = gradwire_netns::NamespaceSet::temporary("capi dscp test", std::slice::from_ref(&ns))
+        .unwrap();
+    gradwire_netns::cmd::ip(Some(&ns), &["link", "set", "lo", "up"]).unwrap();
+
+    // (layer, num_layers, the DSCP DLCP gives it: front layers more urgent; 0 layers: DSCP 0)
+    const CASES: [(u16, u16, u8); 4] = [(0, 4, 46), (3, 4, 10), (1, 4, 40), (5, 0, 0)];
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen: Arc<Mutex<Vec<u8>>> = Arc::default();
+    let sniffer = {
+        let (stop, seen) = (stop.clone(), seen.clone());
+        gradwire_netns::spawn_in_netns(&ns, move || {
+            let sock = udp_sniffer();
+            let mut pkt = [0u8; 65_536];
+            while !stop.load(Ordering::Relaxed) {
+                // TOS is byte 1 of the IPv4 header, the DSCP its upper six bits.
+                if let Ok(n) = sock.recv(&mut pkt) {
+                    if n >= 20 {
+                        seen.lock().unwrap().push(pkt[1] >> 2);
+                    }
+                }
+            }
+        })
+        .unwrap()
+    };
+    let m = master(free_port());
+    let (meet0, meet1) = Meet::pair();
+    let ranks: Vec<_> = [meet0, meet1]
+        .into_iter()
+        .enumerate()
+        .map(|(r, meet)| {
+            let (m, seen) = (m.clone(), seen.clone());
+            gradwire_netns::spawn_in_netns(&ns, move || {
+                let r = r as u32;
+                let s = Session::rendezvous(&config(r, 2), &m);
+                let data: Vec<f32> = (0..20_000).map(|e| (e % 7) as f32).collect();
+                let mut per_case = Vec::new();
+                for (i, &(layer, num_layers, _)) in CASES.iter().enumerate() {
+                    let opts = gw_p2p_options {
+                        tensor: i as u32,
+                        layer,
+                        num_layers,
+                        ..gw_p2p_options_default()
+                    };
+                    let mut buf = vec![0.0f32; data.len()];
+                    // SAFETY: a live session and buffers of data.len() f32.
+                    ok(unsafe {
+                        if r == 0 {
+                            gw_send(
+                                s.0,
+                                1,
+                                data.as_ptr().cast(),
+                                data.len(),
+                                GW_DTYPE_F32,
+                                &opts,
+                                None,
+                                ptr::null_mut(),
+                                ptr::null_mut(),
+                            )
+                        } else {
+                            gw_recv(
+                                s.0,
+                                0,
+                                buf.as_mut_ptr().cast(),
+                                buf.len(),
+                                GW_DTYPE_F32,
+                                &opts,
+                                ptr::null_mut(),
+                            )
+                        }
+                    });
+                    // Both ends done (no gradwire barrier: its token would be sniffed too);
+                    // then what the sniffer saw belongs to this case.
+                    meet.sync();
+                    if r == 0 {
+                        std::thread::sleep(Duration::from_millis(150));
+                        per_case.push(std::mem::take(&mut *seen.lock().unwrap()));
+                    }
+                    meet.sync();
+                }
+                per_case
+            })
+            .unwrap()
+        })
+        .collect();
+    let results: Vec<_> = ranks.into_iter().map(|h| h.join()).collect();
+    stop.store(true, Ordering::Relaxed);
+    let sniffed = sniffer.join();
+    set.down().unwrap();
+    let mut results = results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|p| std::panic::resume_unwind(p)))
+        .collect::<Vec<_>>();
+    sniffed.unwrap_or_else(|p| std::panic::resume_unwind(p));
+    let got = results.swap_remove(0);
+    for (&(layer, num_layers, dscp), dscps) in CASES.iter().zip(&got) {
+        assert!(
+            dscps.len() > 1,
+            "layer {layer}/{num_layers}: no packets seen"
+        );
+        assert!(
+            dscps.iter().all(|&d| d == dscp),
+            "layer {layer} of {num_layers}: DSCP {dscp} expected, saw {dscps:?}"
+        );
+    }
 }

@@ -115,3 +115,28 @@ pub fn with_sessions<T: Send>(
 pub fn input(rank: u32, e: usize) -> f32 {
     ((rank as usize * 7 + e * 3) % 11) as f32
 }
+
+/// One end of a two-thread barrier that never hangs: `sync` returns once the other end has
+/// called it too, and panics if the other end is gone (its thread panicked) or 30 s pass.
+pub struct Meet {
+    tx: std::sync::mpsc::Sender<()>,
+    rx: std::sync::mpsc::Receiver<()>,
+}
+
+impl Meet {
+    /// The two ends.
+    pub fn pair() -> (Meet, Meet) {
+        let (tx0, rx1) = std::sync::mpsc::channel();
+        let (tx1, rx0) = std::sync::mpsc::channel();
+        (Meet { tx: tx0, rx: rx0 }, Meet { tx: tx1, rx: rx1 })
+    }
+
+    #[track_caller]
+    pub fn sync(&self) {
+        // A send fails only when the other end is gone, which the receive reports.
+        let _ = self.tx.send(());
+        self.rx
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("the other thread failed (see its panic) or did not come within 30 s");
+    }
+}
