@@ -31,15 +31,47 @@ while (($#)); do
     shift
 done
 
-if [[ -z $from ]]; then
-    if ! command -v cargo >/dev/null 2>&1; then
-        source scripts/deps.sh
+if ! command -v cargo >/dev/null 2>&1 || ! command -v rustc >/dev/null 2>&1; then
+    source scripts/deps.sh
+fi
+
+# What the static library needs from the system, as rustc prints it ("note:
+# native-static-libs: -lgcc_s ..."), from the lines on stdin; fails if there is none.
+native_static_libs() {
+    local line
+    line=$(grep -o 'native-static-libs: .*' | tail -n 1) || true
+    if [[ -z $line ]]; then
+        echo "capi: rustc printed no native-static-libs line" >&2
+        return 1
     fi
-    flags=(-p gradwire-capi --lib --locked)
+    echo "${line#native-static-libs: }"
+}
+
+if [[ -z $from ]]; then
+    # `cargo rustc` rather than `cargo build`: the same library, plus rustc's own list of the
+    # system libraries a static link of exactly this crate needs (cargo replays the note when
+    # nothing was rebuilt).
+    flags=(-p gradwire-capi --lib --locked --crate-type cdylib,staticlib)
     [[ $profile == release ]] && flags+=(--release)
-    echo "capi: cargo build ${flags[*]}" >&2
-    cargo build "${flags[@]}" >&2
+    echo "capi: cargo rustc ${flags[*]} -- --print native-static-libs" >&2
+    log=$(mktemp)
+    trap 'rm -f "$log"' EXIT
+    if ! cargo rustc "${flags[@]}" -- --print native-static-libs 2>"$log"; then
+        cat "$log" >&2
+        exit 1
+    fi
+    cat "$log" >&2
+    static_libs=$(native_static_libs <"$log")
     from=${CARGO_TARGET_DIR:-$root/target}/$profile
+else
+    # Libraries built elsewhere: what the standard library needs, from this toolchain's rustc
+    # on an empty static library. gradwire's crates link no system library of their own (a
+    # build above prints the same list), and capi/tests/c_example.rs links the example
+    # statically with this list, so a new need fails that test rather than a user's link.
+    scratch=$(mktemp -d)
+    trap 'rm -rf "$scratch"' EXIT
+    static_libs=$(echo "" | rustc --crate-type staticlib --crate-name gw_probe \
+        --print native-static-libs -o "$scratch/libgw_probe.a" - 2>&1 | native_static_libs)
 fi
 for f in libgradwire_c.so libgradwire_c.a; do
     if [[ ! -f $from/$f ]]; then
@@ -55,9 +87,7 @@ install -m 0755 "$from/libgradwire_c.so" "$prefix/lib/libgradwire_c.so"
 install -m 0644 "$from/libgradwire_c.a" "$prefix/lib/libgradwire_c.a"
 
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
-# What Rust's standard library needs from the system when linked statically (rustc's
-# `--print native-static-libs` for x86_64-unknown-linux-gnu); gradwire adds nothing.
-static_libs="-lgcc_s -lutil -lrt -lpthread -lm -ldl -lc"
+echo "capi: static link needs: $static_libs" >&2
 common="prefix=$prefix
 libdir=\${prefix}/lib
 includedir=\${prefix}/include
