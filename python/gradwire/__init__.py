@@ -9,8 +9,11 @@ CPU torch tensors in place::
     grad = np.ones(1 << 20, dtype=np.float32)
     report = s.all_reduce(grad, op="average", loss_bound=0.01)
 
-Every operation works on the array's own memory with the GIL released; errors are
-``GradwireError`` subclasses carrying the Rust error's message, ``kind``, ``code`` and ``peer``.
+Every operation works on the array's own memory with the GIL released; a second gradwire
+operation on overlapping memory raises ``ConfigError`` while the first runs (unless both only
+read it). Errors are ``GradwireError`` subclasses carrying the Rust error's message, ``kind``,
+``code`` and ``peer``; after a ``PeerError``, ``DataError`` or ``InternalError`` an in-place
+operation's array holds partial values.
 """
 
 from __future__ import annotations
@@ -112,6 +115,9 @@ def _as_array(x: Any) -> Tuple[np.ndarray, Optional[str]]:
 
 
 def _torch_as_array(t: Any) -> Tuple[np.ndarray, Optional[str]]:
+    # Each call makes a new numpy view with a new base object, so numpy's borrow tracking
+    # cannot tell that two operations use one tensor: the native side also registers the
+    # memory range itself, and refuses overlapping operations whatever object they came from.
     import torch
 
     if not isinstance(t, torch.Tensor):

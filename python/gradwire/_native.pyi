@@ -10,10 +10,14 @@ ERROR_KINDS: Dict[str, Tuple[str, int]]
 
 #: A numpy.ndarray (float32 or float16, C-contiguous) or a CPU torch.Tensor (float32, float16,
 #: bfloat16; contiguous). Operations work on its own memory with the GIL released: do not touch
-#: it from another thread until the call returns.
+#: it from Python code in another thread until the call returns. Another gradwire operation on
+#: overlapping memory (the same array or tensor, a view of it, in another thread or session)
+#: raises ConfigError while this one runs, unless both only read it (two sends).
 ArrayLike = Any
 
-#: ``priority(index, offset, layer, payload) -> (dscp, ect)`` for each segment sent.
+#: ``priority(index, offset, layer, payload) -> (dscp, ect)`` for each segment sent. It runs
+#: inside ``send``, on gradwire's sending threads: it may not call its own session (that raises
+#: ConfigError, since the session is busy with this very send).
 PriorityCallable = Callable[[int, int, int, bytes], Tuple[int, bool]]
 
 class ReduceReport:
@@ -50,8 +54,15 @@ class BroadcastReport:
     @property
     def blocks(self) -> int: ...
     @property
+    def block_elems(self) -> int:
+        """Elements per block: block ``b`` is elements ``b * block_elems ..``."""
+    @property
     def received_blocks(self) -> int:
         """Blocks that hold the root's values (the others kept their contents)."""
+    @property
+    def block_received(self) -> List[bool]:
+        """For each block, whether it holds the root's values (False: it kept this rank's
+        previous contents; only with a loss bound > 0)."""
     @property
     def elapsed_s(self) -> float: ...
     def to_dict(self) -> Dict[str, Any]: ...
@@ -80,6 +91,10 @@ class RecvReport:
     def received_segments(self) -> int: ...
     @property
     def delivered_fraction(self) -> float: ...
+    @property
+    def missing(self) -> List[Tuple[int, int]]:
+        """``(offset, length)`` in bytes of each range that did not arrive (zero in the
+        array), in order; empty when everything arrived."""
     @property
     def loss_bound(self) -> float: ...
     @property
@@ -120,7 +135,18 @@ class Endpoint:
 
 class Session:
     """One rank's end of a job. One operation at a time: a second thread's call waits for the
-    running one (with the GIL released)."""
+    running one (with the GIL released). A call from the session's own priority callable
+    raises ConfigError instead (it would wait for itself).
+
+    ``layer`` is the tensor's layer counted from the input: 0 is the front (input) layer, the
+    most urgent (DLCP: the next forward pass needs it first); with ``num_layers`` it picks the
+    packets' DSCP (``layer < num_layers``); ``num_layers=0``: unknown, the lowest data
+    priority.
+
+    On failure an in-place operation (``all_reduce``, ``broadcast``) leaves the array untouched
+    if it raised ConfigError (checked before anything is sent); after PeerError, DataError or
+    InternalError it stopped part-way and the array holds partial values (unspecified). ``recv``
+    writes the array only on success."""
 
     @staticmethod
     def rendezvous(
@@ -191,11 +217,13 @@ class Session:
         *,
         tensor: int = 0,
         layer: int = 0,
+        num_layers: int = 0,
         loss_bound: Optional[float] = None,
         priority: Union[None, int, PriorityCallable] = None,
     ) -> SendReport:
-        """priority: None (DLCP's tagging), an int DSCP (every segment, ECN-capable), or a
-        callable per segment. Read-only arrays are fine."""
+        """priority: None (DLCP's tagging: the DSCP of ``layer`` of ``num_layers``, ECN-capable
+        by gradient magnitude), an int DSCP (every segment, ECN-capable), or a callable per
+        segment. Read-only arrays are fine. With ``point_to_point=False`` only to rank + 1."""
     def recv(
         self,
         array: ArrayLike,
@@ -203,10 +231,15 @@ class Session:
         *,
         tensor: int = 0,
         layer: int = 0,
+        num_layers: int = 0,
         loss_bound: Optional[float] = None,
-    ) -> RecvReport: ...
+    ) -> RecvReport:
+        """The sender's ``tensor`` id. ``layer`` and ``num_layers`` are not used on the
+        receiving side (accepted so that both ends can pass the same options). With
+        ``point_to_point=False`` only from rank - 1."""
     def close(self) -> None:
-        """Drops the session (links closed); later calls raise UnusableError."""
+        """Drops the session (links closed); later calls raise UnusableError. Waits for a
+        running operation."""
     def __enter__(self) -> Session: ...
     def __exit__(
         self,

@@ -5,12 +5,23 @@
 //! (a CPU torch tensor) goes through `gradwire._as_array`, which returns a numpy view of the same
 //! memory and, for bfloat16, the dtype hint "bf16" with an int16 view.
 //!
-//! The memory is borrowed through rust-numpy's borrow tracking (`try_readwrite`/`try_readonly`):
-//! the guard holds a reference to the array, so it stays alive, and marks it borrowed, so a
-//! second gradwire operation (or another rust-numpy extension) on overlapping memory fails
-//! instead of aliasing it. What numpy cannot track is plain Python code: the caller must not
-//! write to the array, read it during an in-place operation, or resize it
-//! (`ndarray.resize(refcheck=False)`) while the operation runs with the GIL released.
+//! The memory is borrowed twice, both checked with the GIL held before the operation starts:
+//! - through rust-numpy's borrow tracking (`try_readwrite`/`try_readonly`): the guard holds a
+//!   reference to the array, so it stays alive, and marks it borrowed, which other rust-numpy
+//!   extensions respect too. That tracking keys on the array's base object, and a torch
+//!   tensor's numpy view (`t.detach().numpy()`) gets a new base each time, so it cannot see
+//!   two operations on one tensor;
+//! - in this module's own registry ([`BORROWED`]) of the byte ranges `[ptr, ptr + len)` that
+//!   running operations use, whatever object they came from: a range written by one operation
+//!   overlapping a range another one uses is refused (ConfigError); two operations that only
+//!   read (two sends) may share memory.
+//!
+//! So a second gradwire operation on overlapping memory fails instead of aliasing it. What
+//! neither can track is plain Python code: the caller must not write to the array, read it
+//! during an in-place operation, or resize it (`ndarray.resize(refcheck=False)`) while the
+//! operation runs with the GIL released.
+
+use std::sync::{Mutex, PoisonError};
 
 use gradwire_session::DType;
 use numpy::{
@@ -52,26 +63,87 @@ enum Readable<'py> {
 /// An array checked and borrowed for an operation that writes into it.
 pub(crate) struct ArrayMut<'py> {
     borrow: Writable<'py>,
+    _claim: Claim,
     pub(crate) dtype: DType,
 }
 
 /// An array checked and borrowed for an operation that only reads it.
 pub(crate) struct ArrayRef<'py> {
     borrow: Readable<'py>,
+    _claim: Claim,
     pub(crate) dtype: DType,
+}
+
+/// One running operation's memory: `[start, end)`, and whether it writes there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Range {
+    start: usize,
+    end: usize,
+    writes: bool,
+    id: u64,
+}
+
+/// The memory of every running operation, with the id to give the next one. Checked and
+/// changed with the GIL held, and never held while waiting for anything.
+static BORROWED: Mutex<(Vec<Range>, u64)> = Mutex::new((Vec::new(), 0));
+
+/// An operation's entry in [`BORROWED`], removed when dropped (after the operation).
+#[derive(Debug)]
+struct Claim(Option<u64>);
+
+impl Claim {
+    /// Registers `len` bytes at `start`, or ConfigError if a running operation uses
+    /// overlapping memory and either of the two writes into it.
+    fn new(py: Python<'_>, start: usize, len: usize, writes: bool, op: &str) -> PyResult<Claim> {
+        if len == 0 {
+            return Ok(Claim(None));
+        }
+        let end = start.saturating_add(len);
+        let mut borrowed = BORROWED.lock().unwrap_or_else(PoisonError::into_inner);
+        let (ranges, next) = &mut *borrowed;
+        if ranges
+            .iter()
+            .any(|r| r.start < end && start < r.end && (r.writes || writes))
+        {
+            return Err(in_use(py, op, "overlapping memory"));
+        }
+        let id = *next;
+        *next += 1;
+        ranges.push(Range {
+            start,
+            end,
+            writes,
+            id,
+        });
+        Ok(Claim(Some(id)))
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if let Some(id) = self.0 {
+            let mut borrowed = BORROWED.lock().unwrap_or_else(PoisonError::into_inner);
+            borrowed.0.retain(|r| r.id != id);
+        }
+    }
 }
 
 impl<'py> ArrayMut<'py> {
     /// Checks `obj` for operation `op` and borrows it writeable.
     pub(crate) fn new(py: Python<'py>, obj: &Bound<'py, PyAny>, op: &str) -> PyResult<Self> {
         let (array, elem, dtype) = checked(py, obj, op)?;
-        let borrow = match elem {
-            Elem::F32 => Writable::F32(writeable(py, &array, op)?),
-            Elem::F16 => Writable::F16(writeable(py, &array, op)?),
-            Elem::I16 => Writable::I16(writeable(py, &array, op)?),
-            Elem::U16 => Writable::U16(writeable(py, &array, op)?),
+        let (borrow, (start, len)) = match elem {
+            Elem::F32 => writeable(py, &array, op).map(|(b, m)| (Writable::F32(b), m))?,
+            Elem::F16 => writeable(py, &array, op).map(|(b, m)| (Writable::F16(b), m))?,
+            Elem::I16 => writeable(py, &array, op).map(|(b, m)| (Writable::I16(b), m))?,
+            Elem::U16 => writeable(py, &array, op).map(|(b, m)| (Writable::U16(b), m))?,
         };
-        Ok(ArrayMut { borrow, dtype })
+        let _claim = Claim::new(py, start, len, true, op)?;
+        Ok(ArrayMut {
+            borrow,
+            _claim,
+            dtype,
+        })
     }
 
     /// The array's memory as bytes, for as long as the borrow lives.
@@ -90,13 +162,18 @@ impl<'py> ArrayRef<'py> {
     /// Checks `obj` for operation `op` and borrows it read-only (read-only arrays are fine).
     pub(crate) fn new(py: Python<'py>, obj: &Bound<'py, PyAny>, op: &str) -> PyResult<Self> {
         let (array, elem, dtype) = checked(py, obj, op)?;
-        let borrow = match elem {
-            Elem::F32 => Readable::F32(readonly(py, &array)?),
-            Elem::F16 => Readable::F16(readonly(py, &array)?),
-            Elem::I16 => Readable::I16(readonly(py, &array)?),
-            Elem::U16 => Readable::U16(readonly(py, &array)?),
+        let (borrow, (start, len)) = match elem {
+            Elem::F32 => readonly(py, &array, op).map(|(b, m)| (Readable::F32(b), m))?,
+            Elem::F16 => readonly(py, &array, op).map(|(b, m)| (Readable::F16(b), m))?,
+            Elem::I16 => readonly(py, &array, op).map(|(b, m)| (Readable::I16(b), m))?,
+            Elem::U16 => readonly(py, &array, op).map(|(b, m)| (Readable::U16(b), m))?,
         };
-        Ok(ArrayRef { borrow, dtype })
+        let _claim = Claim::new(py, start, len, false, op)?;
+        Ok(ArrayRef {
+            borrow,
+            _claim,
+            dtype,
+        })
     }
 
     /// The array's memory as bytes, for as long as the borrow lives.
@@ -210,23 +287,36 @@ fn typed<'py, T: Element>(
     Ok(typed)
 }
 
+/// The memory of a typed array: its address and length in bytes.
+fn memory<T: Element>(array: &Bound<'_, PyArrayDyn<T>>) -> (usize, usize) {
+    (
+        array.data() as usize,
+        array.len().saturating_mul(std::mem::size_of::<T>()),
+    )
+}
+
+/// A writeable borrow of `array` and its memory.
 fn writeable<'py, T: Element>(
     py: Python<'py>,
     array: &Bound<'py, PyUntypedArray>,
     op: &str,
-) -> PyResult<PyReadwriteArrayDyn<'py, T>> {
-    typed::<T>(py, array)?
+) -> PyResult<(PyReadwriteArrayDyn<'py, T>, (usize, usize))> {
+    let typed = typed::<T>(py, array)?;
+    let borrow = typed
         .try_readwrite()
-        .map_err(|e| borrow_error(py, &e, op))
+        .map_err(|e| borrow_error(py, &e, op))?;
+    Ok((borrow, memory(&typed)))
 }
 
+/// A shared borrow of `array` and its memory.
 fn readonly<'py, T: Element>(
     py: Python<'py>,
     array: &Bound<'py, PyUntypedArray>,
-) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
-    typed::<T>(py, array)?
-        .try_readonly()
-        .map_err(|e| borrow_error(py, &e, "send"))
+    op: &str,
+) -> PyResult<(PyReadonlyArrayDyn<'py, T>, (usize, usize))> {
+    let typed = typed::<T>(py, array)?;
+    let borrow = typed.try_readonly().map_err(|e| borrow_error(py, &e, op))?;
+    Ok((borrow, memory(&typed)))
 }
 
 fn borrow_error(py: Python<'_>, err: &BorrowError, op: &str) -> PyErr {
@@ -238,13 +328,17 @@ fn borrow_error(py: Python<'_>, err: &BorrowError, op: &str) -> PyErr {
                  (flags.writeable is False): pass a writeable copy (a.copy())"
             ),
         ),
-        _ => errors::config(
-            py,
-            format!(
-                "{op}: the array's memory is in use by another gradwire operation (another \
-                 thread, or the same array passed twice): wait for it or pass a separate array \
-                 ({err})"
-            ),
-        ),
+        _ => in_use(py, op, &err.to_string()),
     }
+}
+
+fn in_use(py: Python<'_>, op: &str, detail: &str) -> PyErr {
+    errors::config(
+        py,
+        format!(
+            "{op}: the array's memory is in use by another gradwire operation (another thread \
+             or session, or the same array or tensor passed twice): wait for it or pass a \
+             separate array ({detail})"
+        ),
+    )
 }

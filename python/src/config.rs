@@ -84,6 +84,13 @@ pub(crate) fn secret(
         .map_err(|_| errors::config(py, "secret must be bytes (at least 16 of them) or None"))
 }
 
+/// The seed of `inject_loss`: any int in 0..2**64. It arrives as `i128` so that a negative one
+/// is a ConfigError like the other integer options, not the conversion's OverflowError.
+pub(crate) fn seed(py: Python<'_>, value: i128) -> PyResult<u64> {
+    u64::try_from(value)
+        .map_err(|_| errors::config(py, format!("seed {value} is outside 0..={}", u64::MAX)))
+}
+
 /// A rank, world size, peer or root: a non-negative integer.
 pub(crate) fn index(py: Python<'_>, name: &str, value: i64) -> PyResult<usize> {
     usize::try_from(value).map_err(|_| errors::config(py, format!("{name} {value} must be >= 0")))

@@ -4,7 +4,12 @@
 //! The callable runs while the transfer has released the GIL, so each call takes the GIL back
 //! (`Python::attach`). It cannot stop the transfer: if it raises or returns a bad tag, the
 //! remaining segments get [`FALLBACK`] and `send` raises after the transfer, naming the segment.
+//!
+//! While it runs, its session is inside `send` (holding the session's lock): a call back into
+//! that session from the callable would wait for itself forever. Each call marks its thread
+//! with the session's id ([`inside_priority_of`]) so that the session refuses such a call.
 
+use std::cell::Cell;
 use std::sync::{Mutex, PoisonError};
 
 use gradwire_session::{SegmentInfo, Tag};
@@ -32,8 +37,38 @@ pub(crate) enum Priority {
     Callable(Callback),
 }
 
+thread_local! {
+    /// The id of the session whose priority callable this thread is running, if any.
+    static RUNNING_FOR: Cell<Option<u64>> = const { Cell::new(None) };
+}
+
+/// Whether this thread is inside a priority callable of session `session`.
+pub(crate) fn inside_priority_of(session: u64) -> bool {
+    RUNNING_FOR.with(|r| r.get() == Some(session))
+}
+
+/// Marks this thread as running session `session`'s callable until dropped (also on a panic).
+struct Running(Option<u64>);
+
+impl Running {
+    fn enter(session: u64) -> Running {
+        Running(RUNNING_FOR.with(|r| r.replace(Some(session))))
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        RUNNING_FOR.with(|r| r.set(self.0));
+    }
+}
+
 impl Priority {
-    pub(crate) fn new(py: Python<'_>, priority: Option<&Bound<'_, PyAny>>) -> PyResult<Priority> {
+    /// `priority` of a send on session `session` (its id, see [`inside_priority_of`]).
+    pub(crate) fn new(
+        py: Python<'_>,
+        priority: Option<&Bound<'_, PyAny>>,
+        session: u64,
+    ) -> PyResult<Priority> {
         let Some(p) = priority.filter(|p| !p.is_none()) else {
             return Ok(Priority::Default);
         };
@@ -45,6 +80,7 @@ impl Priority {
         if p.is_callable() {
             return Ok(Priority::Callable(Callback {
                 func: p.clone().unbind(),
+                session,
                 failure: Mutex::new(None),
             }));
         }
@@ -65,6 +101,8 @@ impl Priority {
 #[derive(Debug)]
 pub(crate) struct Callback {
     func: Py<PyAny>,
+    /// The id of the session sending.
+    session: u64,
     failure: Mutex<Option<(u32, PyErr)>>,
 }
 
@@ -75,6 +113,7 @@ impl Callback {
             return FALLBACK;
         }
         // The lock is not held across the call: the GIL is never awaited under it.
+        let _running = Running::enter(self.session);
         Python::attach(|py| match self.call(py, seg) {
             Ok(tag) => tag,
             Err(err) => {

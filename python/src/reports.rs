@@ -86,7 +86,9 @@ impl ReduceReport {
 #[derive(Debug, Clone)]
 pub(crate) struct BroadcastReport {
     blocks: usize,
+    block_elems: usize,
     received_blocks: usize,
+    block_received: Vec<bool>,
     elapsed_s: f64,
 }
 
@@ -94,7 +96,9 @@ impl From<gradwire_session::BroadcastReport> for BroadcastReport {
     fn from(r: gradwire_session::BroadcastReport) -> Self {
         BroadcastReport {
             blocks: r.blocks,
+            block_elems: r.block_elems,
             received_blocks: r.received_blocks,
+            block_received: r.block_received,
             elapsed_s: r.elapsed_s,
         }
     }
@@ -106,15 +110,23 @@ impl BroadcastReport {
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         d.set_item("blocks", self.blocks)?;
+        d.set_item("block_elems", self.block_elems)?;
         d.set_item("received_blocks", self.received_blocks)?;
+        d.set_item("block_received", self.block_received.clone())?;
         d.set_item("elapsed_s", self.elapsed_s)?;
         Ok(d)
     }
 
     fn __repr__(&self) -> String {
+        let flags = if self.block_received.len() <= REPR_LIST_MAX {
+            format!("{:?}", self.block_received)
+        } else {
+            format!("[{} flags]", self.block_received.len())
+        };
         format!(
-            "BroadcastReport(blocks={}, received_blocks={}, elapsed_s={:?})",
-            self.blocks, self.received_blocks, self.elapsed_s
+            "BroadcastReport(blocks={}, block_elems={}, received_blocks={}, block_received={}, \
+             elapsed_s={:?})",
+            self.blocks, self.block_elems, self.received_blocks, flags, self.elapsed_s
         )
     }
 }
@@ -175,6 +187,7 @@ pub(crate) struct RecvReport {
     segments: u32,
     received_segments: u32,
     delivered_fraction: f64,
+    missing: Vec<(u64, usize)>,
     loss_bound: f64,
     rounds: u32,
     elapsed_s: f64,
@@ -186,6 +199,7 @@ impl From<gradwire_session::RecvSummary> for RecvReport {
             segments: r.segments,
             received_segments: r.received_segments,
             delivered_fraction: r.delivered_fraction,
+            missing: r.missing,
             loss_bound: r.loss_bound,
             rounds: r.rounds,
             elapsed_s: r.elapsed_s,
@@ -201,6 +215,7 @@ impl RecvReport {
         d.set_item("segments", self.segments)?;
         d.set_item("received_segments", self.received_segments)?;
         d.set_item("delivered_fraction", self.delivered_fraction)?;
+        d.set_item("missing", self.missing.clone())?;
         d.set_item("loss_bound", self.loss_bound)?;
         d.set_item("rounds", self.rounds)?;
         d.set_item("elapsed_s", self.elapsed_s)?;
@@ -208,9 +223,15 @@ impl RecvReport {
     }
 
     fn __repr__(&self) -> String {
+        let missing = if self.missing.len() <= REPR_LIST_MAX {
+            format!("{:?}", self.missing)
+        } else {
+            let bytes: usize = self.missing.iter().map(|&(_, n)| n).sum();
+            format!("[{} ranges, {bytes} bytes]", self.missing.len())
+        };
         format!(
             "RecvReport(segments={}, received_segments={}, delivered_fraction={:?}, \
-             loss_bound={:?}, rounds={}, elapsed_s={:?})",
+             missing={missing}, loss_bound={:?}, rounds={}, elapsed_s={:?})",
             self.segments,
             self.received_segments,
             self.delivered_fraction,

@@ -4,11 +4,13 @@
 //! calling into the same Session while an operation runs *waits* for it (the wait, like the
 //! operation, releases the GIL, so the first operation's priority callable can still run).
 //! `close()` waits the same way, then drops the session (its links close); any later call
-//! raises UnusableError.
+//! raises UnusableError. The one call that would wait forever, a priority callable calling
+//! back into the session whose `send` runs it, raises ConfigError instead.
 
 use std::any::Any;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use gradwire_session::{
@@ -20,7 +22,7 @@ use pyo3::types::{PyBytes, PyString, PyTuple};
 use crate::buffer::{ArrayMut, ArrayRef};
 use crate::config::{self, Keywords};
 use crate::errors;
-use crate::priority::Priority;
+use crate::priority::{self, Priority};
 use crate::reports::{BroadcastReport, RecvReport, ReduceReport, SendReport};
 
 /// What a call run with the GIL released ended with.
@@ -93,7 +95,7 @@ impl Endpoint {
         timeout: f64,
         secret: Option<&Bound<'_, PyAny>>,
         inject_loss: f64,
-        seed: u64,
+        seed: i128,
         point_to_point: bool,
         rate_bps: Option<i64>,
     ) -> PyResult<Self> {
@@ -104,7 +106,7 @@ impl Endpoint {
             timeout,
             secret,
             inject_loss,
-            seed,
+            seed: config::seed(py, seed)?,
             point_to_point,
             rate_bps,
         };
@@ -205,7 +207,12 @@ pub(crate) struct Session {
     inner: Mutex<Option<gs::Session>>,
     rank: usize,
     world: usize,
+    /// Unique in this process: what a running priority callable is marked with.
+    id: u64,
 }
+
+/// The id of the next Session.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Session {
     fn wrap(session: gs::Session) -> Session {
@@ -213,7 +220,24 @@ impl Session {
             rank: session.rank(),
             world: session.world(),
             inner: Mutex::new(Some(session)),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
         }
+    }
+
+    /// ConfigError if this thread runs this session's priority callable: the session is
+    /// locked by the `send` calling it, so waiting for the lock would never end.
+    fn not_from_own_priority(&self, py: Python<'_>, what: &str) -> PyResult<()> {
+        if priority::inside_priority_of(self.id) {
+            return Err(errors::config(
+                py,
+                format!(
+                    "{what}: a priority function may not use its own session (it runs inside \
+                     this session's send, which holds the session until it returns): tag the \
+                     segment and return, and make the call after send"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Runs `f` on the session with the GIL released, one call at a time.
@@ -223,6 +247,7 @@ impl Session {
         what: &str,
         f: impl FnOnce(&mut gs::Session) -> Result<T, SessionError> + Send,
     ) -> PyResult<T> {
+        self.not_from_own_priority(py, what)?;
         let outcome = py.detach(|| {
             let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
             let Some(session) = inner.as_mut() else {
@@ -249,6 +274,48 @@ fn reduce_op(py: Python<'_>, op: &str) -> PyResult<ReduceOp> {
             format!("op {other:?} is not \"sum\" or \"average\""),
         )),
     }
+}
+
+/// Refuses a point-to-point transfer a ring-only session has no link for, with what to do
+/// (the session's own error speaks of its communicator): without point_to_point, a rank sends
+/// only to rank + 1 and receives only from rank - 1. Peers out of range or this rank itself
+/// are left to the session, which names them.
+fn check_p2p_link(cfg: &gs::SessionConfig, peer: usize, sending: bool) -> Result<(), SessionError> {
+    let (rank, world) = (cfg.rank, cfg.world);
+    if cfg.point_to_point || peer >= world || peer == rank {
+        return Ok(());
+    }
+    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+    if (sending && peer == next) || (!sending && peer == prev) {
+        return Ok(());
+    }
+    let (what, dir) = if sending {
+        ("send", "to")
+    } else {
+        ("recv", "from")
+    };
+    Err(SessionError::InvalidArgument(format!(
+        "{what}: rank {rank} has no link {dir} rank {peer}: this session was made with \
+         point_to_point=False, which links each rank only to its ring neighbours (send to rank \
+         {next}, recv from rank {prev}); pass point_to_point=True on every rank for transfers \
+         between any two ranks"
+    )))
+}
+
+/// The options of a send or receive, checked.
+fn p2p_options(
+    py: Python<'_>,
+    tensor: i64,
+    layer: i64,
+    num_layers: i64,
+    loss_bound: Option<f64>,
+) -> PyResult<P2pOptions> {
+    Ok(P2pOptions {
+        tensor: config::small(py, "tensor", tensor, u32::MAX.into())?,
+        layer: config::small(py, "layer", layer, u16::MAX.into())?,
+        num_layers: config::small(py, "num_layers", num_layers, u16::MAX.into())?,
+        loss_bound: self::loss_bound(py, loss_bound)?,
+    })
 }
 
 /// A loss bound in [0, 1), or None for the session's default.
@@ -281,7 +348,7 @@ impl Session {
         timeout: f64,
         secret: Option<&Bound<'_, PyAny>>,
         inject_loss: f64,
-        seed: u64,
+        seed: i128,
         point_to_point: bool,
         rate_bps: Option<i64>,
     ) -> PyResult<Session> {
@@ -292,7 +359,7 @@ impl Session {
             timeout,
             secret,
             inject_loss,
-            seed,
+            seed: config::seed(py, seed)?,
             point_to_point,
             rate_bps,
         };
@@ -337,7 +404,7 @@ impl Session {
         timeout: f64,
         secret: Option<&Bound<'_, PyAny>>,
         inject_loss: f64,
-        seed: u64,
+        seed: i128,
         point_to_point: bool,
         rate_bps: Option<i64>,
     ) -> PyResult<Session> {
@@ -428,7 +495,8 @@ impl Session {
     }
 
     /// Sends `array` to `peer` (which calls `recv` with an array of the same size and dtype).
-    #[pyo3(signature = (array, peer, *, tensor = 0, layer = 0, loss_bound = None, priority = None))]
+    #[pyo3(signature = (array, peer, *, tensor = 0, layer = 0, num_layers = 0, loss_bound = None,
+        priority = None))]
     #[allow(clippy::too_many_arguments)]
     fn send(
         &self,
@@ -437,30 +505,29 @@ impl Session {
         peer: i64,
         tensor: i64,
         layer: i64,
+        num_layers: i64,
         loss_bound: Option<f64>,
         priority: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<SendReport> {
         let peer = config::index(py, "peer", peer)?;
-        let opts = P2pOptions {
-            tensor: config::small(py, "tensor", tensor, u32::MAX.into())?,
-            layer: config::small(py, "layer", layer, u16::MAX.into())?,
-            num_layers: 0,
-            loss_bound: self::loss_bound(py, loss_bound)?,
-        };
-        let priority = Priority::new(py, priority)?;
+        let opts = p2p_options(py, tensor, layer, num_layers, loss_bound)?;
+        let priority = Priority::new(py, priority, self.id)?;
         let array = ArrayRef::new(py, array, "send")?;
         let dtype = array.dtype;
         let bytes = array.bytes(py)?;
-        let report = self.run(py, "send", |s| match &priority {
-            Priority::Default => s.send(peer, dtype, bytes, &opts, None),
-            Priority::Fixed(tag) => {
-                let tag = *tag;
-                let fixed = move |_: &SegmentInfo<'_>| tag;
-                s.send(peer, dtype, bytes, &opts, Some(&fixed as &PriorityFn<'_>))
-            }
-            Priority::Callable(cb) => {
-                let call = |seg: &SegmentInfo<'_>| cb.tag(seg);
-                s.send(peer, dtype, bytes, &opts, Some(&call as &PriorityFn<'_>))
+        let report = self.run(py, "send", |s| {
+            check_p2p_link(s.config(), peer, true)?;
+            match &priority {
+                Priority::Default => s.send(peer, dtype, bytes, &opts, None),
+                Priority::Fixed(tag) => {
+                    let tag = *tag;
+                    let fixed = move |_: &SegmentInfo<'_>| tag;
+                    s.send(peer, dtype, bytes, &opts, Some(&fixed as &PriorityFn<'_>))
+                }
+                Priority::Callable(cb) => {
+                    let call = |seg: &SegmentInfo<'_>| cb.tag(seg);
+                    s.send(peer, dtype, bytes, &opts, Some(&call as &PriorityFn<'_>))
+                }
             }
         })?;
         if let Priority::Callable(cb) = &priority {
@@ -472,7 +539,8 @@ impl Session {
     }
 
     /// Receives `peer`'s `send` into `array`, in place.
-    #[pyo3(signature = (array, peer, *, tensor = 0, layer = 0, loss_bound = None))]
+    #[pyo3(signature = (array, peer, *, tensor = 0, layer = 0, num_layers = 0, loss_bound = None))]
+    #[allow(clippy::too_many_arguments)]
     fn recv(
         &self,
         py: Python<'_>,
@@ -480,24 +548,25 @@ impl Session {
         peer: i64,
         tensor: i64,
         layer: i64,
+        num_layers: i64,
         loss_bound: Option<f64>,
     ) -> PyResult<RecvReport> {
         let peer = config::index(py, "peer", peer)?;
-        let opts = P2pOptions {
-            tensor: config::small(py, "tensor", tensor, u32::MAX.into())?,
-            layer: config::small(py, "layer", layer, u16::MAX.into())?,
-            num_layers: 0,
-            loss_bound: self::loss_bound(py, loss_bound)?,
-        };
+        let opts = p2p_options(py, tensor, layer, num_layers, loss_bound)?;
         let mut array = ArrayMut::new(py, array, "recv")?;
         let dtype = array.dtype;
         let bytes = array.bytes(py)?;
-        let report = self.run(py, "recv", |s| s.recv(peer, dtype, bytes, &opts))?;
+        let report = self.run(py, "recv", |s| {
+            check_p2p_link(s.config(), peer, false)?;
+            s.recv(peer, dtype, bytes, &opts)
+        })?;
         Ok(report.into())
     }
 
-    /// Drops the session (its links close). Waits for a running operation; idempotent.
-    fn close(&self, py: Python<'_>) {
+    /// Drops the session (its links close). Waits for a running operation; idempotent. From
+    /// this session's own priority callable: ConfigError (it would wait for itself).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.not_from_own_priority(py, "close")?;
         py.detach(|| {
             let session = self
                 .inner
@@ -507,6 +576,7 @@ impl Session {
             // A panic while closing sockets must not unwind into Python; nothing is left to do.
             let _ = catch_unwind(AssertUnwindSafe(move || drop(session)));
         });
+        Ok(())
     }
 
     /// Whether `close()` ran (or a panic dropped the session). Does not wait for a running
@@ -525,9 +595,9 @@ impl Session {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
-        self.close(py);
-        false
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        self.close(py)?;
+        Ok(false)
     }
 
     fn __repr__(&self) -> String {

@@ -5,7 +5,9 @@ with a deadline, so a broken build fails instead of hanging."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import os
 import socket
 import subprocess
 import sys
@@ -60,6 +62,23 @@ def connect(world: int, **kw: Any) -> List[gradwire.Session]:
 def close_all(sessions: Sequence[gradwire.Session]) -> None:
     for s in sessions:
         s.close()
+
+
+def needs_root() -> None:
+    """The project's rule: skip visibly without root, fail when GRADWIRE_REQUIRE_PRIV=1."""
+    if os.geteuid() != 0:
+        if os.environ.get("GRADWIRE_REQUIRE_PRIV") == "1":
+            pytest.fail("needs root (GRADWIRE_REQUIRE_PRIV=1 forbids skipping)")
+        pytest.skip("SKIPPED: needs root")
+
+
+def close_bounded(sessions: Sequence[gradwire.Session], within: float = 15.0) -> None:
+    """close_all from a daemon thread, for tests of what would otherwise deadlock: a session
+    stuck in a call (the bug such a test looks for) must fail the test, not hang it in close."""
+    t = threading.Thread(target=close_all, args=(sessions,), daemon=True)
+    t.start()
+    t.join(within)
+    assert not t.is_alive(), f"closing the sessions took over {within} s: a call is stuck in one"
 
 
 def free_port() -> int:
@@ -131,7 +150,11 @@ def test_broadcast_copies_the_roots_array(job: List[gradwire.Session]) -> None:
         np.testing.assert_array_equal(a, src)
         if r != root:
             assert rep.received_blocks == rep.blocks > 0
-        assert set(rep.to_dict()) == {"blocks", "received_blocks", "elapsed_s"}
+        assert rep.blocks == -(-src.size // rep.block_elems)
+        assert rep.block_received == [True] * rep.blocks
+        assert set(rep.to_dict()) == {
+            "blocks", "block_elems", "received_blocks", "block_received", "elapsed_s",
+        }
 
 
 def test_barrier_waits_for_the_last_rank(job: List[gradwire.Session]) -> None:
@@ -248,6 +271,7 @@ def test_send_recv_with_each_kind_of_priority() -> None:
             assert sent.segments == got.segments == got.received_segments > 1
             assert sent.bytes == src.nbytes
             assert got.delivered_fraction == 1.0 and got.loss_bound == 0.0
+            assert got.missing == []
             assert set(sent.to_dict()) == {
                 "segments", "bytes", "retransmitted_segments", "elapsed_s", "final_rate_bps",
             }
@@ -261,6 +285,79 @@ def test_send_recv_with_each_kind_of_priority() -> None:
             assert raw[offset : offset + len(payload)] == payload
     finally:
         close_all([s0, s1])
+
+
+# Runs in a network namespace of its own (`unshare --net`), so that the only UDP packets on
+# its loopback are this job's: a raw socket sees every one with its IP header, whose TOS byte
+# carries the DSCP. Prints the DSCPs of each case's packets as JSON.
+_DSCP_SCRIPT = r"""
+import json, socket, subprocess, sys, threading, time
+import numpy as np, gradwire
+
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+sniff = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+sniff.settimeout(0.05)
+seen, lock, stop = [], threading.Lock(), threading.Event()
+
+def sniffer():
+    while not stop.is_set():
+        try:
+            pkt = sniff.recv(65536)
+        except socket.timeout:
+            continue
+        if len(pkt) >= 20:
+            with lock:
+                seen.append(pkt[1] >> 2)
+
+def both(f0, f1):
+    out, ts = [None, None], []
+    for i, f in enumerate((f0, f1)):
+        ts.append(threading.Thread(target=lambda i=i, f=f: out.__setitem__(i, f()), daemon=True))
+        ts[-1].start()
+    for t in ts:
+        t.join(30)
+    assert None not in out, "a rank failed or hung"
+    return out
+
+threading.Thread(target=sniffer, daemon=True).start()
+eps = [gradwire.Endpoint(r, 2, "127.0.0.1", timeout=5.0) for r in range(2)]
+table = [e.address for e in eps]
+s0, s1 = both(lambda: eps[0].connect(table), lambda: eps[1].connect(table))
+src = (np.arange(20_000) % 7).astype(np.float32)
+result = []
+for i, (layer, num_layers) in enumerate(json.loads(sys.argv[1])):
+    dst = np.zeros_like(src)
+    both(
+        lambda: s0.send(src, 1, tensor=i, layer=layer, num_layers=num_layers, priority=None),
+        lambda: s1.recv(dst, 0, tensor=i, layer=layer, num_layers=num_layers),
+    )
+    assert (dst == src).all()
+    time.sleep(0.15)  # the last packets reach the sniffer
+    with lock:
+        result.append(list(seen))
+        seen.clear()
+stop.set()
+print(json.dumps(result))
+"""
+
+
+def test_default_tagging_puts_the_layers_dscp_on_the_data_packets() -> None:
+    needs_root()
+    # (layer, num_layers) -> the DSCP DLCP gives it (gradwire-qos: layer x of L is priority
+    # floor(7x/L), 0 the most urgent, on DSCP 46, 40, 34, 26, 18, 10, 0); 0 layers: unknown,
+    # the lowest data priority.
+    cases = {(0, 4): 46, (1, 4): 40, (3, 4): 10, (5, 0): 0}
+    proc = subprocess.run(
+        ["unshare", "--net", "--", sys.executable, "-c", _DSCP_SCRIPT, json.dumps(list(cases))],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    for ((layer, num_layers), dscp), dscps in zip(cases.items(), seen):
+        assert len(dscps) > 1, f"layer {layer} of {num_layers}: no packets seen"
+        assert set(dscps) == {dscp}, f"layer {layer} of {num_layers}: want DSCP {dscp}, saw {dscps}"
 
 
 def test_a_failing_priority_callable_raises_after_the_transfer() -> None:
@@ -335,6 +432,35 @@ def test_inject_loss_recv_respects_the_bound() -> None:
         assert got.delivered_fraction == pytest.approx(got.received_segments / got.segments)
         assert np.count_nonzero(dst) >= (1 - bound) * dst.size * 0.99
         assert set(np.unique(dst)) <= {0.0, 1.0}  # lost segments are zero, never garbage
+        # The missing byte ranges are exactly the zeros: in order, whole elements.
+        assert (got.received_segments < got.segments) == (got.missing != [])
+        zero = np.zeros(dst.size, dtype=bool)
+        end = 0
+        for offset, length in got.missing:
+            assert offset >= end and length > 0 and offset % 4 == 0 and length % 4 == 0
+            zero[offset // 4 : (offset + length) // 4] = True
+            end = offset + length
+        assert end <= dst.nbytes
+        np.testing.assert_array_equal(dst == 0.0, zero)
+        assert "missing=" in repr(got) and got.to_dict()["missing"] == got.missing
+    finally:
+        close_all([s0, s1])
+
+
+def test_inject_loss_broadcast_reports_which_blocks_arrived() -> None:
+    s0, s1 = connect(2, inject_loss=0.1, seed=9, loss_bound=0.3)
+    try:
+        n = 100_000
+        src = np.arange(n, dtype=np.float32)
+        dst = np.full(n, -1.0, dtype=np.float32)
+        _, rep = run_ranks([lambda: s0.broadcast(src, 0), lambda: s1.broadcast(dst, 0)])
+        assert len(rep.block_received) == rep.blocks == -(-n // rep.block_elems)
+        assert sum(rep.block_received) == rep.received_blocks
+        assert rep.received_blocks < rep.blocks, "10 % loss with a 30 % bound loses blocks"
+        for b, arrived in enumerate(rep.block_received):
+            sl = slice(b * rep.block_elems, (b + 1) * rep.block_elems)
+            # A block that did not arrive kept this rank's previous contents.
+            np.testing.assert_array_equal(dst[sl], src[sl] if arrived else -1.0)
     finally:
         close_all([s0, s1])
 
@@ -371,6 +497,43 @@ def test_torch_tensors_in_place() -> None:
             s0.all_reduce(torch.zeros(10, dtype=torch.int32))
     finally:
         close_all([s0, s1])
+
+
+def test_overlapping_operations_on_one_torch_tensor_are_refused() -> None:
+    # numpy's borrow tracking cannot see these: each t.numpy() view has a new base object.
+    torch = pytest.importorskip("torch")
+    s0, s1 = connect(2)
+    try:
+        t = torch.arange(20_000, dtype=torch.float32)
+        dst = torch.zeros(20_000)
+        refused: List[Any] = []
+
+        def prio(index: int, offset: int, layer: int, payload: bytes) -> tuple:
+            # Runs inside s0.send(t): t is in use (read) until the send returns. Operations
+            # writing into its memory, from another session, must fail at once rather than
+            # write under the send (or wait for it: s1 is busy receiving this very send).
+            if index == 0:
+                for attempt in (
+                    lambda: s1.all_reduce(t),
+                    lambda: s1.recv(t[100:200], 0),
+                    lambda: s1.broadcast(t.view(100, 200)[50], 0),
+                ):
+                    try:
+                        attempt()
+                    except gradwire.ConfigError as e:
+                        refused.append(str(e))
+            return (0, True)
+
+        run_ranks([lambda: s0.send(t, 1, priority=prio), lambda: s1.recv(dst, 0)])
+        assert len(refused) == 3, refused
+        assert all("in use by another gradwire operation" in m for m in refused), refused
+        assert torch.equal(dst, t)
+        # The memory is released when an operation returns: t can be used again.
+        u = torch.ones(20_000)
+        run_ranks([lambda: s0.all_reduce(t), lambda: s1.all_reduce(u)])
+        assert torch.equal(t, torch.arange(20_000, dtype=torch.float32) + 1)
+    finally:
+        close_bounded([s0, s1])
 
 
 def test_numpy_arrays_do_not_import_torch() -> None:
@@ -440,6 +603,10 @@ def test_bad_arguments_raise_config_error() -> None:
         gradwire.Endpoint(0, 2, IP, secret="a str, not bytes, of 32 chars...")
     with pytest.raises(gradwire.ConfigError, match="master"):
         gradwire.Session.rendezvous("nowhere", 0, 2, IP)
+    for seed in (-1, 2**64, -(2**70)):
+        with pytest.raises(gradwire.ConfigError, match=f"seed {seed} is outside"):
+            gradwire.Endpoint(0, 2, IP, seed=seed)
+    gradwire.Endpoint(0, 2, IP, seed=2**64 - 1)  # the whole u64 range is fine
     s0, s1 = connect(2)
     try:
         a = np.zeros(100, dtype=np.float32)
@@ -452,14 +619,41 @@ def test_bad_arguments_raise_config_error() -> None:
             s0.all_reduce(a, dscp=64)
         with pytest.raises(gradwire.ConfigError, match="layer"):
             s0.all_reduce(a, layer=70_000)
-        with pytest.raises(gradwire.ConfigError):
-            s0.broadcast(a, 2)  # root >= world
+        for root in (2, 9):
+            with pytest.raises(gradwire.ConfigError, match=f"root {root} is not a rank"):
+                s0.broadcast(a, root)
+        with pytest.raises(gradwire.ConfigError, match="root -1 must be >= 0"):
+            s0.broadcast(a, -1)
+        with pytest.raises(gradwire.ConfigError, match="layer 4 is not below num_layers 4"):
+            s0.send(a, 1, layer=4, num_layers=4)  # DLCP's tagging needs the layer's DSCP
+        with pytest.raises(gradwire.ConfigError, match="num_layers"):
+            s0.send(a, 1, num_layers=-1)
         with pytest.raises(gradwire.ConfigError):
             s0.send(a, 5)  # peer >= world
         with pytest.raises(gradwire.ConfigError):
             s0.send(a, 0)  # itself
     finally:
         close_all([s0, s1])
+
+
+def test_a_ring_only_session_refuses_transfers_off_the_ring_and_says_why() -> None:
+    sessions = connect(3, point_to_point=False)
+    try:
+        s0, s1 = sessions[0], sessions[1]
+        src = np.arange(1000, dtype=np.float32)
+        dst = np.zeros_like(src)
+        # Rank 0 is linked to rank 1 (next on the ring) and from rank 2 (previous) only.
+        with pytest.raises(gradwire.ConfigError, match="no link to rank 2") as info:
+            s0.send(src, 2)
+        assert "point_to_point=True" in str(info.value)
+        with pytest.raises(gradwire.ConfigError, match="no link from rank 1"):
+            s0.recv(dst, 1)
+        # Along the ring it works, and the refusals left the session usable.
+        run_ranks([lambda: s0.send(src, 1), lambda: s1.recv(dst, 0)])
+        np.testing.assert_array_equal(dst, src)
+        run_ranks([lambda s=s: s.barrier() for s in sessions])
+    finally:
+        close_all(sessions)
 
 
 def test_a_peer_that_never_connects_fails_within_the_timeout() -> None:
@@ -503,7 +697,11 @@ def test_a_peer_that_dies_raises_peer_error_naming_it() -> None:
     assert time.monotonic() - start < 15
     for e in box:
         assert isinstance(e, gradwire.PeerError), repr(e)
-        assert e.kind == "peer" and e.code == 3 and e.peer is not None
+        assert e.kind == "peer" and e.code == 3
+    # The ring is 0 -> 1 -> 2 -> 0: rank 0 receives from rank 2 and finds it gone. Rank 1
+    # sends to rank 2, but may instead time out on rank 0, which stopped.
+    assert box[0].peer == 2, repr(box[0])
+    assert box[1].peer in (0, 2), repr(box[1])
     with pytest.raises(gradwire.UnusableError):
         sessions[0].barrier()  # unusable after a failure
     close_all(sessions)
@@ -540,16 +738,12 @@ def test_a_second_thread_waits_and_the_gil_is_released() -> None:
         y0 = np.full(10_000, 10.0, dtype=np.float32)
         x1 = np.full(10_000, 100.0, dtype=np.float32)
         y1 = np.full(10_000, 1000.0, dtype=np.float32)
-        ticks = [0]
-        stop = threading.Event()
 
-        def python_work() -> None:  # runs only if the waiting ranks released the GIL
-            while not stop.is_set():
-                ticks[0] += 1
-                time.sleep(0.001)
-
+        # Rank 1 is a Python thread too: it can call in (and rank 0's calls can complete)
+        # only because rank 0's waiting calls released the GIL; holding it would deadlock
+        # them until the timeout (PeerError).
         def rank1() -> None:
-            time.sleep(0.5)  # rank 0's two calls wait for this one
+            time.sleep(0.5)  # rank 0's two calls are most likely both waiting by then
             s1.all_reduce(x1)
             s1.all_reduce(y1)
 
@@ -557,19 +751,59 @@ def test_a_second_thread_waits_and_the_gil_is_released() -> None:
             time.sleep(0.1)
             s0.all_reduce(y0)
 
-        worker = threading.Thread(target=python_work, daemon=True)
-        worker.start()
-        try:
-            run_ranks([lambda: s0.all_reduce(x0), second, rank1])
-        finally:
-            stop.set()
-            worker.join(5)
-        assert ticks[0] > 50, ticks[0]
-        # Both of rank 0's calls ran, one after the other, each paired with one of rank 1's.
-        got = sorted([x0[0], y0[0]])
-        assert got in ([101.0, 1010.0], [110.0, 1100.0]), got
+        run_ranks([lambda: s0.all_reduce(x0), second, rank1])
+        # Both of rank 0's calls ran, one after the other, each paired with one of rank 1's:
+        # x0 with x1 and y0 with y1, or (if the second thread got the session first) y0 with
+        # x1 and x0 with y1.
+        got = sorted([float(x0[0]), float(y0[0])])
+        assert got in ([101.0, 1010.0], [110.0, 1001.0]), got
     finally:
         close_all([s0, s1])
+
+
+def test_a_priority_callable_using_its_own_session_raises_instead_of_deadlocking() -> None:
+    s0, s1 = connect(2)
+    try:
+        src = np.arange(20_000, dtype=np.float32)
+        calls = {
+            "barrier": lambda: s0.barrier(),
+            "close": lambda: s0.close(),
+            "send": lambda: s0.send(src, 1, tensor=9),
+            "all_reduce": lambda: s0.all_reduce(np.ones(4, np.float32)),
+        }
+        for tensor, (name, call) in enumerate(calls.items()):
+            dst = np.zeros_like(src)
+
+            def prio(index: int, offset: int, layer: int, payload: bytes) -> tuple:
+                if index == 0:
+                    call()  # raises: s0 is inside the send that calls this
+                return (0, True)
+
+            box: List[Any] = [None]
+
+            def sender() -> None:
+                try:
+                    s0.send(src, 1, tensor=tensor, priority=prio)
+                except gradwire.ConfigError as e:
+                    box[0] = e
+
+            start = time.monotonic()
+            run_ranks([sender, lambda: s1.recv(dst, 0, tensor=tensor)], join=20)
+            assert time.monotonic() - start < 10, name
+            e = box[0]
+            assert isinstance(e, gradwire.ConfigError), f"{name}: nothing raised"
+            assert "segment 0" in str(e), str(e)
+            assert isinstance(e.__cause__, gradwire.ConfigError), repr(e.__cause__)
+            assert "may not use its own session" in str(e.__cause__), str(e.__cause__)
+            assert str(e.__cause__).startswith(name), str(e.__cause__)
+            np.testing.assert_array_equal(dst, src)  # the transfer itself completed
+        # None of it touched the session: it still works, and closes normally.
+        assert not s0.closed
+        a = [np.ones(8, np.float32), np.ones(8, np.float32)]
+        run_ranks([lambda: s0.all_reduce(a[0]), lambda: s1.all_reduce(a[1])])
+        assert a[0][0] == 2.0
+    finally:
+        close_bounded([s0, s1])
 
 
 def test_exception_classes() -> None:
