@@ -631,12 +631,17 @@ impl PendingLinks {
                     ))
                 })?;
             let addr = SocketAddr::new(endpoints[q].ip, port);
-            let ctrl =
-                TcpCtrl::connect_with(addr, left(), self.cfg.control_dscp, self.key.as_ref())
-                    .map_err(|e| CollectiveError::Link {
-                        peer: q,
-                        source: TransferError::Channel(e),
-                    })?;
+            let ctrl = TcpCtrl::connect_from(
+                Some(self.ip),
+                addr,
+                left(),
+                self.cfg.control_dscp,
+                self.key.as_ref(),
+            )
+            .map_err(|e| CollectiveError::Link {
+                peer: q,
+                source: TransferError::Channel(e),
+            })?;
             links.out[q] = Some(OutLink {
                 peer: q,
                 dp: Box::new(bind_udp(self.ip, &self.cfg, "sending datapath")?),

@@ -17,7 +17,7 @@
 //! after it is read.
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
@@ -237,12 +237,38 @@ impl TcpCtrl {
         dscp: Option<u8>,
         key: Option<&JobKey>,
     ) -> Result<TcpCtrl, ChannelError> {
+        TcpCtrl::connect_from(None, addr, timeout, dscp, key)
+    }
+
+    /// [`TcpCtrl::connect_with`] from the local address `local` (port chosen by the kernel):
+    /// on a host with several addresses the connection then comes from the one the peer
+    /// expects, not from whichever the routing table picks.
+    pub fn connect_from(
+        local: Option<IpAddr>,
+        addr: SocketAddr,
+        timeout: Duration,
+        dscp: Option<u8>,
+        key: Option<&JobKey>,
+    ) -> Result<TcpCtrl, ChannelError> {
         let deadline = Instant::now() + timeout;
-        let stream =
-            TcpStream::connect_timeout(&addr, timeout).map_err(|source| ChannelError::Io {
-                peer: addr.to_string(),
-                source,
-            })?;
+        let io = |source| ChannelError::Io {
+            peer: addr.to_string(),
+            source,
+        };
+        let stream = match local {
+            None => TcpStream::connect_timeout(&addr, timeout).map_err(io)?,
+            Some(ip) => {
+                let sock = socket2::Socket::new(
+                    socket2::Domain::for_address(addr),
+                    socket2::Type::STREAM,
+                    Some(socket2::Protocol::TCP),
+                )
+                .map_err(io)?;
+                sock.bind(&SocketAddr::new(ip, 0).into()).map_err(io)?;
+                sock.connect_timeout(&addr.into(), timeout).map_err(io)?;
+                sock.into()
+            }
+        };
         TcpCtrl::client_until(stream, dscp, key, deadline, timeout)
     }
 

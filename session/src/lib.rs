@@ -496,6 +496,7 @@ impl Session {
         bytes: &mut [u8],
         opts: &P2pOptions,
     ) -> Result<RecvSummary, SessionError> {
+        self.check_p2p_link(peer, false)?;
         let mut tensor = p2p_tensor(dtype, bytes.len())?;
         let o = p2p_options(opts)?;
         let r = self.comm.recv(peer, &mut tensor, &o)?;
@@ -509,6 +510,30 @@ impl Session {
             rounds: r.rounds,
             elapsed_s: r.total.as_secs_f64(),
         })
+    }
+}
+
+impl Session {
+    /// Without `point_to_point` a session has its ring links only: send to the next rank,
+    /// receive from the previous one.
+    fn check_p2p_link(&self, peer: usize, sending: bool) -> Result<(), SessionError> {
+        let (r, n) = (self.cfg.rank, self.cfg.world);
+        if self.cfg.point_to_point || peer >= n || peer == r {
+            return Ok(()); // the communicator names a bad peer itself
+        }
+        let (ring_peer, what) = if sending {
+            ((r + 1) % n, "send to the next rank")
+        } else {
+            ((r + n - 1) % n, "receive from the previous rank")
+        };
+        if peer == ring_peer {
+            return Ok(());
+        }
+        Err(SessionError::InvalidArgument(format!(
+            "rank {r} has no link {} rank {peer}: with point_to_point off a session can only \
+             {what} ({ring_peer}); set point_to_point for any pair",
+            if sending { "to" } else { "from" }
+        )))
     }
 }
 

@@ -368,3 +368,32 @@ fn a_rank_that_dies_mid_job_fails_the_others_with_its_name() {
         }
     }
 }
+
+#[test]
+fn ranks_on_different_addresses_of_one_host_connect_from_their_own() {
+    // Two loopback addresses of this host: each rank's connections must come from its own
+    // address, or the peer refuses them as a stranger's.
+    let cfg = |r: usize| SessionConfig {
+        timeout: Duration::from_secs(5),
+        ..SessionConfig::new(r, 2, IpAddr::V4(Ipv4Addr::new(127, 61, 0, r as u8 + 1)))
+    };
+    let endpoints: Vec<Endpoint> = (0..2).map(|r| Endpoint::bind(cfg(r)).unwrap()).collect();
+    let table: Vec<Vec<u8>> = endpoints.iter().map(|e| e.address().to_vec()).collect();
+    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = endpoints
+            .into_iter()
+            .map(|e| {
+                let table = table.clone();
+                s.spawn(move || {
+                    let mut sess = e.connect(&table).unwrap();
+                    let mut b = f32_bytes(&[sess.rank() as f32 + 1.0; 64]);
+                    sess.all_reduce(DType::F32, &mut b, &ReduceOptions::default())
+                        .unwrap();
+                    f32s(&b)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(sums.iter().all(|v| v.iter().all(|&x| x == 3.0)));
+}
