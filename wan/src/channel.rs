@@ -198,8 +198,9 @@ fn send_chunk(
 }
 
 /// Start the receiving thread of `link`; it reports every chunk to `events` and ends when
-/// the link closes or fails (reported), when `events` is gone, or, between chunks, when
-/// `stop` is set (it looks every `cfg.transfer.connect_timeout`).
+/// the link closes or fails (reported), when `events` is gone, or when `stop` is set and
+/// its wait for the next chunk (`cfg.transfer.connect_timeout`) ends. Give that wait
+/// generously: a receive that stops waiting aborts the peer's next flow.
 pub fn spawn_rx(
     mut link: InLink,
     cfg: ChannelConfig,

@@ -27,6 +27,10 @@ use crate::control::SchedulerClient;
 use crate::error::WanError;
 use crate::policy::{aux_map, chunk_plan};
 
+/// How long a chunk receiver waits for the next chunk (a day: in practice, until the peer
+/// closes the link).
+const RX_IDLE: Duration = Duration::from_secs(24 * 3600);
+
 /// How a node runs.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -106,9 +110,11 @@ impl Node {
             transfer: cfg.transfer.clone(),
             dscp: cfg.dscp,
         };
-        // Receivers look at `stop` between chunks every second.
+        // A receiver waits for the next chunk as long as the job runs: a receive that gave
+        // up waiting would abort the peer's next flow. It ends when the peer closes the link
+        // (the peer's shutdown, or its death), which the round loop judges.
         let mut rx_cfg = ccfg.clone();
-        rx_cfg.transfer.connect_timeout = Duration::from_secs(1);
+        rx_cfg.transfer.connect_timeout = RX_IDLE;
         let (outs, ins) = links.split();
         let mut txs = Vec::with_capacity(outs.len());
         for l in outs {
@@ -382,10 +388,10 @@ impl Node {
             let _ = self.events.recv_timeout(Duration::from_millis(50));
         }
         self.stop.store(true, Ordering::Release);
+        // Closing this node's sending ends ends its peers' receivers; this node's receivers
+        // end as its peers close theirs (not joined: a peer may still be finishing).
         self.txs.clear();
-        for h in self.rx_threads.drain(..) {
-            let _ = h.join();
-        }
+        self.rx_threads.clear();
         self.report.clone()
     }
 }
