@@ -848,7 +848,6 @@ pub unsafe extern "C" fn gw_send(
             .map(|p| move |seg: &SegmentInfo<'_>| p.tag(seg));
         let prio: Option<&PriorityFn<'_>> = closure.as_ref().map(|c| c as &PriorityFn<'_>);
         let mut st = s.lock()?;
-        types::check_p2p_link(st.session.config(), peer as usize, true)?;
         let r = st.session.send(peer as usize, dt, bytes, &opts, prio)?;
         // SAFETY: the caller's contract.
         unsafe { write_opt(report, gw_send_report::from(&r)) };
@@ -885,7 +884,6 @@ pub unsafe extern "C" fn gw_recv(
         // SAFETY: the caller's contract.
         let (dt, bytes) = unsafe { buf_mut(buf, count, dtype) }?;
         let mut st = s.lock()?;
-        types::check_p2p_link(st.session.config(), peer as usize, false)?;
         let r = st.session.recv(peer as usize, dt, bytes, &opts)?;
         // SAFETY: the caller's contract.
         unsafe { write_opt(report, gw_recv_report::from(&r)) };

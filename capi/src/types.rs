@@ -75,36 +75,6 @@ pub(crate) fn byte_len(count: usize, dtype: DType) -> Result<usize, CError> {
     })
 }
 
-/// Refuses a point-to-point transfer this session has no link for, with what to do: without
-/// point_to_point, a rank is linked only to its ring neighbours (it sends to rank + 1 and
-/// receives from rank - 1). Peers out of range or this rank itself are left to the session,
-/// which names them.
-pub(crate) fn check_p2p_link(
-    cfg: &SessionConfig,
-    peer: usize,
-    sending: bool,
-) -> Result<(), CError> {
-    let (rank, world) = (cfg.rank, cfg.world);
-    if cfg.point_to_point || peer >= world || peer == rank {
-        return Ok(());
-    }
-    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
-    if (sending && peer == next) || (!sending && peer == prev) {
-        return Ok(());
-    }
-    let (what, dir) = if sending {
-        ("gw_send", "to")
-    } else {
-        ("gw_recv", "from")
-    };
-    Err(CError::invalid(format!(
-        "{what}: rank {rank} has no link {dir} rank {peer}: this session was set up with \
-         gw_config.point_to_point = false, which links each rank only to its ring neighbours \
-         (gw_send to rank {next}, gw_recv from rank {prev}); set point_to_point = true on every \
-         rank for transfers between any two ranks"
-    )))
-}
-
 /// A job's configuration. Get one from gw_config_default() and change the fields you need;
 /// gradwire copies what it needs during the call it is passed to.
 #[repr(C)]

@@ -276,32 +276,6 @@ fn reduce_op(py: Python<'_>, op: &str) -> PyResult<ReduceOp> {
     }
 }
 
-/// Refuses a point-to-point transfer a ring-only session has no link for, with what to do
-/// (the session's own error speaks of its communicator): without point_to_point, a rank sends
-/// only to rank + 1 and receives only from rank - 1. Peers out of range or this rank itself
-/// are left to the session, which names them.
-fn check_p2p_link(cfg: &gs::SessionConfig, peer: usize, sending: bool) -> Result<(), SessionError> {
-    let (rank, world) = (cfg.rank, cfg.world);
-    if cfg.point_to_point || peer >= world || peer == rank {
-        return Ok(());
-    }
-    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
-    if (sending && peer == next) || (!sending && peer == prev) {
-        return Ok(());
-    }
-    let (what, dir) = if sending {
-        ("send", "to")
-    } else {
-        ("recv", "from")
-    };
-    Err(SessionError::InvalidArgument(format!(
-        "{what}: rank {rank} has no link {dir} rank {peer}: this session was made with \
-         point_to_point=False, which links each rank only to its ring neighbours (send to rank \
-         {next}, recv from rank {prev}); pass point_to_point=True on every rank for transfers \
-         between any two ranks"
-    )))
-}
-
 /// The options of a send or receive, checked.
 fn p2p_options(
     py: Python<'_>,
@@ -515,19 +489,16 @@ impl Session {
         let array = ArrayRef::new(py, array, "send")?;
         let dtype = array.dtype;
         let bytes = array.bytes(py)?;
-        let report = self.run(py, "send", |s| {
-            check_p2p_link(s.config(), peer, true)?;
-            match &priority {
-                Priority::Default => s.send(peer, dtype, bytes, &opts, None),
-                Priority::Fixed(tag) => {
-                    let tag = *tag;
-                    let fixed = move |_: &SegmentInfo<'_>| tag;
-                    s.send(peer, dtype, bytes, &opts, Some(&fixed as &PriorityFn<'_>))
-                }
-                Priority::Callable(cb) => {
-                    let call = |seg: &SegmentInfo<'_>| cb.tag(seg);
-                    s.send(peer, dtype, bytes, &opts, Some(&call as &PriorityFn<'_>))
-                }
+        let report = self.run(py, "send", |s| match &priority {
+            Priority::Default => s.send(peer, dtype, bytes, &opts, None),
+            Priority::Fixed(tag) => {
+                let tag = *tag;
+                let fixed = move |_: &SegmentInfo<'_>| tag;
+                s.send(peer, dtype, bytes, &opts, Some(&fixed as &PriorityFn<'_>))
+            }
+            Priority::Callable(cb) => {
+                let call = |seg: &SegmentInfo<'_>| cb.tag(seg);
+                s.send(peer, dtype, bytes, &opts, Some(&call as &PriorityFn<'_>))
             }
         })?;
         if let Priority::Callable(cb) = &priority {
@@ -556,10 +527,7 @@ impl Session {
         let mut array = ArrayMut::new(py, array, "recv")?;
         let dtype = array.dtype;
         let bytes = array.bytes(py)?;
-        let report = self.run(py, "recv", |s| {
-            check_p2p_link(s.config(), peer, false)?;
-            s.recv(peer, dtype, bytes, &opts)
-        })?;
+        let report = self.run(py, "recv", |s| s.recv(peer, dtype, bytes, &opts))?;
         Ok(report.into())
     }
 

@@ -457,6 +457,7 @@ impl Session {
         opts: &P2pOptions,
         priority: Option<&PriorityFn<'_>>,
     ) -> Result<SendSummary, SessionError> {
+        self.check_p2p_link(peer, true)?;
         let tensor = p2p_tensor(dtype, bytes.len()).map(|mut t| {
             t.as_bytes_mut().copy_from_slice(bytes);
             t
@@ -531,7 +532,8 @@ impl Session {
         }
         Err(SessionError::InvalidArgument(format!(
             "rank {r} has no link {} rank {peer}: with point_to_point off a session can only \
-             {what} ({ring_peer}); set point_to_point for any pair",
+             {what} ({ring_peer}); set point_to_point on every rank (Python: \
+             point_to_point=True; C: gw_config.point_to_point) for transfers between any pair",
             if sending { "to" } else { "from" }
         )))
     }
