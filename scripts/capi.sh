@@ -79,6 +79,12 @@ for f in libgradwire_c.so libgradwire_c.a; do
         exit 1
     fi
 done
+# Built together with the rest of the workspace (cargo test --workspace), the transport comes
+# with its AF_XDP feature and the archive holds the vendored libbpf, which needs libelf and
+# zlib (scripts/deps.sh installs both).
+if ar t "$from/libgradwire_c.a" 2>/dev/null | grep -qx 'btf.o' && [[ $static_libs != *-lelf* ]]; then
+    static_libs="$static_libs -lelf -lz"
+fi
 
 mkdir -p "$prefix/include" "$prefix/lib/pkgconfig"
 prefix=$(cd "$prefix" && pwd)
