@@ -61,6 +61,12 @@ pub fn parse_strategy(s: &str) -> Result<gradwire_wan::scheduler::Strategy, Stri
     s.trim().parse()
 }
 
+/// A sender rate-control mode: grant, ecn or fig7.
+pub fn parse_rate_mode(s: &str) -> Result<RateMode, String> {
+    RateMode::from_name(s.trim())
+        .ok_or_else(|| format!("unknown rate mode {s:?}: expected grant, ecn or fig7"))
+}
+
 /// Seconds, above 0.
 pub fn parse_secs(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
@@ -134,7 +140,7 @@ pub struct WanNodeArgs {
     #[arg(long, default_value = "control/models/alexnet.toml")]
     pub model: PathBuf,
     /// Model scale (1 = the model's real size; every layer at least one element).
-    #[arg(long, default_value_t = 0.03)]
+    #[arg(long, default_value_t = 0.01)]
     pub scale: f64,
     /// Most rounds.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
@@ -150,6 +156,13 @@ pub struct WanNodeArgs {
     /// Line rate the node's senders never exceed, bits per second with a unit (e.g. 100M).
     #[arg(long, default_value = "1Gbit", value_parser = |s: &str| parse_rate(s).map(|r| r.bps()))]
     pub rate: u64,
+    /// Sender rate control: grant (receiver grants, adapted to ECN marks), ecn (DCTCP-style
+    /// on the senders) or fig7 (DLCP's Figure 7: halve when sending faster than received).
+    #[arg(long, default_value = "grant", value_parser = parse_rate_mode)]
+    pub rate_mode: RateMode,
+    /// The senders' rate-control period (the receivers' rate report interval), microseconds.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(50..=1_000_000))]
+    pub period_us: u64,
     #[command(flatten)]
     pub netstorm: NetStormArgs,
     /// Print one JSON report (the per-round lines go to stderr).
@@ -321,7 +334,7 @@ pub struct WanExperimentArgs {
     /// Model layer file.
     #[arg(long, default_value = "control/models/alexnet.toml")]
     pub model: PathBuf,
-    /// Model scale (default 0.03; 0.002 with --quick).
+    /// Model scale (default 0.01; 0.002 with --quick).
     #[arg(long)]
     pub scale: Option<f64>,
     /// Most rounds per run (default 200; 50 with --quick).
@@ -348,6 +361,12 @@ pub struct WanExperimentArgs {
     /// Senders' line rate (default: each host link's rate).
     #[arg(long, value_parser = |s: &str| parse_rate(s).map(|r| r.bps()))]
     pub rate: Option<u64>,
+    /// Sender rate control of every node: grant, ecn or fig7 (see `gradwire wan node`).
+    #[arg(long, default_value = "grant", value_parser = parse_rate_mode)]
+    pub rate_mode: RateMode,
+    /// The senders' rate-control period, microseconds.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(50..=1_000_000))]
+    pub period_us: u64,
     #[command(flatten)]
     pub netstorm: NetStormArgs,
     /// Print the report as JSON instead of a table.

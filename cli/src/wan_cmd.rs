@@ -88,6 +88,8 @@ pub fn node(a: &WanNodeArgs) -> Res {
         duration: a.duration.map(Duration::from_secs_f64),
         timeout: Duration::from_secs_f64(a.timeout),
         rate_bps: a.rate,
+        rate_mode: a.rate_mode,
+        period_ns: a.period_us * 1000,
         netstorm: netstorm_config(NetStormConfig::default(), &a.netstorm),
     };
     let (rank, most) = (a.rank, a.iterations);
@@ -182,6 +184,8 @@ pub fn experiment(a: &WanExperimentArgs) -> Res {
         .map(|n| n.parse::<Network>())
         .collect::<Result<_, _>>()?;
     cfg.rate_bps = a.rate;
+    cfg.rate_mode = a.rate_mode;
+    cfg.period_ns = a.period_us * 1000;
     cfg.netstorm = netstorm_config(cfg.netstorm, &a.netstorm);
     // Ctrl-C and SIGTERM end the run in order: stop the nodes, the fabric, the namespaces.
     let stop = Arc::new(AtomicBool::new(false));

@@ -59,6 +59,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use gradwire::flow::SenderConfig;
+use gradwire::rate::RateMode;
 use gradwire::transport::TransferConfig;
 use gradwire_collective::link::{Links, NetLinkConfig};
 use gradwire_collective::rendezvous::{self, RendezvousConfig};
@@ -92,8 +93,6 @@ pub const MAX_SCALE: f64 = 100.0;
 pub const ROUND_MARK: &str = ": round ";
 /// Lines of a node's stderr kept in the report.
 const STDERR_TAIL: usize = 20;
-/// Longest idle time of one transfer (no data or control progress at all).
-const MAX_IDLE: Duration = Duration::from_secs(10);
 
 // ---------------------------------------------------------------------------------------
 // The workload
@@ -578,6 +577,10 @@ pub struct NodeSpec {
     pub timeout: Duration,
     /// Line rate of this node's senders, bit/s.
     pub rate_bps: u64,
+    /// Their rate control.
+    pub rate_mode: RateMode,
+    /// Its period (the receivers' rate report interval), ns.
+    pub period_ns: u64,
     /// NetStorm's options (the strategy switches awareness and auxiliary paths).
     pub netstorm: NetStormConfig,
 }
@@ -720,6 +723,21 @@ pub enum NodeError {
         /// What the runtime said.
         error: WanError,
     },
+    /// The scheduler, served by another node, stopped answering: that node failed.
+    #[error(
+        "node {rank}, round {round}: the scheduler, served by node {host}, stopped answering \
+         (node {host} failed or stopped): {error}"
+    )]
+    SchedulerLost {
+        /// The node.
+        rank: usize,
+        /// The round.
+        round: u32,
+        /// The node serving the scheduler.
+        host: usize,
+        /// What the runtime said.
+        error: WanError,
+    },
     /// A wrong result.
     #[error(transparent)]
     Wrong(#[from] WrongElement),
@@ -805,14 +823,38 @@ pub fn run_node(
         job: spec.job,
         netstorm,
         transfer: TransferConfig {
-            sender: SenderConfig::new(spec.rate_bps),
-            idle_timeout: spec.timeout.min(MAX_IDLE),
+            sender: {
+                let mut s = SenderConfig::with_mode(spec.rate_mode, spec.rate_bps);
+                s.rate.period_ns = spec.period_ns;
+                s
+            },
+            // A flow that makes no progress for a whole round fails it; less would fail
+            // flows a congested WAN link starves for seconds (a star's incast).
+            idle_timeout: spec.timeout,
             ..TransferConfig::default()
         },
         dscp: gradwire_qos::priority_dscp(0),
         round_timeout: spec.timeout,
     };
-    let runtime = |round: u32| move |error: WanError| NodeError::Runtime { rank, round, error };
+    // The node that serves the scheduler, when it is the master's host (rank 0): a lost
+    // scheduler connection then means that node failed, and the error says so.
+    let scheduler_node = match spec.scheduler {
+        SchedulerRole::At(a) if a.ip() == spec.master.ip() => Some(0),
+        _ => None,
+    };
+    let runtime = |round: u32| {
+        move |error: WanError| match (error, scheduler_node) {
+            (error @ WanError::Scheduler { .. }, Some(host)) if rank != host => {
+                NodeError::SchedulerLost {
+                    rank,
+                    round,
+                    host,
+                    error,
+                }
+            }
+            (error, _) => NodeError::Runtime { rank, round, error },
+        }
+    };
     let mut node = Node::start(links, spec.scheduler.addr(), cfg).map_err(runtime(0))?;
     let w = &spec.workload;
     let mut starts = Vec::new();
@@ -983,6 +1025,11 @@ pub struct WanConfig {
     pub timeout: Duration,
     /// Senders' line rate, bit/s (`None`: the host link's rate).
     pub rate_bps: Option<u64>,
+    /// Senders' rate control.
+    pub rate_mode: RateMode,
+    /// Its period, ns (2 ms: the emulated links' round trips are milliseconds, not the
+    /// 200 us of gradwire's default for 100G).
+    pub period_ns: u64,
     /// Job id.
     pub job: u32,
     /// Set (Ctrl-C) to stop every node and tear down.
@@ -992,28 +1039,38 @@ pub struct WanConfig {
 }
 
 impl WanConfig {
-    /// Defaults with files under the repository root `root`: wan9, AlexNet at 3 % (1.83 M
-    /// elements), every strategy on both networks, at most 200 rounds over one period of the
-    /// schedule (80 s), chunks of 100 000 elements and probes above 200 kB (Table II's 1 M and
-    /// 2 MB divided by 10, as wan9's rates are the paper's divided by 10, so a chunk takes
-    /// as long on a link as in the paper), a 120 s timeout.
+    /// Defaults with files under the repository root `root`: wan9, AlexNet at 1 % (611 k
+    /// elements, 2.4 MB), every strategy on both networks, at most 200 rounds over one period
+    /// of the schedule (80 s; a round that starts within it is finished), chunks of 50 000
+    /// elements (13 per round) and probes above 100 kB, a 120 s timeout, grant rate control
+    /// with a 2 ms period.
+    ///
+    /// Why not the paper's sizes: wan9's rates are the paper's divided by 10, so AlexNet at
+    /// full size would take minutes per round. Why not smaller chunks: each chunk costs its
+    /// link about four round trips of handshakes (a meta flow and a data flow, each with
+    /// FlowStart/FlowAccept and FlowStop/FlowFinish), about 0.2 s on wan9's 30 ms links,
+    /// measured as the slope of the round time over the chunk count; 50 000 elements
+    /// (200 kB, 0.2 s at 8 Mbit/s) keep that cost at about half a chunk's transfer while
+    /// giving the nine roots a chunk each.
     pub fn new(root: &Path, exe: PathBuf) -> WanConfig {
         WanConfig {
             exe,
             topology: root.join(WAN9),
             model: root.join(ALEXNET),
-            scale: 0.03,
+            scale: 0.01,
             iterations: 200,
             duration: None,
             strategies: Strategy::ALL.to_vec(),
             networks: Network::ALL.to_vec(),
             netstorm: NetStormConfig {
-                chunk_size: 100_000,
-                probe_chunk_size: 200_000,
+                chunk_size: 50_000,
+                probe_chunk_size: 100_000,
                 ..NetStormConfig::default()
             },
             timeout: Duration::from_secs(120),
             rate_bps: None,
+            rate_mode: RateMode::Grant,
+            period_ns: 2_000_000,
             job: 15,
             stop: Arc::new(AtomicBool::new(false)),
             fault: None,
@@ -1179,6 +1236,10 @@ fn node_args(
         cfg.timeout.as_secs_f64().to_string(),
         "--rate".into(),
         format!("{rate}bit"),
+        "--rate-mode".into(),
+        cfg.rate_mode.name().into(),
+        "--period-us".into(),
+        (cfg.period_ns / 1000).to_string(),
         "--chunk-size".into(),
         ns.chunk_size.to_string(),
         "--probe-chunk-size".into(),
@@ -1520,6 +1581,12 @@ pub struct WanReport {
     pub duration_s: Option<f64>,
     /// NetStorm's options (before the strategy switches awareness and auxiliary paths).
     pub netstorm: NetStormConfig,
+    /// The senders' rate control: `grant`, `ecn` or `fig7`.
+    pub rate_mode: String,
+    /// The rate-control period, ns.
+    pub period_ns: u64,
+    /// Each node's timeout, seconds.
+    pub timeout_s: f64,
     /// Every run.
     pub results: Vec<WanResult>,
     /// The issue's targets.
@@ -1766,6 +1833,9 @@ pub fn run_wan(cfg: &WanConfig) -> Result<WanReport, ExperimentError> {
         iterations: cfg.iterations,
         duration_s: duration.map(|d| d.as_secs_f64()),
         netstorm: cfg.netstorm.clone(),
+        rate_mode: cfg.rate_mode.name().to_owned(),
+        period_ns: cfg.period_ns,
+        timeout_s: cfg.timeout.as_secs_f64(),
         results,
         targets,
     })
@@ -1955,5 +2025,116 @@ delay = "1ms"
         };
         assert!(p.uses_link(1, 0) && p.uses_link(0, 1) && p.uses_link(2, 1));
         assert!(!p.uses_link(0, 2));
+    }
+
+    /// A run of `world` nodes whose round `k` took `ms[k]` at node 0 and `ms[k] + 10 x rank`
+    /// elsewhere, rounds starting every second from 2 s after the fabric.
+    fn outcome(world: usize, ms: &[f64], valid: bool) -> RunOutcome {
+        let nodes = (0..world)
+            .map(|rank| NodeRun {
+                rank,
+                output: Some(NodeOutput {
+                    rank,
+                    world,
+                    strategy: "x".into(),
+                    model: "m".into(),
+                    scale: 1.0,
+                    elements: 10,
+                    rounds: ms.len() as u32,
+                    sync_ms: ms.iter().map(|m| m + 10.0 * rank as f64).collect(),
+                    round_start_unix_ms: (0..ms.len())
+                        .map(|k| 1_000_000.0 + 2_000.0 + 1_000.0 * k as f64)
+                        .collect(),
+                    versions: vec![1, 2],
+                    relayed: 1,
+                    sent_aux: 2,
+                    link_reports: 3,
+                    verified: true,
+                    scheduler: (rank == 0).then(|| SchedulerSummary {
+                        policies: vec![],
+                        link_reports: 0,
+                        requests: 0,
+                    }),
+                }),
+                error: None,
+                ended_s: 5.0,
+                stderr_tail: vec![],
+            })
+            .collect();
+        RunOutcome {
+            nodes,
+            fabric: FabricHealth {
+                valid,
+                lag_p99_us: 1.0,
+                late: 0,
+                departures: 1,
+            },
+            nodes_started_s: 0.1,
+            fabric_start_unix_ms: 1_000_000.0,
+            error: None,
+        }
+    }
+
+    #[test]
+    fn a_run_is_summarized_by_its_slowest_node_per_round() {
+        let r = summarize(
+            Strategy::Fapt,
+            Network::Dynamic,
+            outcome(3, &[100.0, 300.0], true),
+        );
+        assert_eq!(r.sync_ms, vec![120.0, 320.0]);
+        assert_eq!(r.sync_ms_mean, 220.0);
+        assert_eq!(r.round_start_s, vec![2.0, 3.0]);
+        assert_eq!(r.round_ms_mean, 1000.0);
+        assert_eq!((r.aux_chunks, r.relayed, r.link_reports), (6, 3, 9));
+        assert_eq!(r.versions_used, vec![1, 2]);
+        assert!(r.valid && r.verified && r.error.is_none());
+        // A failed node: no figure, and the earliest failure is the run's error.
+        let mut o = outcome(3, &[100.0], true);
+        o.nodes[2].output = None;
+        o.nodes[2].error = Some("node 2: died".into());
+        o.nodes[2].ended_s = 1.0;
+        o.nodes[1].output = None;
+        o.nodes[1].error = Some("link with node 2 closed".into());
+        o.nodes[1].ended_s = 2.0;
+        let r = summarize(Strategy::Fapt, Network::Dynamic, o);
+        assert!(r.sync_ms_mean.is_nan() && !r.valid);
+        assert_eq!(r.error.as_deref(), Some("node 2: died"));
+        // The fabric fell behind: verified, not valid.
+        let r = summarize(Strategy::Fapt, Network::Static, outcome(2, &[5.0], false));
+        assert!(r.verified && !r.valid);
+    }
+
+    #[test]
+    fn speedups_and_targets() {
+        let run = |s: Strategy, n: Network, ms: f64| summarize(s, n, outcome(2, &[ms], true));
+        let mut results = vec![
+            run(Strategy::Star, Network::Dynamic, 1000.0),
+            run(Strategy::Bkt, Network::Dynamic, 500.0),
+            run(Strategy::Mst, Network::Dynamic, 400.0),
+            run(Strategy::Fapt, Network::Dynamic, 300.0),
+            run(Strategy::MrFapt, Network::Dynamic, 250.0),
+            run(Strategy::MrFaptAware, Network::Dynamic, 200.0),
+            run(Strategy::MrFaptAwareAux, Network::Dynamic, 150.0),
+            run(Strategy::Star, Network::Static, 800.0),
+            run(Strategy::Fapt, Network::Static, 500.0),
+            run(Strategy::Bkt, Network::Static, 400.0),
+            run(Strategy::Mst, Network::Static, 600.0),
+        ];
+        speedups(&mut results);
+        // The slowest node of each one-round run is rank 1 (+10 ms).
+        let pro = &results[6];
+        assert!((pro.speedup_vs_star - 1010.0 / 160.0).abs() < 1e-9);
+        let t = targets(&results);
+        assert_eq!(t.netstorm_5x_star_dynamic.met, Some(true));
+        assert_eq!(t.each_mechanism_helps.met, Some(true));
+        // Static: the chain is not complete.
+        assert_eq!(t.each_mechanism_helps_static.met, None);
+        // Static: FAPT is slower than BKT.
+        assert_eq!(t.fapt_beats_bkt_and_mst.met, Some(false));
+        assert!(t.all_runs_valid);
+        // A mechanism that does not help.
+        results[5].sync_ms_mean = 100.0;
+        assert_eq!(targets(&results).each_mechanism_helps.met, Some(false));
     }
 }
