@@ -3,12 +3,14 @@
 //! - every strategy gives every node the same, exact average (each node checks every
 //!   element of every round);
 //! - a site that stops answering (its process killed mid-run) makes every other node fail
-//!   with an error naming it, within the timeout;
+//!   within the timeout with an error naming it, or naming the node whose failure it caused
+//!   (whose own error names it);
 //! - a link whose rate drops is avoided by the trees of a later refresh (awareness on);
 //! - policies that change between rounds (UPDATE_TIME 0.2 s) lose nothing and do not
 //!   deadlock: every round of every node verified.
 //!
-//! Invariants only, never timings. The tests run the `gradwire` executable of this build
+//! Invariants only, never timings; the tests run one at a time (each runs a fabric and four
+//! processes). The tests run the `gradwire` executable of this build
 //! (`cargo build -p gradwire-cli` first, a no-op when `cargo test --workspace` built it), or
 //! `GRADWIRE_BIN`. Everything runs in namespaces the driver creates and removes, bounded by
 //! the nodes' timeouts and the driver's deadline.
@@ -17,7 +19,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use gradwire_experiment::wan::{
@@ -26,6 +28,19 @@ use gradwire_experiment::wan::{
 use gradwire_fabric::topology::Topology;
 use gradwire_netns::require_root;
 use gradwire_wan::scheduler::Strategy;
+
+/// One run at a time: each test runs a fabric and four node processes, and two at once on
+/// a 2-core machine push the fabric behind its clock and stretch rounds past what the
+/// timing-dependent tests allow.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    // A test that failed while holding the lock leaves nothing behind (its driver tore
+    // down): the next one may run.
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -140,6 +155,7 @@ fn every_strategy_gives_every_node_the_exact_average() {
     if !require_root("every_strategy_gives_every_node_the_exact_average") {
         return;
     }
+    let _serial = serial();
     let model = TinyModel::new("all", &[30_000, 20_000, 10_007]);
     let cfg = config(&model);
     for s in Strategy::ALL {
@@ -151,11 +167,11 @@ fn every_strategy_gives_every_node_the_exact_average() {
 }
 
 #[test]
-#[ignore = "fails (issue #15, open): when rank 0 (which hosts the scheduler) fails first, the others report the scheduler's closed connection instead of the dead site"]
 fn a_site_that_stops_answering_fails_the_others_naming_it() {
     if !require_root("a_site_that_stops_answering_fails_the_others_naming_it") {
         return;
     }
+    let _serial = serial();
     let model = TinyModel::new("dead", &[30_000, 20_000]);
     let mut cfg = config(&model);
     cfg.iterations = 100_000;
@@ -168,23 +184,12 @@ fn a_site_that_stops_answering_fails_the_others_naming_it() {
     let r = run(&cfg, Network::Static, Strategy::MrFaptAwareAux);
     let dead = &r.nodes[2];
     assert!(dead.output.is_none(), "node 2 was not killed: {dead:?}");
-    let mut survivors: Vec<_> = r.nodes.iter().filter(|n| n.rank != 2).collect();
-    survivors.sort_by(|a, b| a.ended_s.total_cmp(&b.ended_s));
-    let names =
-        |e: &str, n: usize| e.contains(&format!("node {n}")) || e.contains(&format!("[{n}"));
-    let mut failed_before = vec![2];
-    for n in survivors {
+    let survivors: Vec<_> = r.nodes.iter().filter(|n| n.rank != 2).collect();
+    for n in &survivors {
         let e = n
             .error
             .as_deref()
             .unwrap_or_else(|| panic!("node {} did not fail although node 2 died: {n:?}", n.rank));
-        // Node 2, or a node that failed before this one (its links closed as it exited):
-        // the cause is always traceable.
-        assert!(
-            failed_before.iter().any(|&k| names(e, k)),
-            "node {}'s error names none of nodes {failed_before:?} (node 2 died first): {e}",
-            n.rank
-        );
         // Within the timeout of the death (and some slack for the process to end).
         assert!(
             n.ended_s <= dead.ended_s + cfg.timeout.as_secs_f64() + 5.0,
@@ -193,7 +198,36 @@ fn a_site_that_stops_answering_fails_the_others_naming_it() {
             n.ended_s - dead.ended_s,
             cfg.timeout
         );
-        failed_before.push(n.rank);
+    }
+    let errors: Vec<(usize, String)> = survivors
+        .iter()
+        .map(|n| (n.rank, n.error.clone().unwrap_or_default()))
+        .collect();
+    assert_traceable(&errors, 2);
+}
+
+/// Every error names `dead`, or a node whose error does (a node that failed because a
+/// neighbour failed before it names that neighbour): the cause is always traceable.
+fn assert_traceable(errors: &[(usize, String)], dead: usize) {
+    let names =
+        |e: &str, n: usize| e.contains(&format!("node {n}")) || e.contains(&format!("[{n}"));
+    let mut traced = vec![dead];
+    loop {
+        let more: Vec<usize> = errors
+            .iter()
+            .filter(|(r, e)| !traced.contains(r) && traced.iter().any(|&k| names(e, k)))
+            .map(|(r, _)| *r)
+            .collect();
+        if more.is_empty() {
+            break;
+        }
+        traced.extend(more);
+    }
+    for (r, e) in errors {
+        assert!(
+            traced.contains(r),
+            "node {r}'s error leads to node {dead} through no chain of errors: {e} (all: {errors:?})"
+        );
     }
 }
 
@@ -202,11 +236,11 @@ fn a_site_that_stops_answering_fails_the_others_naming_it() {
 const DROP_S: f64 = 10.0;
 
 #[test]
-#[ignore = "fails (issue #15, open): on wan4 the refreshed policy still used the s0-s1 link 6.8 s after its drop; the passive measurement does not yet show the drop in time"]
 fn a_link_whose_rate_drops_is_avoided_at_the_next_refresh() {
     if !require_root("a_link_whose_rate_drops_is_avoided_at_the_next_refresh") {
         return;
     }
+    let _serial = serial();
     let model = TinyModel::new("drop", &[120_000, 80_000]);
     let mut cfg = config(&model);
     cfg.iterations = 100_000;
@@ -244,15 +278,15 @@ fn a_link_whose_rate_drops_is_avoided_at_the_next_refresh() {
 }
 
 #[test]
-#[ignore = "fails (issue #15, open): mr-fapt+aware+aux stalled in round 5 with 5 chunks missing on wan4 (the in-process runtime test of a switch passes; the namespace run does not yet)"]
 fn policy_switches_between_rounds_lose_nothing_and_do_not_deadlock() {
     if !require_root("policy_switches_between_rounds_lose_nothing_and_do_not_deadlock") {
         return;
     }
+    let _serial = serial();
     let model = TinyModel::new("switch", &[120_000, 80_000]);
     let mut cfg = config(&model);
     cfg.iterations = 100_000;
-    cfg.duration = Some(Duration::from_secs(16));
+    cfg.duration = Some(Duration::from_secs(24));
     cfg.netstorm.chunk_size = 25_000;
     cfg.netstorm.probe_chunk_size = 50_000;
     cfg.netstorm.probe_chunk_num = 2;
