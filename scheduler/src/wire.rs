@@ -42,13 +42,13 @@
 //!
 //! # Where the chunk header goes
 //!
-//! A [`ChunkHeader`] frame is **prepended to the chunk's payload** in the message that carries
-//! the chunk: `frame(ChunkHeader) ++ payload bytes`, one message per chunk on the data flow
-//! between the two nodes ([`ChunkHeader::split`] separates them). Metadata and data then
-//! arrive together, so a receiver never has to match a control message with a flow, and a
-//! node forwarding an auxiliary chunk re-emits the header with the next `hop` (a few dozen
-//! bytes) ahead of the same payload. The frame's own length field makes the header
-//! self-delimiting although the path varies in length.
+//! The runtime (`gradwire-wan`'s chunk channels) sends each chunk as two flows on the link
+//! between the two nodes: a small reliable *meta* flow whose caller metadata is the
+//! [`ChunkHeader`] frame, then the data flow with the values. A node forwarding an
+//! auxiliary chunk re-emits the header with the next `hop` (a few dozen bytes) ahead of the
+//! same values. The frame's own length field makes the header self-delimiting although the
+//! path varies in length, so a transport that carries metadata and data in one message can
+//! prepend the frame to the payload instead ([`ChunkHeader::split`] separates them).
 //!
 //! # Auxiliary chunks (§VII-B)
 //!
