@@ -335,26 +335,52 @@ fn serve(
     Ok(st.report.clone())
 }
 
-/// One node's connection: answer its requests, collect its reports, until it closes.
+/// How long a connection waits for the rest of a frame once its first byte has come.
+const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often an idle connection looks at the stop flag.
+const IDLE_POLL: Duration = Duration::from_millis(200);
+
+/// Wait up to [`IDLE_POLL`] for a frame to start, then read all of it within
+/// [`FRAME_TIMEOUT`]: `Ok(None)` when none started. A frame is never read in part and then
+/// abandoned, which would leave the stream in the middle of a frame.
+fn next_frame(s: &mut TcpStream) -> std::io::Result<Option<Message>> {
+    s.set_read_timeout(Some(IDLE_POLL))?;
+    match s.peek(&mut [0u8; 1]) {
+        Ok(0) => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "closed",
+            ))
+        }
+        Ok(_) => {}
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            return Ok(None)
+        }
+        Err(e) => return Err(e),
+    }
+    s.set_read_timeout(Some(FRAME_TIMEOUT))?;
+    read_frame(s).map(Some)
+}
+
+/// One node's connection: answer its requests, collect its reports, until it closes. The
+/// connection speaks for the node named by its first message and for no other: a message
+/// for another node (a report of a link into another node, another node's request) drops
+/// it, so one connection cannot steer the policy for the whole job.
 fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool) {
-    if s.set_nonblocking(false).is_err()
-        || s.set_read_timeout(Some(Duration::from_millis(200)))
-            .is_err()
-    {
+    if s.set_nonblocking(false).is_err() {
         return;
     }
     let _ = s.set_nodelay(true);
+    let mut node: Option<u16> = None;
     while !stop.load(Ordering::Acquire) {
-        let msg = match read_frame(&mut s) {
-            Ok(m) => m,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                continue
-            }
+        let msg = match next_frame(&mut s) {
+            Ok(Some(m)) => m,
+            Ok(None) => continue,
             Err(e) => {
                 if e.kind() == std::io::ErrorKind::InvalidData {
                     log::warn!("scheduler: dropped a connection that sent an invalid frame: {e}");
@@ -362,6 +388,26 @@ fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool) {
                 return;
             }
         };
+        let claims = match &msg {
+            // A node measures the links into itself.
+            Message::LinkReport(r) => r.to,
+            Message::TopologyRequest(r) => r.node,
+            // Only the scheduler sends these; a node that does is broken.
+            Message::PolicyUpdate(_) | Message::PolicyConfirm(_) | Message::Chunk(_) => {
+                log::warn!(
+                    "scheduler: dropped a connection that sent a {:?}",
+                    msg.kind()
+                );
+                return;
+            }
+        };
+        match node {
+            Some(n) if n != claims => {
+                log::warn!("scheduler: dropped node {n}'s connection: it spoke for node {claims}");
+                return;
+            }
+            _ => node = Some(claims),
+        }
         let Ok(mut st) = state.lock() else { return };
         let reply = match msg {
             Message::LinkReport(r) => {
@@ -379,7 +425,6 @@ fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool) {
                     return;
                 }
             },
-            // Only the scheduler sends these; a node that does is broken.
             Message::PolicyUpdate(_) | Message::PolicyConfirm(_) | Message::Chunk(_) => return,
         };
         drop(st);
