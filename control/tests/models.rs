@@ -21,6 +21,8 @@ fn totals_match_the_published_counts() {
         ("resnet50.toml", 54, 25_557_032u64),
         ("vgg16.toml", 16, 138_357_544),
         ("bert-base.toml", 14, 109_482_240),
+        // The WAN experiment's default (`gradwire experiment wan`).
+        ("alexnet.toml", 8, 61_100_840),
     ] {
         let m = load_model(&model(file)).unwrap();
         assert_eq!(m.layers.len(), layers, "{file}");
