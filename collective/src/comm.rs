@@ -1214,6 +1214,7 @@ impl Xfer {
             round: Some(self.round),
             loss_bound: Some(self.bound),
             fill: MissingFill::Zero,
+            max_bytes: None,
         }
     }
 

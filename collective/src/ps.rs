@@ -756,6 +756,7 @@ fn recv_flow(
         round: Some(round),
         loss_bound: Some(bound),
         fill: MissingFill::Zero,
+        max_bytes: None,
     };
     let peer = il.peer();
     Ok(il

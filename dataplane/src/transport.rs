@@ -207,10 +207,16 @@ pub struct RecvOptions {
     pub loss_bound: Option<LossBound>,
     /// What happens to segments never received.
     pub fill: MissingFill,
+    /// `None`: the flow must be the size of the receiver's tensor. `Some(max)`: the sender
+    /// sizes the flow, up to `max` bytes of the tensor's dtype, and the tensor is replaced by
+    /// a zeroed one of the announced size (so a sequence of differently sized messages needs
+    /// no separate flow to announce each size); a larger flow is rejected before anything is
+    /// allocated.
+    pub max_bytes: Option<u64>,
 }
 
 impl RecvOptions {
-    /// Any round, the sender's bound, zero-fill.
+    /// Any round, the sender's bound, zero-fill, the tensor's size.
     pub fn new(job: u32, tensor: u32) -> RecvOptions {
         RecvOptions {
             job,
@@ -218,6 +224,7 @@ impl RecvOptions {
             round: None,
             loss_bound: None,
             fill: MissingFill::Zero,
+            max_bytes: None,
         }
     }
 }
@@ -641,7 +648,7 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
     } else {
         0
     };
-    let spec = RecvSpec {
+    let mut spec = RecvSpec {
         job: opts.job,
         tensor: opts.tensor,
         round: opts.round,
@@ -703,6 +710,20 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
             });
         }
     };
+    // A sender-sized flow: within the caller's bound, the tensor takes the announced size
+    // (whole elements of its dtype); anything else keeps the tensor, and `accept` rejects
+    // the size mismatch with the usual reason.
+    if let Some(max) = opts.max_bytes {
+        if start.size_bytes <= max && start.size_bytes != spec.size_bytes {
+            if let Some(t) = usize::try_from(start.size_bytes)
+                .ok()
+                .and_then(|n| Tensor::zeros_bytes(tensor.dtype(), n))
+            {
+                *tensor = t;
+                spec.size_bytes = start.size_bytes;
+            }
+        }
+    }
     let control_peer = ctrl
         .peer_ip()
         .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));

@@ -724,3 +724,54 @@ fn late_packets_of_the_previous_flow_are_dropped_as_stale() {
         "flow N+1's tensor is exactly its sender's"
     );
 }
+
+/// A receiver that lets the sender size the flow (`max_bytes`) gets a tensor of the
+/// announced size with the sender's bytes; a flow above its bound is rejected before
+/// anything is allocated, and the receiver keeps its tensor.
+#[test]
+fn a_sender_sized_flow_is_accepted_up_to_the_bound() {
+    let (a, b) = addrs();
+    let (mut tx, mut rx) = Loopback::pair(a, b, 1472, 1 << 16);
+    let (mut ca, mut cb) = MemCtrl::pair();
+    let cfg = TransferConfig {
+        idle_timeout: Duration::from_secs(5),
+        ..TransferConfig::default()
+    };
+    let prio = fixed_priority(Tag {
+        dscp: 10,
+        ect: true,
+    });
+    let ropts = RecvOptions {
+        loss_bound: Some(LossBound::RELIABLE),
+        max_bytes: Some(8192),
+        ..RecvOptions::new(4, 9)
+    };
+    let sopts = SendOptions {
+        loss_bound: Some(LossBound::RELIABLE),
+        ..SendOptions::new(4, 9)
+    };
+    for bytes in [3000usize, 8192, 1] {
+        let mut sent = Tensor::zeros(DType::Raw, bytes);
+        sent.fill_pattern(bytes as u64);
+        let mut got = Tensor::zeros(DType::Raw, 0);
+        std::thread::scope(|s| {
+            let (tx, ca, c, sent, prio, sopts) =
+                (&mut tx, &mut ca, cfg.clone(), &sent, &prio, &sopts);
+            let h = s.spawn(move || send_tensor(tx, ca, b.ip(), sent, sopts, prio, &c));
+            recv_tensor(&mut rx, &mut cb, &mut got, &ropts, &cfg).unwrap();
+            h.join().unwrap().unwrap();
+        });
+        assert_eq!(got.len_bytes(), bytes);
+        assert!(got.as_bytes() == sent.as_bytes(), "{bytes} bytes differ");
+    }
+    // Above the bound: rejected on both sides, the receiver's tensor untouched.
+    let sent = Tensor::zeros(DType::Raw, 8193);
+    let mut got = Tensor::zeros(DType::Raw, 16);
+    std::thread::scope(|s| {
+        let (tx, ca, c, sent, prio, sopts) = (&mut tx, &mut ca, cfg.clone(), &sent, &prio, &sopts);
+        let h = s.spawn(move || send_tensor(tx, ca, b.ip(), sent, sopts, prio, &c));
+        assert!(recv_tensor(&mut rx, &mut cb, &mut got, &ropts, &cfg).is_err());
+        assert!(h.join().unwrap().is_err());
+    });
+    assert_eq!(got.len_bytes(), 16);
+}
