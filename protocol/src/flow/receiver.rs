@@ -243,6 +243,9 @@ pub struct ReceiverStats {
     pub ecn: [QueueEcn; ECN_QUEUES],
     /// Retransmission requests held back after a pass that delivered nothing new.
     pub backoffs: u32,
+    /// Retransmission requests held back because the pass's data was still arriving when
+    /// its FlowStop came (a queue draining on a long path): sent once arrivals paused.
+    pub drain_holds: u32,
 }
 
 /// One tensor being received.
@@ -278,10 +281,16 @@ pub struct ReceiverFlow {
     no_progress_ns: u64,
     /// Longest wait before asking again after futile passes.
     max_backoff_ns: u64,
-    /// A retransmission request held back after a futile pass, and when it is due.
-    delayed_request: Option<(u64, CtrlMsg)>,
+    /// A retransmission request held back: after a futile pass, or while the pass's data
+    /// still arrives. Its ranges are computed when it is sent.
+    held_request: Option<HeldRequest>,
     /// When a new segment was last placed (or the flow accepted).
     last_new_ns: u64,
+    /// Smoothed gap between new segments of the same pass (1/8 gain), 0 before two have
+    /// arrived; the wait for a retransmission between passes is not an arrival gap.
+    gap_ns: u64,
+    /// When the current pass's last new segment arrived (`None` right after a request).
+    pass_arrival_ns: Option<u64>,
     /// The grant the driver last set, and the one last sent to the sender.
     grant_bps: Option<u64>,
     sent_grant_bps: Option<u64>,
@@ -296,6 +305,22 @@ pub const DEFAULT_NO_PROGRESS_NS: u64 = 10_000_000_000;
 
 /// Default for [`ReceiverFlow::set_max_backoff`]: at most 100 ms between futile passes.
 pub const DEFAULT_MAX_BACKOFF_NS: u64 = 100_000_000;
+
+/// A retransmission request waiting to be sent.
+#[derive(Debug, Clone, Copy)]
+struct HeldRequest {
+    /// The pass it answers.
+    pass: u32,
+    /// Sent at this time (a backoff), or `None`: once no new segment arrived for
+    /// [`ReceiverFlow::quiet_ns`] (a draining queue).
+    due_ns: Option<u64>,
+}
+
+/// A drain hold ends after this many smoothed arrival gaps without a new segment. Relative
+/// to the flow's own arrival spacing: on a datacenter path (gaps of a microsecond, FlowStop
+/// right behind the last packet) a request goes out at once as before; behind a WAN queue
+/// draining at a few Mbit/s it waits until the queue is empty.
+pub const QUIET_GAPS: u64 = 4;
 
 /// A grant that moved by less than this fraction (1/16) is not sent again.
 const GRANT_RESEND_SHIFT: u32 = 4;
@@ -433,7 +458,9 @@ impl ReceiverFlow {
             futile_passes: 0,
             no_progress_ns: DEFAULT_NO_PROGRESS_NS,
             max_backoff_ns: DEFAULT_MAX_BACKOFF_NS,
-            delayed_request: None,
+            held_request: None,
+            gap_ns: 0,
+            pass_arrival_ns: None,
             last_new_ns: now_ns,
             grant_bps: None,
             sent_grant_bps: None,
@@ -664,6 +691,15 @@ impl ReceiverFlow {
             return Ok(false);
         }
         dst.copy_from_slice(payload);
+        if let Some(prev) = self.pass_arrival_ns {
+            let gap = now_ns.saturating_sub(prev);
+            self.gap_ns = if self.gap_ns == 0 {
+                gap
+            } else {
+                (self.gap_ns * 7 + gap) / 8
+            };
+        }
+        self.pass_arrival_ns = Some(now_ns);
         self.last_new_ns = now_ns;
         self.stats.placed += 1;
         self.stats.bytes += payload.len() as u64;
@@ -684,17 +720,14 @@ impl ReceiverFlow {
                     return Some(CtrlMsg::RateGrant { rate_bps: g });
                 }
             }
-            if self
-                .delayed_request
-                .as_ref()
-                .is_some_and(|(due, _)| now_ns >= *due)
-            {
-                let request = self.delayed_request.take().map(|(_, m)| m);
-                if let Some(CtrlMsg::RetransmitRequest { pass, .. }) = &request {
-                    // Sent now: the sender's next pass is current from here on.
-                    self.current_pass = pass.wrapping_add(1);
+            if let Some(h) = self.held_request {
+                let due = h
+                    .due_ns
+                    .unwrap_or_else(|| self.last_new_ns.saturating_add(self.quiet_ns()));
+                if now_ns >= due {
+                    self.held_request = None;
+                    return Some(self.retransmit_request(h.pass));
                 }
-                return request;
             }
         }
         if self.finish_pending {
@@ -732,6 +765,25 @@ impl ReceiverFlow {
         report
     }
 
+    /// How long arrivals must pause before a request goes out: [`QUIET_GAPS`] smoothed gaps
+    /// between new segments, at most the longest backoff.
+    fn quiet_ns(&self) -> u64 {
+        self.gap_ns
+            .saturating_mul(QUIET_GAPS)
+            .min(self.max_backoff_ns)
+    }
+
+    /// The request for what is missing now; the sender's next pass is current from here on
+    /// (late packets of `pass` counted until this moment).
+    fn retransmit_request(&mut self, pass: u32) -> CtrlMsg {
+        let ranges = self.bitmap.missing_ranges(MAX_RANGES);
+        self.stats.retransmit_requests += 1;
+        self.stats.segments_requested += ranges.iter().map(|r| u64::from(r.len)).sum::<u64>();
+        self.current_pass = pass.wrapping_add(1);
+        self.pass_arrival_ns = None;
+        CtrlMsg::RetransmitRequest { pass, ranges }
+    }
+
     fn ecn_report(&mut self) -> CtrlMsg {
         self.ecn_dirty = false;
         CtrlMsg::EcnReport {
@@ -762,23 +814,25 @@ impl ReceiverFlow {
                             idle_ms: now_ns.saturating_sub(self.last_new_ns) / 1_000_000,
                         });
                     }
-                    let ranges = self.bitmap.missing_ranges(MAX_RANGES);
-                    self.stats.retransmit_requests += 1;
-                    self.stats.segments_requested +=
-                        ranges.iter().map(|r| u64::from(r.len)).sum::<u64>();
-                    let request = CtrlMsg::RetransmitRequest { pass, ranges };
                     if self.futile_passes == 0 {
-                        // Answered now: data of the pass it asks for is current from here
-                        // on (a held-back request moves the pass when `poll` sends it, so
-                        // late packets of this pass still count while it waits).
-                        self.current_pass = pass.wrapping_add(1);
-                        return Ok(Some(request));
+                        if now_ns.saturating_sub(self.last_new_ns) >= self.quiet_ns() {
+                            return Ok(Some(self.retransmit_request(pass)));
+                        }
+                        // The pass's data still arrives: FlowStop overtook a queue that is
+                        // draining (a long, deep-buffered path). Asking now would resend
+                        // everything still queued; ask once arrivals pause.
+                        self.stats.drain_holds += 1;
+                        self.held_request = Some(HeldRequest { pass, due_ns: None });
+                        return Ok(None);
                     }
                     // Nothing new got through: let the queue drain before asking again.
                     self.stats.backoffs += 1;
                     let wait =
                         (1_000_000u64 << (self.futile_passes - 1).min(20)).min(self.max_backoff_ns);
-                    self.delayed_request = Some((now_ns.saturating_add(wait), request));
+                    self.held_request = Some(HeldRequest {
+                        pass,
+                        due_ns: Some(now_ns.saturating_add(wait)),
+                    });
                     Ok(None)
                 }
             },

@@ -132,6 +132,9 @@ impl Pair {
         }
         if let Some(stop) = self.s.poll_pass_end() {
             assert_eq!(self.s.phase(), SenderPhase::AwaitVerdict);
+            // FlowStop arrives 10 us after the pass's last packet (ten of its 1 us gaps): the
+            // arrivals have paused, so the receiver answers at once.
+            self.now += 10_000;
             if let Some(reply) = self.r.on_ctrl(stop, self.now).unwrap() {
                 to_sender.push(reply);
             }
@@ -1334,4 +1337,79 @@ fn a_held_back_request_keeps_its_pass_current_until_sent() {
         r.on_datagram(SENDER, &sealed[1], dst.as_bytes_mut(), 0, due),
         Err(DataReject::StalePass)
     );
+}
+
+/// FlowStop overtakes a queue that is still draining (a WAN path: the sender emitted the
+/// pass at line rate, the bottleneck delivers a segment per millisecond): the receiver holds
+/// its request while segments keep arriving, and then asks only for the one really lost,
+/// instead of every segment still queued.
+#[test]
+fn a_request_waits_for_a_draining_queue_and_asks_only_for_what_was_lost() {
+    let mut p = Pair::new(36_000, 0.0);
+    let mut queued = Vec::new();
+    while let Some((index, repr)) = p.s.next_segment() {
+        let (off, len) = (repr.offset as usize, repr.length as usize);
+        let mut buf = vec![0u8; header::HEADER_LEN + len];
+        let mut pkt = header::Packet::new_unchecked(&mut buf[..]);
+        repr.emit(&mut pkt).unwrap();
+        pkt.payload_mut()
+            .copy_from_slice(&p.src.as_bytes()[off..off + len]);
+        p.s.on_sent(1, len as u64, p.now);
+        if index != 50 {
+            queued.push(buf);
+        }
+    }
+    let stop = p.s.poll_pass_end().unwrap();
+    let mut deliver = |p: &mut Pair, buf: &[u8]| {
+        let pkt = header::Packet::new_checked(buf).unwrap();
+        let repr = header::Repr::parse(&pkt).unwrap();
+        assert_eq!(
+            p.r.on_data(&repr, pkt.payload(), p.dst.as_bytes_mut(), 0, p.now),
+            Ok(true)
+        );
+    };
+    let mut reqs = Vec::new();
+    let mut poll = |p: &mut Pair, reqs: &mut Vec<CtrlMsg>| {
+        while let Some(m) = p.r.poll(p.now) {
+            if matches!(m, CtrlMsg::RetransmitRequest { .. }) {
+                reqs.push(m);
+            }
+        }
+    };
+    // 20 segments, 1 ms apart; FlowStop 0.5 ms after the last.
+    for buf in &queued[..20] {
+        p.now += 1_000_000;
+        deliver(&mut p, buf);
+    }
+    p.now += 500_000;
+    assert_eq!(
+        p.r.on_ctrl(stop, p.now).unwrap(),
+        None,
+        "asked while the queue drained"
+    );
+    assert_eq!(p.r.stats().drain_holds, 1);
+    // The rest keeps coming: no request meanwhile.
+    for buf in &queued[20..] {
+        p.now += 1_000_000;
+        deliver(&mut p, buf);
+        poll(&mut p, &mut reqs);
+    }
+    assert!(
+        reqs.is_empty(),
+        "asked while segments still arrived: {reqs:?}"
+    );
+    // Arrivals pause for 3 gaps: still waiting; after 4, the request, for segment 50 only.
+    p.now += 3_000_000;
+    poll(&mut p, &mut reqs);
+    assert!(reqs.is_empty());
+    p.now += 1_100_000;
+    poll(&mut p, &mut reqs);
+    assert_eq!(
+        reqs,
+        vec![CtrlMsg::RetransmitRequest {
+            pass: 0,
+            ranges: vec![SegRange { start: 50, len: 1 }]
+        }]
+    );
+    assert_eq!(p.r.stats().segments_requested, 1);
 }
