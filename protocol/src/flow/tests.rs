@@ -1360,7 +1360,7 @@ fn a_request_waits_for_a_draining_queue_and_asks_only_for_what_was_lost() {
         }
     }
     let stop = p.s.poll_pass_end().unwrap();
-    let mut deliver = |p: &mut Pair, buf: &[u8]| {
+    let deliver = |p: &mut Pair, buf: &[u8]| {
         let pkt = header::Packet::new_checked(buf).unwrap();
         let repr = header::Repr::parse(&pkt).unwrap();
         assert_eq!(
@@ -1369,7 +1369,7 @@ fn a_request_waits_for_a_draining_queue_and_asks_only_for_what_was_lost() {
         );
     };
     let mut reqs = Vec::new();
-    let mut poll = |p: &mut Pair, reqs: &mut Vec<CtrlMsg>| {
+    let poll = |p: &mut Pair, reqs: &mut Vec<CtrlMsg>| {
         while let Some(m) = p.r.poll(p.now) {
             if matches!(m, CtrlMsg::RetransmitRequest { .. }) {
                 reqs.push(m);
