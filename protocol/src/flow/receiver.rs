@@ -696,7 +696,7 @@ impl ReceiverFlow {
             self.gap_ns = if self.gap_ns == 0 {
                 gap
             } else {
-                (self.gap_ns * 7 + gap) / 8
+                self.gap_ns.saturating_mul(7).saturating_add(gap) / 8
             };
         }
         self.pass_arrival_ns = Some(now_ns);
@@ -781,6 +781,9 @@ impl ReceiverFlow {
         self.stats.segments_requested += ranges.iter().map(|r| u64::from(r.len)).sum::<u64>();
         self.current_pass = pass.wrapping_add(1);
         self.pass_arrival_ns = None;
+        // Segments that arrived while the request was held belong to the pass it answers:
+        // the next pass is judged futile or not by what it brings itself.
+        self.placed_at_stop = self.stats.placed;
         CtrlMsg::RetransmitRequest { pass, ranges }
     }
 

@@ -1412,4 +1412,15 @@ fn a_request_waits_for_a_draining_queue_and_asks_only_for_what_was_lost() {
         }]
     );
     assert_eq!(p.r.stats().segments_requested, 1);
+    // The retransmission is lost too: that pass brought nothing, so the next request backs
+    // off (the segments that drained in during the hold count for pass 0, not for pass 1).
+    p.s.on_ctrl(reqs[0].clone(), p.now).unwrap();
+    let msgs = p.pass(|_| true);
+    assert!(
+        !msgs
+            .iter()
+            .any(|m| matches!(m, CtrlMsg::RetransmitRequest { .. })),
+        "a futile pass answered at once: {msgs:?}"
+    );
+    assert_eq!(p.r.stats().backoffs, 1);
 }
