@@ -209,9 +209,10 @@ pub struct RecvOptions {
     pub fill: MissingFill,
     /// `None`: the flow must be the size of the receiver's tensor. `Some(max)`: the sender
     /// sizes the flow, up to `max` bytes of the tensor's dtype, and the tensor is replaced by
-    /// a zeroed one of the announced size (so a sequence of differently sized messages needs
-    /// no separate flow to announce each size); a larger flow is rejected before anything is
-    /// allocated.
+    /// a zeroed one of the announced size once the flow is accepted (so a sequence of
+    /// differently sized messages needs no separate flow to announce each size). A larger
+    /// flow is rejected before anything is allocated, unless it is exactly the tensor's own
+    /// size.
     pub max_bytes: Option<u64>,
 }
 
@@ -710,17 +711,17 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
             });
         }
     };
-    // A sender-sized flow: within the caller's bound, the tensor takes the announced size
-    // (whole elements of its dtype); anything else keeps the tensor, and `accept` rejects
-    // the size mismatch with the usual reason.
+    // A sender-sized flow: within the caller's bound and in whole elements of its dtype,
+    // the flow is accepted at the announced size, and the tensor replaced only once
+    // `accept` has checked the flow's ids (a rejected FlowStart leaves the caller's tensor
+    // as it was). Anything else keeps the tensor's size, and `accept` rejects the mismatch.
+    let mut resize = None;
     if let Some(max) = opts.max_bytes {
-        if start.size_bytes <= max && start.size_bytes != spec.size_bytes {
-            if let Some(t) = usize::try_from(start.size_bytes)
-                .ok()
-                .and_then(|n| Tensor::zeros_bytes(tensor.dtype(), n))
-            {
-                *tensor = t;
+        let whole = start.size_bytes % tensor.dtype().elem_size() as u64 == 0;
+        if start.size_bytes <= max && whole && start.size_bytes != spec.size_bytes {
+            if let Ok(n) = usize::try_from(start.size_bytes) {
                 spec.size_bytes = start.size_bytes;
+                resize = Some(n);
             }
         }
     }
@@ -735,7 +736,19 @@ fn recv_tensor_inner<D: Datapath + ?Sized, C: CtrlChannel + ?Sized>(
         cfg.rate().period_ns,
         now(),
     ) {
-        Ok(ok) => ok,
+        Ok(ok) => {
+            if let Some(n) = resize {
+                *tensor =
+                    Tensor::zeros_bytes(tensor.dtype(), n).ok_or(TransferError::Protocol {
+                        flow: unknown,
+                        source: ProtoError::Unexpected {
+                            what: "a size that is not whole elements",
+                            state: "accepting",
+                        },
+                    })?;
+            }
+            ok
+        }
         Err(reject) => {
             ctrl.send(&reject)?;
             let flow = FlowId {
