@@ -8,6 +8,7 @@
 //! crate), so all nodes of a round run one policy; a new version takes effect from the next
 //! round that no node has started.
 
+use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,9 +18,9 @@ use std::time::{Duration, Instant};
 use gradwire_netstorm::config::NetStormConfig;
 use gradwire_netstorm::consistency::SchedulerState;
 use gradwire_netstorm::graph::Overlay;
-use gradwire_netstorm::wire::{Message, TopologyRequest};
+use gradwire_netstorm::wire::{frame_len, Kind, Message, TopologyRequest, HEADER_LEN};
 
-use crate::control::{read_frame, write_frame};
+use crate::control::write_frame;
 use crate::error::WanError;
 use crate::plan::{formulate, Planner};
 use crate::policy::parents;
@@ -335,15 +336,65 @@ fn serve(
     Ok(st.report.clone())
 }
 
-/// How long a connection waits for the rest of a frame once its first byte has come.
+/// How long a connection has for a whole frame once its first byte has come.
 const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often an idle connection looks at the stop flag.
+/// How often a connection looks at the stop flag, idle or mid-frame.
 const IDLE_POLL: Duration = Duration::from_millis(200);
 
-/// Wait up to [`IDLE_POLL`] for a frame to start, then read all of it within
-/// [`FRAME_TIMEOUT`]: `Ok(None)` when none started. A frame is never read in part and then
-/// abandoned, which would leave the stream in the middle of a frame.
-fn next_frame(s: &mut TcpStream) -> std::io::Result<Option<Message>> {
+/// Why a connection ends.
+fn ended(e: impl std::fmt::Display) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
+}
+
+/// Fill `buf` by `deadline`, looking at `stop` every [`IDLE_POLL`].
+fn read_by(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    stop: &AtomicBool,
+) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        if stop.load(Ordering::Acquire) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Interrupted,
+                "the scheduler is stopping",
+            ));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ended(format!(
+                "a frame not complete within {FRAME_TIMEOUT:?} ({got} of {} bytes)",
+                buf.len()
+            )));
+        }
+        s.set_read_timeout(Some(left.min(IDLE_POLL)))?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "closed",
+                ))
+            }
+            Ok(n) => got += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Wait up to [`IDLE_POLL`] for a frame to start (`Ok(None)`: none did), then read all of it
+/// within [`FRAME_TIMEOUT`], looking at `stop` meanwhile. A frame is never read in part and
+/// then abandoned, which would leave the stream in the middle of a frame; only the kinds a
+/// node sends are read past their header (the others would be up to a megabyte).
+fn next_frame(s: &mut TcpStream, stop: &AtomicBool) -> std::io::Result<Option<Message>> {
     s.set_read_timeout(Some(IDLE_POLL))?;
     match s.peek(&mut [0u8; 1]) {
         Ok(0) => {
@@ -363,8 +414,18 @@ fn next_frame(s: &mut TcpStream) -> std::io::Result<Option<Message>> {
         }
         Err(e) => return Err(e),
     }
-    s.set_read_timeout(Some(FRAME_TIMEOUT))?;
-    read_frame(s).map(Some)
+    let deadline = Instant::now() + FRAME_TIMEOUT;
+    let mut buf = vec![0u8; HEADER_LEN];
+    read_by(s, &mut buf, deadline, stop)?;
+    let (kind, total) = frame_len(&buf).map_err(ended)?;
+    if !matches!(kind, Kind::LinkReport | Kind::TopologyRequest) {
+        return Err(ended(format!(
+            "a {kind:?} frame, which only the scheduler sends"
+        )));
+    }
+    buf.resize(total, 0);
+    read_by(s, &mut buf[HEADER_LEN..], deadline, stop)?;
+    Message::parse(&buf).map(Some).map_err(ended)
 }
 
 /// One node's connection: answer its requests, collect its reports, until it closes. The
@@ -378,7 +439,7 @@ fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool) {
     let _ = s.set_nodelay(true);
     let mut node: Option<u16> = None;
     while !stop.load(Ordering::Acquire) {
-        let msg = match next_frame(&mut s) {
+        let msg = match next_frame(&mut s, stop) {
             Ok(Some(m)) => m,
             Ok(None) => continue,
             Err(e) => {

@@ -103,3 +103,33 @@ fn a_connection_that_speaks_for_another_node_is_dropped() {
     let r = s.stop().unwrap();
     assert_eq!(r.link_reports, 0, "a forged report reached the collector");
 }
+
+#[test]
+fn a_connection_stuck_in_a_frame_does_not_hold_up_the_scheduler_stopping() {
+    let s = scheduler();
+    let mut c = connect(&s);
+    // A request's header and half its body, then nothing.
+    let bytes = trp(0);
+    c.write_all(&bytes[..14]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = std::time::Instant::now();
+    s.stop().unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "stopping took {:?} behind a half-sent frame",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn a_frame_only_the_scheduler_sends_is_refused_at_its_header() {
+    let s = scheduler();
+    let mut c = connect(&s);
+    // A PolicyUpdate header announcing a large body: dropped without reading it.
+    let mut h = b"GWNS".to_vec();
+    h.extend_from_slice(&[1, 3]);
+    h.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    c.write_all(&h).unwrap();
+    assert!(closed(&mut c), "a PolicyUpdate from a node was read on");
+    s.stop().unwrap();
+}
