@@ -42,9 +42,10 @@ use gradwire_netstorm::awareness::ChunkSample;
 const HEAD: usize = 4 + 1 + 8 + 2;
 /// Largest caller metadata.
 pub const MAX_META: usize = 2048 - HEAD;
-/// Largest chunk's values: with the header, bounds what a peer's flow can make this end
-/// allocate.
-pub const MAX_CHUNK_BYTES: usize = 256 << 20;
+/// Largest chunk's values (16 M f32, 16 x NetStorm's default CHUNK_SIZE): with the header,
+/// bounds what a peer's flow can make this end allocate (the flow, then its values: twice
+/// this per receiving thread at most).
+pub const MAX_CHUNK_BYTES: usize = 64 << 20;
 
 /// The tensor id of every chunk flow (flows differ by their sequence number, the round).
 const CHUNK_TENSOR: u32 = 1;

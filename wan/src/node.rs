@@ -100,6 +100,15 @@ impl Node {
         cfg.netstorm
             .validate()
             .map_err(|e| WanError::Config(e.to_string()))?;
+        // f32 chunks: the channels carry at most MAX_CHUNK_BYTES of values per chunk.
+        if cfg.netstorm.chunk_size > channel::MAX_CHUNK_BYTES / 4 {
+            return Err(WanError::Config(format!(
+                "chunk_size {} elements is above the chunk channels' {} (f32): give a smaller \
+                 CHUNK_SIZE",
+                cfg.netstorm.chunk_size,
+                channel::MAX_CHUNK_BYTES / 4
+            )));
+        }
         let me = u16::try_from(cfg.rank)
             .map_err(|_| WanError::Config(format!("node {} is beyond 16-bit ids", cfg.rank)))?;
         let epoch = Instant::now();
