@@ -968,7 +968,6 @@ fn serve_scheduler(
         addr,
         error: format!("{e}; give a free port (--scheduler-port)"),
     })?;
-    let chunk_elems = netstorm.chunk_size.min(spec.workload.elems + 1);
     scheduler::spawn(
         listener,
         SchedulerConfig {
@@ -976,7 +975,9 @@ fn serve_scheduler(
             strategy: spec.strategy,
             netstorm: netstorm.clone(),
             overlay,
-            chunk_bytes: chunk_elems as u64 * 4,
+            // The whole model crosses every tree edge each round (aggregated on the way up,
+            // the total on the way down): the volume the transfer delays are costed with.
+            round_bytes: spec.workload.elems as u64 * 4,
         },
     )
     .map_err(|e| NodeError::SchedulerStart {

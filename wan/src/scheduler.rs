@@ -120,8 +120,10 @@ pub struct SchedulerConfig {
     pub netstorm: NetStormConfig,
     /// The overlay as first measured (link rates before any report).
     pub overlay: Overlay,
-    /// Bytes a tree edge carries per round (weights the transfer delays).
-    pub chunk_bytes: u64,
+    /// Bytes a tree edge carries per round: the model's (its values, in bytes). It weighs
+    /// each link's transfer delay, latency + bytes / throughput, as the paper's "transfer
+    /// delay of the full tensor" (§IV-B), so on slow links bandwidth, not latency, decides.
+    pub round_bytes: u64,
 }
 
 /// A policy the scheduler formulated.
@@ -175,7 +177,7 @@ impl State {
             &self.overlay,
             &mut self.planner,
             &self.cfg.netstorm,
-            self.cfg.chunk_bytes,
+            self.cfg.round_bytes,
         )?;
         self.last_refresh = Instant::now();
         if &next != self.consistency.policy() {
@@ -271,7 +273,7 @@ pub fn spawn(listener: TcpListener, cfg: SchedulerConfig) -> Result<SchedulerHan
         &overlay,
         &mut planner,
         &cfg.netstorm,
-        cfg.chunk_bytes,
+        cfg.round_bytes,
     )?;
     let started = Instant::now();
     let state = Arc::new(Mutex::new(State {

@@ -74,7 +74,7 @@ fn run(
             strategy,
             netstorm: ns.clone(),
             overlay: overlay(),
-            chunk_bytes: 700 * 4,
+            round_bytes: ELEMS as u64 * 4,
         },
     )
     .unwrap();

@@ -24,7 +24,7 @@ fn scheduler() -> SchedulerHandle {
             strategy: Strategy::MrFaptAware,
             netstorm: NetStormConfig::default(),
             overlay: o,
-            chunk_bytes: 4_000,
+            round_bytes: 4_000,
         },
     )
     .unwrap()
