@@ -92,6 +92,18 @@ impl Pair {
         }
     }
 
+    /// The datagram of segment `repr` with the source's bytes, counted as sent now.
+    fn emit_sent(&mut self, repr: &header::Repr) -> Vec<u8> {
+        let (off, len) = (repr.offset as usize, repr.length as usize);
+        let mut buf = vec![0u8; header::HEADER_LEN + len];
+        let mut pkt = header::Packet::new_unchecked(&mut buf[..]);
+        repr.emit(&mut pkt).unwrap();
+        pkt.payload_mut()
+            .copy_from_slice(&self.src.as_bytes()[off..off + len]);
+        self.s.on_sent(1, len as u64, self.now);
+        buf
+    }
+
     /// Send the rest of the current pass; segments for which `lose(index)` is true vanish.
     /// Stops early (like the driver) if the receiver finishes. Returns the receiver's
     /// messages in order.
@@ -99,13 +111,7 @@ impl Pair {
         let mut to_sender = Vec::new();
         while let Some((index, repr)) = self.s.next_segment() {
             self.now += 1000;
-            let (off, len) = (repr.offset as usize, repr.length as usize);
-            let mut buf = vec![0u8; header::HEADER_LEN + len];
-            let mut pkt = header::Packet::new_unchecked(&mut buf[..]);
-            repr.emit(&mut pkt).unwrap();
-            pkt.payload_mut()
-                .copy_from_slice(&self.src.as_bytes()[off..off + len]);
-            self.s.on_sent(1, len as u64, self.now);
+            let buf = self.emit_sent(&repr);
             if !lose(index) {
                 let pkt = header::Packet::new_checked(&buf[..]).unwrap();
                 let repr = header::Repr::parse(&pkt).unwrap();
@@ -1348,13 +1354,7 @@ fn a_request_waits_for_a_draining_queue_and_asks_only_for_what_was_lost() {
     let mut p = Pair::new(36_000, 0.0);
     let mut queued = Vec::new();
     while let Some((index, repr)) = p.s.next_segment() {
-        let (off, len) = (repr.offset as usize, repr.length as usize);
-        let mut buf = vec![0u8; header::HEADER_LEN + len];
-        let mut pkt = header::Packet::new_unchecked(&mut buf[..]);
-        repr.emit(&mut pkt).unwrap();
-        pkt.payload_mut()
-            .copy_from_slice(&p.src.as_bytes()[off..off + len]);
-        p.s.on_sent(1, len as u64, p.now);
+        let buf = p.emit_sent(&repr);
         if index != 50 {
             queued.push(buf);
         }
