@@ -455,14 +455,8 @@ fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool) {
             // A node measures the links into itself.
             Message::LinkReport(r) => r.to,
             Message::TopologyRequest(r) => r.node,
-            // Only the scheduler sends these; a node that does is broken.
-            Message::PolicyUpdate(_) | Message::PolicyConfirm(_) | Message::Chunk(_) => {
-                log::warn!(
-                    "scheduler: dropped a connection that sent a {:?}",
-                    msg.kind()
-                );
-                return;
-            }
+            // Only the scheduler sends these: `next_frame` refused them at their header.
+            Message::PolicyUpdate(_) | Message::PolicyConfirm(_) | Message::Chunk(_) => return,
         };
         match node {
             Some(n) if n != claims => {
