@@ -12,6 +12,7 @@
 //! | [`testbed`] | [`Testbed`]: N hosts on a veth pair or a bridge |
 //! | [`privilege`] | [`is_root`], [`require_root`] and partial skips, `GRADWIRE_REQUIRE_PRIV` |
 //! | [`connect`] | [`connect_retry`] |
+//! | [`exclusive`] | [`FabricLock`]: one fabric run at a time across tests and processes |
 //!
 //! # Names
 //!
@@ -63,6 +64,7 @@
 pub mod cmd;
 pub mod connect;
 mod error;
+pub mod exclusive;
 pub mod link;
 pub mod ns;
 pub mod privilege;
@@ -72,6 +74,7 @@ pub mod testbed;
 pub use cmd::{exec_in_netns, ip_batch, Cmd, COMMAND_TIMEOUT};
 pub use connect::connect_retry;
 pub use error::{NetnsError, Result};
+pub use exclusive::{FabricLock, FABRIC_LOCK_PATH};
 pub use link::{mac_string, IpBatch, Veth, VethEnd};
 pub use ns::{
     create_netns, delete_links, delete_netns, enter, namespaces_with_prefix, netns_path,
