@@ -286,6 +286,8 @@ fn testbed_life_cycle_with_tcp_through_the_fabric() {
     let dir = TempDir::new("gradwire-testbed-cli", "life");
     let name = unique_name('t');
     let file = dir.write("tb.toml", &topology(&name));
+    // The testbed's fabric is the only one running while this test does (across binaries).
+    let _fabric_lock = gradwire_netns::FabricLock::acquire().unwrap();
     let _down = Down(name.clone());
 
     let out = succeeds(&["testbed", "up", &file], Duration::from_secs(30));

@@ -310,6 +310,9 @@ fn dctcp_is_marked_where_cubic_is_dropped_at_a_shared_bottleneck() {
     let dctcp = Dctcp::register().unwrap();
     let qos = FabricQos::from_policy(&default_policy()).unwrap();
     let topo = Topology::from_toml(TOPO, qos).unwrap();
+    // One fabric at a time (across test binaries too): a second one on this machine's
+    // two cores makes both fall behind their clock.
+    let _fabric_lock = gradwire_netns::FabricLock::acquire().unwrap();
     let net = FabricNet::up(&topo).unwrap();
     let fabric = spawn(&topo, net.switch_namespaces(), FabricConfig::default()).unwrap();
     let rx = topo.hosts[2].ip;

@@ -175,6 +175,9 @@ fn leaf_spine_sprays_evenly_and_carries_tcp() {
     }
     let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testbeds/leaf-spine.toml");
     let topo = Topology::load(&file).unwrap();
+    // One fabric at a time (across test binaries too): a second one on this machine's
+    // two cores makes both fall behind their clock.
+    let _fabric_lock = gradwire_netns::FabricLock::acquire().unwrap();
     let net = FabricNet::up(&topo).unwrap();
     let fabric = spawn(&topo, net.switch_namespaces(), FabricConfig::default()).unwrap();
     let a0 = topo.host_index("a0").unwrap();
@@ -263,6 +266,9 @@ fn per_flow_ecmp_keeps_a_flow_on_one_spine() {
         return;
     }
     let topo = leaf_spine_per_flow();
+    // One fabric at a time (across test binaries too): a second one on this machine's
+    // two cores makes both fall behind their clock.
+    let _fabric_lock = gradwire_netns::FabricLock::acquire().unwrap();
     let net = FabricNet::up(&topo).unwrap();
     let fabric = spawn(&topo, net.switch_namespaces(), FabricConfig::default()).unwrap();
     let a1 = topo.host_index("a1").unwrap();

@@ -75,6 +75,9 @@ fn tagged_transfer_shows_layer_dscp_and_magnitude_ecn_at_the_receiver() {
         "name = \"tag\"\n[defaults]\nrate = \"200Mbit\"\n[[switch]]\nname = \"s0\"\n\
          [[host]]\nname = \"h\"\ncount = 2\nuplink = \"s0\"\n",
     );
+    // One fabric at a time (across test binaries too): a second one on this machine's
+    // two cores makes both fall behind their clock.
+    let _fabric_lock = gradwire_netns::FabricLock::acquire().unwrap();
     let net = FabricNet::up(&topo).unwrap();
     let fabric = spawn(&topo, net.switch_namespaces(), FabricConfig::default()).unwrap();
     let rx_ip = IpAddr::V4(topo.hosts[1].ip);

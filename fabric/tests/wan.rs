@@ -14,15 +14,13 @@ mod common;
 
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
 use gradwire_fabric::netns::FabricNet;
 use gradwire_fabric::run::{spawn, FabricConfig, FabricStats, PortStats};
 use gradwire_netns::{require_root, spawn_in_netns};
-
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn two_sites(name: &str, wan: &str) -> String {
     format!(
@@ -79,11 +77,13 @@ fn a_30ms_link_adds_60ms_to_the_round_trip() {
     if !require_root("a_30ms_link_adds_60ms_to_the_round_trip") {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let topo = topo(&two_sites(
         "rtt",
         "rate = \"10Mbit\"\ndelay = \"30ms\"\nthresholds = \"none\"",
     ));
+    // One fabric at a time (across test binaries too): a second one on this machine's
+    // two cores makes both fall behind their clock.
+    let _fabric_lock = gradwire_netns::FabricLock::acquire().unwrap();
     let net = FabricNet::up(&topo).unwrap();
     let fabric = spawn(&topo, net.switch_namespaces(), FabricConfig::default()).unwrap();
     let (h0, h1) = (topo.hosts[0].ip, topo.hosts[1].ip);
@@ -204,13 +204,15 @@ fn throughput_follows_the_rate_schedule() {
     if !require_root("throughput_follows_the_rate_schedule") {
         return;
     }
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     // 8 Mbit/s, 2 Mbit/s from 2.5 s, 6 Mbit/s from 4.5 s, over a 30 ms link.
     let topo = topo(&two_sites(
         "sched",
         "rate = \"8Mbit\"\ndelay = \"30ms\"\n\
          schedule = [{ at = \"2.5s\", rate = \"2Mbit\" }, { at = \"4.5s\", rate = \"6Mbit\" }]",
     ));
+    // One fabric at a time (across test binaries too): a second one on this machine's
+    // two cores makes both fall behind their clock.
+    let _fabric_lock = gradwire_netns::FabricLock::acquire().unwrap();
     let net = FabricNet::up(&topo).unwrap();
     let cfg = FabricConfig {
         stats_interval: Duration::from_millis(100),
