@@ -17,7 +17,7 @@ use gradwire_collective::tree::{Strategy, Tree};
 use half::f16;
 
 mod common;
-use common::{grad, initial, replay, LR};
+use common::{grad, initial, replay, Pace, LR};
 
 const JOB: u32 = 11;
 
@@ -121,13 +121,15 @@ enum Outcome {
 }
 
 /// Every worker: `clocks` iterations of (pull, push, clock), then a final synchronous pull.
-/// The server waits for the last clock. `slow`: a worker that sleeps before each push;
-/// `started[r]`: pushes worker `r` has begun.
+/// The server waits for the last clock. `slow`: a worker held back by `pace` before each
+/// push; `started[r]`: pushes worker `r` has begun.
+#[allow(clippy::too_many_arguments)]
 fn iterate(
     mut node: PsNode,
     clocks: u64,
     elems: usize,
     slow: Option<usize>,
+    pace: Option<&Pace>,
     started: &[AtomicU64],
     max_lead: &AtomicI64,
 ) -> Outcome {
@@ -157,8 +159,11 @@ fn iterate(
             if r != slow {
                 let lead = c as i64 - started[slow].load(Ordering::SeqCst) as i64;
                 max_lead.fetch_max(lead, Ordering::SeqCst);
-            } else {
-                std::thread::sleep(Duration::from_millis(30));
+                if let Some(p) = pace {
+                    p.pulled(r, c);
+                }
+            } else if let Some(p) = pace {
+                p.hold(c);
             }
         }
         pulls.push((rep, values(&w)));
@@ -194,7 +199,7 @@ fn synchronous_runs_are_exact_on_star_and_binary_trees() {
             None,
             &cfg(),
             &f32_tensor(&initial(elems)),
-            |node| iterate(node, clocks, elems, None, &started, &lead),
+            |node| iterate(node, clocks, elems, None, None, &started, &lead),
         );
         for o in out {
             match o {
@@ -286,8 +291,17 @@ fn stale_synchronous_pulls_stay_within_the_bound_and_end_exact() {
             staleness: 2,
             ..cfg()
         };
+        let pace = Pace::new(world, vec![1, 2, 3], 2, clocks);
         let out = run_job(&t, world, None, &c, &f32_tensor(&initial(elems)), |node| {
-            iterate(node, clocks, elems, Some(slow), &started, &max_lead)
+            iterate(
+                node,
+                clocks,
+                elems,
+                Some(slow),
+                Some(&pace),
+                &started,
+                &max_lead,
+            )
         });
         for o in out {
             match o {
@@ -308,8 +322,8 @@ fn stale_synchronous_pulls_stay_within_the_bound_and_end_exact() {
                 }
             }
         }
-        // A fast worker ran ahead of the slow one, by at most s = 2 clocks (the slow
-        // worker sleeps 30 ms before each push; the others do not wait at all).
+        // A fast worker ran ahead of the slow one, by at most s = 2 clocks (the slow worker
+        // holds each push until the fast ones have pulled as far ahead as s allows).
         let lead = max_lead.load(Ordering::SeqCst);
         assert!(lead <= 2, "{strategy}: a worker ran {lead} clocks ahead");
         assert!(lead >= 1, "{strategy}: no worker ever ran ahead ({lead})");

@@ -1,21 +1,25 @@
 //! MLNET's parameter server over real network namespaces (root), kernel UDP and TCP:
-//! - a server and four workers, one of them slow, with staleness 2 on a BINARY tree: every
-//!   pull keeps the SSP bound and the final model is exactly the sequential result;
+//! - a server and four workers, one of them slow, with staleness 2 on a BINARY tree: some
+//!   pull is served stale (the slow worker is held back until the others have pulled as far
+//!   ahead as the bound allows), none staler than the bound, and the final model is exactly
+//!   the sequential result;
 //! - an aggregator process that dies mid-run is routed around (its children re-attach to
 //!   their grandparent) and the final model is exactly what the applied contributions give.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use gradwire::tensor::{DType, Tensor};
 use gradwire_collective::link::{tree_edges, Links, NetLinkConfig};
 use gradwire_collective::ps::{fault_tolerant_edges, PsConfig, PsNode};
 use gradwire_collective::tree::{Strategy, Tree};
-use gradwire_netns::require_root;
+use gradwire_netns::{require_root, FabricLock};
 
 mod common;
+use common::Pace;
 use gradwire_netns::testbed::{host_ipv4, Testbed, TestbedConfig};
 
 const WORLD: usize = 5;
@@ -35,14 +39,18 @@ fn a_slow_worker_never_makes_a_pull_staler_than_allowed() {
     if !require_root("a_slow_worker_never_makes_a_pull_staler_than_allowed") {
         return;
     }
+    // Heartbeats and op timeouts run on the wall clock: no fabric of another test at once.
+    let _fabric = FabricLock::acquire().unwrap();
     let tb = Testbed::up(&TestbedConfig::with_hosts(WORLD)).unwrap();
     let members: Vec<usize> = (0..WORLD).collect();
     let tree = Tree::build(Strategy::BINARY, 0, &members, &[0; WORLD]).unwrap();
     let master = SocketAddr::new(IpAddr::V4(host_ipv4(0)), 29_611);
     let lr = 0.5f32;
+    let fast: Vec<usize> = (1..WORLD).filter(|&r| r != SLOW).collect();
+    let pace = Arc::new(Pace::new(WORLD, fast, STALENESS, ITERATIONS));
     let handles: Vec<_> = (0..WORLD)
         .map(|r| {
-            let tree = tree.clone();
+            let (tree, pace) = (tree.clone(), pace.clone());
             tb.spawn_in(r, move || {
                 let timeout = Duration::from_secs(20);
                 let link_cfg = NetLinkConfig {
@@ -86,7 +94,9 @@ fn a_slow_worker_never_makes_a_pull_staler_than_allowed() {
                         *x = grad(r, c, e);
                     }
                     if r == SLOW {
-                        std::thread::sleep(Duration::from_millis(60));
+                        pace.hold(c);
+                    } else {
+                        pace.pulled(r, c);
                     }
                     node.push(&g).unwrap();
                     node.clock();
@@ -94,20 +104,25 @@ fn a_slow_worker_never_makes_a_pull_staler_than_allowed() {
                 node.shutdown().unwrap();
                 (0, Vec::new(), pulls)
             })
-            .unwrap()
         })
         .collect();
-    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    tb.down().unwrap();
+    let results = join_all(handles, tb);
 
+    let mut stalest = 0;
     for (r, (_, _, pulls)) in results.iter().enumerate().skip(1) {
         for &(c_worker, v) in pulls {
             assert!(
                 v + STALENESS >= c_worker,
                 "rank {r} at clock {c_worker} pulled version {v}: staler than s = {STALENESS}"
             );
+            stalest = stalest.max(c_worker.saturating_sub(v));
         }
     }
+    // Stale synchronous parallel, not synchronous: some pull was served from an older version.
+    assert!(
+        stalest >= 1,
+        "every pull waited for the current version: s = {STALENESS} was never used"
+    );
     // w_{c+1} = w_c - lr * mean over the 4 workers of their gradients of clock c.
     let (clock, w, _) = &results[0];
     assert!(*clock >= ITERATIONS);
@@ -119,6 +134,34 @@ fn a_slow_worker_never_makes_a_pull_staler_than_allowed() {
         }
         assert_eq!(got, want, "element {e}");
     }
+}
+
+/// Joins every rank's thread, takes the testbed down, and only then reports the first
+/// failure: no thread is left running in a namespace that is being deleted.
+fn join_all<T>(
+    handles: Vec<gradwire_netns::Result<std::thread::JoinHandle<T>>>,
+    tb: Testbed,
+) -> Vec<T> {
+    let joined: Vec<Result<T, String>> = handles
+        .into_iter()
+        .enumerate()
+        .map(|(r, h)| match h {
+            Ok(h) => h.join().map_err(|p| {
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                format!("rank {r} panicked: {msg}")
+            }),
+            Err(e) => Err(format!("rank {r} did not start: {e}")),
+        })
+        .collect();
+    let down = tb.down();
+    let failures: Vec<&String> = joined.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(failures.is_empty(), "{failures:#?}");
+    down.unwrap();
+    joined.into_iter().map(|r| r.unwrap()).collect()
 }
 
 /// An aggregator process dies (its node is dropped without a word) mid-run, over kernel
@@ -134,6 +177,8 @@ fn a_killed_aggregator_is_routed_around_over_namespaces() {
     const CLOCKS: u64 = 6;
     const KILL_AFTER: u64 = 2;
     let elems = 4_000;
+    // The failure detector times silence on the wall clock: no fabric of another test at once.
+    let _fabric = FabricLock::acquire().unwrap();
     let tb = Testbed::up(&TestbedConfig::with_hosts(N)).unwrap();
     let members: Vec<usize> = (0..N).collect();
     let tree = Tree::build(Strategy::BINARY, 0, &members, &[0; N]).unwrap();
@@ -181,11 +226,9 @@ fn a_killed_aggregator_is_routed_around_over_namespaces() {
                 assert_eq!(stats.dead, vec![victim], "rank {r}");
                 None
             })
-            .unwrap()
         })
         .collect();
-    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    tb.down().unwrap();
+    let results = join_all(handles, tb);
 
     let (w, block_elems, stats) = results[0].clone().expect("the server's result");
     assert_eq!(stats.dead, vec![victim]);

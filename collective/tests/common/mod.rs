@@ -46,3 +46,60 @@ pub fn replay(updates: &[UpdateRecord], block_elems: usize, elems: usize) -> Vec
     }
     out
 }
+
+/// Paces a slow worker against the fast ones with a condition, not a sleep: before its push
+/// of clock `c` the slow worker waits until every fast worker has pulled at clock
+/// `min(c + s, last)`, as far ahead as stale synchronous parallel allows. Such a pull is then
+/// served while the slow worker's clock-`c` gradients are not in, so it is stale by a full
+/// `s`: certain, not a matter of timing. If pulls never run ahead (stale synchronous parallel
+/// silently synchronous), the fast workers are stuck in that pull: the slow worker gives up
+/// after `patience` (once; it then stops waiting) and the callers' "some pull was stale"
+/// check fails.
+pub struct Pace {
+    fast: Vec<usize>,
+    staleness: u64,
+    last: u64,
+    patience: std::time::Duration,
+    /// `pulled[r]`: pulls worker `r` has completed; whether the slow worker gave up.
+    state: std::sync::Mutex<(Vec<u64>, bool)>,
+    cv: std::sync::Condvar,
+}
+
+impl Pace {
+    /// Fast workers `fast` of a `world`-rank job running `clocks` clocks with staleness `s`.
+    pub fn new(world: usize, fast: Vec<usize>, staleness: u64, clocks: u64) -> Pace {
+        Pace {
+            fast,
+            staleness,
+            last: clocks.saturating_sub(1),
+            patience: std::time::Duration::from_secs(5),
+            state: std::sync::Mutex::new((vec![0; world], false)),
+            cv: std::sync::Condvar::new(),
+        }
+    }
+
+    /// A fast worker `r` completed its pull at clock `c`.
+    pub fn pulled(&self, r: usize, c: u64) {
+        let mut st = self.state.lock().unwrap();
+        st.0[r] = st.0[r].max(c + 1);
+        self.cv.notify_all();
+    }
+
+    /// The slow worker, before its push of clock `c`: wait for the fast workers' pulls.
+    pub fn hold(&self, c: u64) {
+        let want = (c + self.staleness).min(self.last) + 1;
+        let st = self.state.lock().unwrap();
+        if st.1 {
+            return;
+        }
+        let (mut st, timeout) = self
+            .cv
+            .wait_timeout_while(st, self.patience, |st| {
+                self.fast.iter().any(|&r| st.0[r] < want)
+            })
+            .unwrap();
+        if timeout.timed_out() {
+            st.1 = true;
+        }
+    }
+}
