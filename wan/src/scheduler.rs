@@ -257,6 +257,16 @@ impl Drop for SchedulerHandle {
 
 /// Start the scheduler on `listener`: the first policy is formulated from `cfg.overlay`.
 pub fn spawn(listener: TcpListener, cfg: SchedulerConfig) -> Result<SchedulerHandle, WanError> {
+    spawn_with_frame_timeout(listener, cfg, FRAME_TIMEOUT)
+}
+
+/// [`spawn`], with a connection dropped when a frame that has started is not complete within
+/// `frame_timeout` (default [`FRAME_TIMEOUT`]; tests shorten it).
+pub fn spawn_with_frame_timeout(
+    listener: TcpListener,
+    cfg: SchedulerConfig,
+    frame_timeout: Duration,
+) -> Result<SchedulerHandle, WanError> {
     let addr = listener.local_addr()?;
     listener.set_nonblocking(true)?;
     let mut planner = Planner::default();
@@ -297,7 +307,7 @@ pub fn spawn(listener: TcpListener, cfg: SchedulerConfig) -> Result<SchedulerHan
     let shared = Arc::clone(&state);
     let thread = std::thread::Builder::new()
         .name("netstorm-scheduler".into())
-        .spawn(move || serve(listener, shared, flag))?;
+        .spawn(move || serve(listener, shared, flag, frame_timeout))?;
     Ok(SchedulerHandle {
         addr,
         state,
@@ -310,6 +320,7 @@ fn serve(
     listener: TcpListener,
     state: Arc<Mutex<State>>,
     stop: Arc<AtomicBool>,
+    frame_timeout: Duration,
 ) -> Result<SchedulerReport, WanError> {
     let mut conns = Vec::new();
     while !stop.load(Ordering::Acquire) {
@@ -320,7 +331,7 @@ fn serve(
                 conns.push(
                     std::thread::Builder::new()
                         .name("netstorm-node-conn".into())
-                        .spawn(move || connection(s, &state, &stop))?,
+                        .spawn(move || connection(s, &state, &stop, frame_timeout))?,
                 );
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -339,7 +350,7 @@ fn serve(
 }
 
 /// How long a connection has for a whole frame once its first byte has come.
-const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
+pub const FRAME_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a connection looks at the stop flag, idle or mid-frame.
 const IDLE_POLL: Duration = Duration::from_millis(200);
 
@@ -348,11 +359,13 @@ fn ended(e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
 }
 
-/// Fill `buf` by `deadline`, looking at `stop` every [`IDLE_POLL`].
+/// Fill `buf` by `deadline` (`frame_timeout` after the frame's first byte), looking at `stop`
+/// every [`IDLE_POLL`].
 fn read_by(
     s: &mut TcpStream,
     buf: &mut [u8],
     deadline: Instant,
+    frame_timeout: Duration,
     stop: &AtomicBool,
 ) -> std::io::Result<()> {
     let mut got = 0;
@@ -366,7 +379,7 @@ fn read_by(
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(ended(format!(
-                "a frame not complete within {FRAME_TIMEOUT:?} ({got} of {} bytes)",
+                "a frame not complete within {frame_timeout:?} ({got} of {} bytes)",
                 buf.len()
             )));
         }
@@ -393,10 +406,14 @@ fn read_by(
 }
 
 /// Wait up to [`IDLE_POLL`] for a frame to start (`Ok(None)`: none did), then read all of it
-/// within [`FRAME_TIMEOUT`], looking at `stop` meanwhile. A frame is never read in part and
+/// within `frame_timeout` ([`FRAME_TIMEOUT`]), looking at `stop` meanwhile. A frame is never read in part and
 /// then abandoned, which would leave the stream in the middle of a frame; only the kinds a
 /// node sends are read past their header (the others would be up to a megabyte).
-fn next_frame(s: &mut TcpStream, stop: &AtomicBool) -> std::io::Result<Option<Message>> {
+fn next_frame(
+    s: &mut TcpStream,
+    stop: &AtomicBool,
+    frame_timeout: Duration,
+) -> std::io::Result<Option<Message>> {
     s.set_read_timeout(Some(IDLE_POLL))?;
     match s.peek(&mut [0u8; 1]) {
         Ok(0) => {
@@ -416,9 +433,13 @@ fn next_frame(s: &mut TcpStream, stop: &AtomicBool) -> std::io::Result<Option<Me
         }
         Err(e) => return Err(e),
     }
-    let deadline = Instant::now() + FRAME_TIMEOUT;
+    let now = Instant::now();
+    // A timeout too long for the clock is no timeout: a year stands in for it.
+    let deadline = now
+        .checked_add(frame_timeout)
+        .unwrap_or(now + Duration::from_secs(365 * 24 * 3600));
     let mut buf = vec![0u8; HEADER_LEN];
-    read_by(s, &mut buf, deadline, stop)?;
+    read_by(s, &mut buf, deadline, frame_timeout, stop)?;
     let (kind, total) = frame_len(&buf).map_err(ended)?;
     if !matches!(kind, Kind::LinkReport | Kind::TopologyRequest) {
         return Err(ended(format!(
@@ -426,7 +447,7 @@ fn next_frame(s: &mut TcpStream, stop: &AtomicBool) -> std::io::Result<Option<Me
         )));
     }
     buf.resize(total, 0);
-    read_by(s, &mut buf[HEADER_LEN..], deadline, stop)?;
+    read_by(s, &mut buf[HEADER_LEN..], deadline, frame_timeout, stop)?;
     Message::parse(&buf).map(Some).map_err(ended)
 }
 
@@ -434,14 +455,14 @@ fn next_frame(s: &mut TcpStream, stop: &AtomicBool) -> std::io::Result<Option<Me
 /// connection speaks for the node named by its first message and for no other: a message
 /// for another node (a report of a link into another node, another node's request) drops
 /// it, so one connection cannot steer the policy for the whole job.
-fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool) {
+fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool, frame_timeout: Duration) {
     if s.set_nonblocking(false).is_err() {
         return;
     }
     let _ = s.set_nodelay(true);
     let mut node: Option<u16> = None;
     while !stop.load(Ordering::Acquire) {
-        let msg = match next_frame(&mut s, stop) {
+        let msg = match next_frame(&mut s, stop, frame_timeout) {
             Ok(Some(m)) => m,
             Ok(None) => continue,
             Err(e) => {
