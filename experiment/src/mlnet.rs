@@ -37,11 +37,13 @@ use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::TransferConfig;
 use gradwire_collective::aggregate::ReduceOp;
-use gradwire_collective::comm::{Algorithm, AllReduceOptions, CommConfig, Communicator};
+use gradwire_collective::comm::{
+    Algorithm, AllReduceOptions, AllReduceReport, CommConfig, Communicator,
+};
 use gradwire_collective::link::{tree_edges, Links, NetLinkConfig};
 use gradwire_collective::tree::{Strategy, Tree};
 use gradwire_fabric::netns::FabricNet;
-use gradwire_fabric::run::{spawn, FabricConfig};
+use gradwire_fabric::run::{spawn, FabricConfig, FabricStats};
 use gradwire_fabric::topology::Topology;
 use gradwire_netns::spawn_in_netns;
 use serde::Serialize;
@@ -195,6 +197,90 @@ fn server_tree(plan: &JobPlan, j: usize, racks: &[usize]) -> Result<(Vec<usize>,
     Ok((hosts, tree))
 }
 
+/// Rank `local`'s input at element `e` in iteration `it`: the server (rank 0) adds nothing,
+/// a worker a small integer in -11..=11 that changes with the rank, the iteration and the
+/// element. Sums of a few of them are exact in f32 in any order, so the result of a reliable
+/// all-reduce is known exactly, and a stale or partial one differs.
+pub fn input(local: usize, it: u32, e: usize) -> f32 {
+    if local == 0 {
+        return 0.0;
+    }
+    ((local * 7 + it as usize * 5 + e * 3) % 23) as f32 - 11.0
+}
+
+fn fill_input(v: &mut [f32], local: usize, it: u32) {
+    for (e, x) in v.iter_mut().enumerate() {
+        *x = input(local, it, e);
+    }
+}
+
+/// Check one rank's result of iteration `it` of a sum all-reduce over `world` ranks whose
+/// inputs are [`input`]. `exact` (a reliable loss bound): every block has every rank's
+/// contribution and every element is the exact sum. Otherwise each block is the sum over the
+/// contributors its report names, scaled to the world (`ReduceOp::Sum`), and names at least
+/// one.
+pub fn check_all_reduce(
+    got: &[f32],
+    report: &AllReduceReport,
+    world: usize,
+    it: u32,
+    exact: bool,
+) -> Result<(), String> {
+    let wrong = |what: String| {
+        format!(
+            "WRONG RESULT of the all-reduce in iteration {it}: {what}; the collective is broken"
+        )
+    };
+    if got.len() != report.elems {
+        return Err(wrong(format!(
+            "{} elements, the report says {}",
+            got.len(),
+            report.elems
+        )));
+    }
+    let be = report.block_elems.max(1);
+    if report.blocks != got.len().div_ceil(be) || report.contributors.blocks() != report.blocks {
+        return Err(wrong(format!(
+            "{} blocks of {be} elements for {} elements ({} contributor sets)",
+            report.blocks,
+            got.len(),
+            report.contributors.blocks()
+        )));
+    }
+    for b in 0..report.blocks {
+        let ranks = report.contributors.ranks(b);
+        if exact && ranks.len() != world {
+            return Err(wrong(format!(
+                "block {b} sums ranks {ranks:?}, not all {world} (the loss bound is 0)"
+            )));
+        }
+        if ranks.is_empty() || ranks.iter().any(|&r| r >= world) {
+            return Err(wrong(format!("block {b} names contributors {ranks:?}")));
+        }
+        let factor = world as f32 / ranks.len() as f32;
+        let end = ((b + 1) * be).min(got.len());
+        for (e, &g) in got.iter().enumerate().take(end).skip(b * be) {
+            let sum: f32 = ranks.iter().map(|&r| input(r, it, e)).sum();
+            let want = if ranks.len() == world {
+                sum
+            } else {
+                sum * factor
+            };
+            let ok = if exact {
+                g == want
+            } else {
+                (g - want).abs() <= 1e-5 * want.abs().max(1.0)
+            };
+            if !ok {
+                return Err(wrong(format!(
+                    "element {e} is {g}, expected {want} (the sum over ranks {ranks:?})"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Run `jobs` at once on a running fabric (`net` built from `topo`); outcomes in job order.
 pub fn run_jobs(
     topo: &Topology,
@@ -292,6 +378,7 @@ pub fn run_jobs(
                     plan.shard_elems,
                     settings.timeout,
                 );
+                let exact = settings.loss_bound == LossBound::RELIABLE;
                 let run = move || -> Done {
                     let fail = |e: String| {
                         host_gate.break_all();
@@ -304,19 +391,28 @@ pub fn run_jobs(
                     let mut comm =
                         Communicator::new(links, job, comm_cfg).map_err(|e| fail(e.to_string()))?;
                     let mut t = Tensor::zeros(DType::F32, shard);
+                    // Every result is kept and checked once the timed loop is over, so a
+                    // tree that skipped work is an error, not a faster run.
+                    let mut results = Vec::with_capacity(iterations as usize);
                     gate.wait(timeout).map_err(&fail)?;
                     let start = Instant::now();
-                    for _ in 0..iterations {
-                        if local > 0 {
-                            t.fill_pattern(local as u64);
-                        } else {
-                            t.as_bytes_mut().fill(0);
+                    for it in 0..iterations {
+                        if let Some(v) = t.as_f32_mut() {
+                            fill_input(v, local, it);
                         }
-                        comm.all_reduce(&mut t, &opts)
+                        let report = comm
+                            .all_reduce(&mut t, &opts)
                             .map_err(|e| fail(format!("rank {local} on {ip}: {e}")))?;
+                        results.push((t.as_f32().map(<[f32]>::to_vec), report));
                         host_gate.wait(timeout).map_err(&fail)?;
                     }
-                    Ok((start, Instant::now()))
+                    let end = Instant::now();
+                    for (it, (got, report)) in results.iter().enumerate() {
+                        let got = got.as_deref().unwrap_or_default();
+                        check_all_reduce(got, report, world, it as u32, exact)
+                            .map_err(|e| fail(format!("rank {local} on {ip}: {e}")))?;
+                    }
+                    Ok((start, end))
                 };
                 match spawn_in_netns(ns, run) {
                     Ok(hd) => handles.push(hd),
@@ -376,6 +472,80 @@ pub struct FabricHealth {
     pub late: u64,
     /// Departures.
     pub departures: u64,
+    /// Frames the switches forwarded per second over the whole run (every hop counts: the
+    /// fabric's work).
+    pub frames_per_s_mean: f64,
+    /// The most in any window of at least [`FrameMeter::WINDOW_S`] (the demand that decides
+    /// whether one core keeps up; it forwards about 185 k frames/s at best).
+    pub frames_per_s_peak: f64,
+}
+
+impl FabricHealth {
+    /// A run whose fabric never reported (it did not start, or published nothing).
+    pub fn unknown() -> FabricHealth {
+        FabricHealth {
+            valid: false,
+            lag_p99_us: f64::NAN,
+            late: 0,
+            departures: 0,
+            frames_per_s_mean: f64::NAN,
+            frames_per_s_peak: f64::NAN,
+        }
+    }
+
+    /// From the fabric's final figures (`None`: it published none, not valid) and the frame
+    /// rates `meter` saw during the run.
+    pub fn of(stats: Option<&FabricStats>, meter: &FrameMeter) -> FabricHealth {
+        let Some(s) = stats else {
+            return FabricHealth::unknown();
+        };
+        let mut meter = meter.clone();
+        meter.sample(s);
+        FabricHealth {
+            valid: !s.lag.behind,
+            lag_p99_us: s.lag.p99_ns as f64 / 1e3,
+            late: s.lag.late,
+            departures: s.lag.departures,
+            frames_per_s_mean: if s.uptime_s > 0.0 {
+                s.totals().forwarded as f64 / s.uptime_s
+            } else {
+                f64::NAN
+            },
+            frames_per_s_peak: meter.peak(),
+        }
+    }
+}
+
+/// The fabric's forwarding rate from its published snapshots (frames forwarded, uptime):
+/// the peak over windows of at least [`FrameMeter::WINDOW_S`].
+#[derive(Debug, Clone, Default)]
+pub struct FrameMeter {
+    window: Option<(f64, u64)>,
+    peak: Option<f64>,
+}
+
+impl FrameMeter {
+    /// Shortest window, seconds (the fabric publishes every 200 ms).
+    pub const WINDOW_S: f64 = 1.0;
+
+    /// Takes one snapshot into account.
+    pub fn sample(&mut self, s: &FabricStats) {
+        let (t, f) = (s.uptime_s, s.totals().forwarded);
+        match self.window {
+            None => self.window = Some((t, f)),
+            Some((t0, f0)) if t - t0 >= Self::WINDOW_S => {
+                let rate = f.saturating_sub(f0) as f64 / (t - t0);
+                self.peak = Some(self.peak.map_or(rate, |p| p.max(rate)));
+                self.window = Some((t, f));
+            }
+            Some(_) => {}
+        }
+    }
+
+    /// The peak so far (NaN before a whole window).
+    pub fn peak(&self) -> f64 {
+        self.peak.unwrap_or(f64::NAN)
+    }
 }
 
 /// Build the fabric of `topo`, run `jobs`, tear it down; outcomes and how the fabric kept
@@ -398,18 +568,33 @@ pub fn run_on_fresh_fabric(
             )));
         }
     };
-    let outcomes = run_jobs(topo, &net, jobs, settings);
+    // The jobs run on this thread; a second one samples the fabric's frame rate until they
+    // are done (the channel closing ends it at once).
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let fabric_ref = &fabric;
+    let (outcomes, mut meter) = std::thread::scope(|scope| {
+        let sampler = scope.spawn(move || {
+            let mut meter = FrameMeter::default();
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                done_rx.recv_timeout(Duration::from_millis(200))
+            {
+                if let Some(s) = fabric_ref.stats() {
+                    meter.sample(&s);
+                }
+            }
+            meter
+        });
+        let outcomes = run_jobs(topo, &net, jobs, settings);
+        drop(done_tx);
+        (outcomes, sampler.join().unwrap_or_default())
+    });
     let _ = fabric.wait_idle(Duration::from_secs(10));
     let stats = fabric.stop();
+    if let Some(s) = &stats {
+        meter.sample(s);
+    }
     let down = net.down();
-    let health = FabricHealth {
-        valid: stats.as_ref().is_some_and(|s| !s.lag.behind),
-        lag_p99_us: stats
-            .as_ref()
-            .map_or(f64::NAN, |s| s.lag.p99_ns as f64 / 1e3),
-        late: stats.as_ref().map_or(0, |s| s.lag.late),
-        departures: stats.as_ref().map_or(0, |s| s.lag.departures),
-    };
+    let health = FabricHealth::of(stats.as_ref(), &meter);
     down.map_err(|e| ExperimentError::Other(format!("removing the testbed: {e}")))?;
     Ok((outcomes, health))
 }
@@ -463,11 +648,12 @@ pub struct MlnetResult {
     pub makespan_ms: f64,
     /// Mean iteration, ms.
     pub iteration_ms_mean: f64,
-    /// Makespan / STAR's at the same server count.
+    /// Makespan / STAR's at the same server count (NaN unless both runs are valid).
     pub vs_star: f64,
     /// Tree edges crossing racks, summed over the servers' trees.
     pub cross_rack_edges: usize,
-    /// The fabric kept its clock.
+    /// A result: the fabric kept its clock and every rank finished with every all-reduce
+    /// checked (no error).
     pub valid: bool,
     /// How the fabric kept up.
     pub fabric: FabricHealth,
@@ -533,18 +719,12 @@ pub fn run_mlnet(cfg: &MlnetConfig) -> Result<MlnetReport, ExperimentError> {
                 iteration_ms_mean: o.iteration_ms_mean,
                 vs_star: f64::NAN,
                 cross_rack_edges: o.cross_rack_edges,
-                valid: health.valid,
+                valid: health.valid && o.error.is_none(),
                 fabric: health,
                 error: o.error.clone(),
             });
         }
-        let star_ms = results[first..]
-            .iter()
-            .find(|r: &&MlnetResult| r.strategy == "star")
-            .map_or(f64::NAN, |r| r.makespan_ms);
-        for r in &mut results[first..] {
-            r.vs_star = r.makespan_ms / star_ms;
-        }
+        relative_to_star(&mut results[first..]);
     }
     Ok(MlnetReport {
         topology: topo.name.clone(),
@@ -553,6 +733,22 @@ pub fn run_mlnet(cfg: &MlnetConfig) -> Result<MlnetReport, ExperimentError> {
         iterations: cfg.iterations,
         results,
     })
+}
+
+/// Fill in `vs_star` of runs at one server count: a valid run's makespan over STAR's when
+/// STAR's run is valid too; NaN otherwise (a figure comes from valid, checked runs only).
+pub fn relative_to_star(results: &mut [MlnetResult]) {
+    let star_ms = results
+        .iter()
+        .find(|r| r.strategy == "star" && r.valid)
+        .map_or(f64::NAN, |r| r.makespan_ms);
+    for r in results {
+        r.vs_star = if r.valid {
+            r.makespan_ms / star_ms
+        } else {
+            f64::NAN
+        };
+    }
 }
 
 /// How the concurrent jobs of the priority experiment share the network.
@@ -644,8 +840,11 @@ pub struct PriorityResult {
     pub priority: u8,
     /// Makespan, ms.
     pub makespan_ms: f64,
-    /// The fabric kept its clock during the run.
+    /// A result: the fabric kept its clock and the job finished with every all-reduce
+    /// checked (no error).
     pub valid: bool,
+    /// The fabric kept its clock during the run.
+    pub fabric_valid: bool,
     /// Why the job failed.
     pub error: Option<String>,
 }
@@ -655,8 +854,10 @@ pub struct PriorityResult {
 pub struct ModeSummary {
     /// Mode.
     pub mode: &'static str,
-    /// Jobs.
+    /// Valid jobs, the figures' sample.
     pub jobs: usize,
+    /// Jobs left out: not valid (the fabric fell behind, or the job failed).
+    pub excluded: usize,
     /// Median makespan, ms.
     pub median_ms: f64,
     /// 95th percentile makespan, ms.
@@ -699,10 +900,13 @@ pub struct PairResult {
     pub background_ms: f64,
     /// Median of `urgent / alone` over the repetitions (each pair of runs back to back).
     pub urgent_vs_alone: f64,
-    /// Every repetition's `urgent / alone`.
+    /// Every valid repetition's `urgent / alone`.
     pub ratios: Vec<f64>,
-    /// Every run's fabric kept its clock.
+    /// Every repetition is valid (both runs kept the fabric's clock, no job failed, every
+    /// all-reduce checked); the figures come from the valid ones only.
     pub valid: bool,
+    /// The repetitions left out of the figures, and why.
+    pub excluded: Vec<String>,
     /// Why a job failed.
     pub error: Option<String>,
 }
@@ -738,7 +942,7 @@ pub fn run_pair(cfg: &PriorityConfig) -> Result<PairResult, ExperimentError> {
     let (urgent, background) = pair_jobs(cfg, topo.hosts.len())?;
     let (mut alone_v, mut urgent_v, mut background_v, mut ratios) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut valid = true;
+    let mut excluded = Vec::new();
     let mut error = None;
     for rep in 0..cfg.repetitions.max(1) {
         eprintln!("priority: two jobs, repetition {rep}: the urgent job alone...");
@@ -746,9 +950,17 @@ pub fn run_pair(cfg: &PriorityConfig) -> Result<PairResult, ExperimentError> {
         eprintln!("priority: two jobs, repetition {rep}: beside a background job...");
         let (both, h2) =
             run_on_fresh_fabric(&topo, &[urgent.clone(), background.clone()], &cfg.settings)?;
-        valid &= h1.valid && h2.valid;
         if let Some(e) = alone.iter().chain(&both).find_map(|o| o.error.clone()) {
+            excluded.push(format!("repetition {rep}: a job failed: {e}"));
             error.get_or_insert(e);
+            continue;
+        }
+        if !(h1.valid && h2.valid) {
+            excluded.push(format!(
+                "repetition {rep}: the fabric fell behind its clock (late departures: alone \
+                 {}/{}, beside {}/{})",
+                h1.late, h1.departures, h2.late, h2.departures
+            ));
             continue;
         }
         alone_v.push(alone[0].makespan_ms);
@@ -761,8 +973,9 @@ pub fn run_pair(cfg: &PriorityConfig) -> Result<PairResult, ExperimentError> {
         urgent_ms: quantile(&urgent_v, 0.5),
         background_ms: quantile(&background_v, 0.5),
         urgent_vs_alone: quantile(&ratios, 0.5),
+        valid: excluded.is_empty() && !ratios.is_empty(),
         ratios,
-        valid,
+        excluded,
         error,
     })
 }
@@ -821,6 +1034,29 @@ pub fn priority_jobs(
         .collect()
 }
 
+/// Per mode, the makespans of its valid jobs (the fabric kept its clock, every all-reduce
+/// checked); the others are counted as excluded.
+pub fn summarize_modes(modes: &[PriorityMode], results: &[PriorityResult]) -> Vec<ModeSummary> {
+    modes
+        .iter()
+        .map(|m| {
+            let of_mode = || results.iter().filter(|r| r.mode == m.name());
+            let v: Vec<f64> = of_mode()
+                .filter(|r| r.valid)
+                .map(|r| r.makespan_ms)
+                .collect();
+            ModeSummary {
+                mode: m.name(),
+                jobs: v.len(),
+                excluded: of_mode().filter(|r| !r.valid).count(),
+                median_ms: quantile(&v, 0.5),
+                p95_ms: quantile(&v, 0.95),
+                max_ms: quantile(&v, 1.0),
+            }
+        })
+        .collect()
+}
+
 /// Run the priority experiment.
 pub fn run_priority(cfg: &PriorityConfig) -> Result<PriorityReport, ExperimentError> {
     let topo = Topology::load(&cfg.topology)?;
@@ -848,30 +1084,14 @@ pub fn run_priority(cfg: &PriorityConfig) -> Result<PriorityReport, ExperimentEr
                     job: plan.job,
                     priority: plan.priority,
                     makespan_ms: o.makespan_ms,
-                    valid: health.valid,
+                    valid: health.valid && o.error.is_none(),
+                    fabric_valid: health.valid,
                     error: o.error,
                 });
             }
         }
     }
-    let summary = cfg
-        .modes
-        .iter()
-        .map(|m| {
-            let v: Vec<f64> = results
-                .iter()
-                .filter(|r| r.mode == m.name() && r.error.is_none())
-                .map(|r| r.makespan_ms)
-                .collect();
-            ModeSummary {
-                mode: m.name(),
-                jobs: v.len(),
-                median_ms: quantile(&v, 0.5),
-                p95_ms: quantile(&v, 0.95),
-                max_ms: quantile(&v, 1.0),
-            }
-        })
-        .collect();
+    let summary = summarize_modes(&cfg.modes, &results);
     Ok(PriorityReport {
         topology: topo.name.clone(),
         jobs: cfg.jobs,
@@ -882,4 +1102,158 @@ pub fn run_priority(cfg: &PriorityConfig) -> Result<PriorityReport, ExperimentEr
         summary,
         pair: if cfg.pair { Some(run_pair(cfg)?) } else { None },
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gradwire_collective::aggregate::Contributors;
+
+    /// A report of `elems` elements in blocks of `be` with the sets `contributors`.
+    fn report(elems: usize, be: usize, contributors: Contributors) -> AllReduceReport {
+        AllReduceReport {
+            algorithm: "tree",
+            elems,
+            block_elems: be,
+            complete_blocks: 0,
+            blocks: elems.div_ceil(be),
+            delivered_fraction: 1.0,
+            rank_delivered: Vec::new(),
+            elapsed: Duration::ZERO,
+            bytes_sent: 0,
+            contributors,
+        }
+    }
+
+    /// What a correct sum all-reduce of [`input`] gives, block by block over `c`'s sets.
+    fn reduced(elems: usize, be: usize, world: usize, it: u32, c: &Contributors) -> Vec<f32> {
+        (0..elems)
+            .map(|e| {
+                let ranks = c.ranks(e / be);
+                let sum: f32 = ranks.iter().map(|&r| input(r, it, e)).sum();
+                if ranks.len() == world {
+                    sum
+                } else {
+                    sum * (world as f32 / ranks.len() as f32)
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_complete_exact_sum_passes_and_anything_else_is_wrong() {
+        let (elems, be, world) = (100usize, 16, 5);
+        let all = Contributors::all(elems.div_ceil(be), world);
+        let good = reduced(elems, be, world, 2, &all);
+        let r = report(elems, be, all.clone());
+        assert_eq!(check_all_reduce(&good, &r, world, 2, true), Ok(()));
+        // A skipped contribution (one worker's input missing from one element).
+        let mut skipped = good.clone();
+        skipped[37] -= input(3, 2, 37);
+        let e = check_all_reduce(&skipped, &r, world, 2, true).unwrap_err();
+        assert!(
+            e.contains("WRONG RESULT") && e.contains("element 37"),
+            "{e}"
+        );
+        // A stale result (the previous iteration's).
+        let stale = reduced(elems, be, world, 1, &all);
+        assert!(check_all_reduce(&stale, &r, world, 2, true).is_err());
+        // Nothing done at all: the rank's own input.
+        let own: Vec<f32> = (0..elems).map(|e| input(2, 2, e)).collect();
+        assert!(check_all_reduce(&own, &r, world, 2, true).is_err());
+        // Short.
+        assert!(check_all_reduce(&good[..50], &r, world, 2, true).is_err());
+    }
+
+    #[test]
+    fn with_loss_blocks_are_checked_against_their_contributors() {
+        let (elems, be, world) = (64, 16, 4);
+        let mut c = Contributors::all(4, world);
+        // Block 1 lost ranks 2 and 3.
+        let mut partial = Contributors::none(4, world);
+        for b in 0..4 {
+            for r in 0..world {
+                if b != 1 || r < 2 {
+                    partial.insert(b, r);
+                }
+            }
+        }
+        let got = reduced(elems, be, world, 0, &partial);
+        // Not exact: fine at p > 0 against the reported sets ...
+        assert_eq!(
+            check_all_reduce(&got, &report(elems, be, partial.clone()), world, 0, false),
+            Ok(())
+        );
+        // ... but an error at p = 0, where every block must be complete.
+        let e = check_all_reduce(&got, &report(elems, be, partial), world, 0, true).unwrap_err();
+        assert!(e.contains("block 1"), "{e}");
+        // Values that do not match the sets the report names.
+        assert!(check_all_reduce(&got, &report(elems, be, c.clone()), world, 0, false).is_err());
+        // An empty set is never a result.
+        c = Contributors::none(4, world);
+        assert!(check_all_reduce(&got, &report(elems, be, c), world, 0, false).is_err());
+    }
+
+    fn run(strategy: &str, ms: f64, valid: bool, error: Option<&str>) -> MlnetResult {
+        MlnetResult {
+            strategy: strategy.into(),
+            servers: 1,
+            makespan_ms: ms,
+            iteration_ms_mean: ms,
+            vs_star: f64::NAN,
+            cross_rack_edges: 0,
+            valid: valid && error.is_none(),
+            fabric: FabricHealth {
+                valid,
+                ..FabricHealth::unknown()
+            },
+            error: error.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn ratios_to_star_come_from_valid_runs_only() {
+        let mut r = vec![
+            run("star", 100.0, true, None),
+            run("rack", 50.0, true, None),
+            run("binary", 10.0, false, None),
+            run("d=3", f64::NAN, true, Some("rank 2: WRONG RESULT")),
+        ];
+        relative_to_star(&mut r);
+        assert_eq!(r[1].vs_star, 0.5);
+        assert!(
+            r[2].vs_star.is_nan(),
+            "a run that fell behind has no figure"
+        );
+        assert!(!r[3].valid, "a run with an error is not valid");
+        // STAR not valid: no ratio at all.
+        r[0].valid = false;
+        relative_to_star(&mut r);
+        assert!(r.iter().all(|x| x.vs_star.is_nan()));
+    }
+
+    #[test]
+    fn mode_summaries_leave_out_invalid_jobs_and_count_them() {
+        let job = |mode: PriorityMode, ms: f64, valid: bool| PriorityResult {
+            mode: mode.name(),
+            repetition: 0,
+            job: 1,
+            priority: 0,
+            makespan_ms: ms,
+            valid,
+            fabric_valid: valid,
+            error: None,
+        };
+        let results = vec![
+            job(PriorityMode::Fifo, 100.0, true),
+            job(PriorityMode::Fifo, 1.0, false),
+            job(PriorityMode::Fifo, 300.0, true),
+            job(PriorityMode::Priority, 5.0, false),
+        ];
+        let s = summarize_modes(&[PriorityMode::Fifo, PriorityMode::Priority], &results);
+        assert_eq!((s[0].jobs, s[0].excluded), (2, 1));
+        assert_eq!(s[0].median_ms, 200.0);
+        assert_eq!((s[1].jobs, s[1].excluded), (0, 1));
+        assert!(s[1].median_ms.is_nan());
+    }
 }
