@@ -397,6 +397,7 @@ pub fn run(cfg: &IncastConfig) -> Result<ExperimentReport, ExperimentError> {
         results,
         ratios: Vec::new(),
         ratios_vs_dctcp: Vec::new(),
+        excluded: Vec::new(),
     };
     report.compute_ratios();
     Ok(report)

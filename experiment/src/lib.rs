@@ -46,7 +46,7 @@ mod tcp_host;
 
 pub use flows::{run, Variant, VariantKind, VARIANT_GRAMMAR};
 pub use report::{
-    bootstrap, print_table, quantile, write_flows_csv, Bootstrap, BucketStats, Estimate,
+    bootstrap, print_table, quantile, write_flows_csv, Bootstrap, BucketStats, Estimate, Excluded,
     ExperimentReport, FctSummary, FlowFailure, FlowRecord, Ratio, SizeBucket, Statistic,
     TcpSettings, VariantResult, CSV_COLUMNS,
 };

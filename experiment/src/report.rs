@@ -429,9 +429,46 @@ impl VariantResult {
         }
     }
 
-    /// Ran, kept the fabric's clock, and has completed flows: usable as a result.
+    /// Usable as a headline result: it ran, kept the fabric's clock, and every flow is
+    /// accounted for: completed, none failed, no wrong byte.
     pub fn is_headline(&self) -> bool {
-        self.skipped.is_none() && self.valid && self.flows > self.failed_flows
+        self.exclusion(None).is_none()
+    }
+
+    /// Why this variant cannot be a headline result (`None`: it can). `expected_flows`: the
+    /// flows the workload has (every one must have a completed record).
+    pub fn exclusion(&self, expected_flows: Option<usize>) -> Option<String> {
+        if let Some(why) = &self.skipped {
+            return Some(format!("skipped: {why}"));
+        }
+        if let Some(e) = &self.error {
+            return Some(format!("failed: {e}"));
+        }
+        if !self.valid {
+            return Some(format!(
+                "the fabric fell behind its clock ({} of {} departures late)",
+                self.fabric_late.0, self.fabric_late.1
+            ));
+        }
+        if self.flows == 0 {
+            return Some("no flow ran".into());
+        }
+        if self.failed_flows > 0 {
+            return Some(format!(
+                "{} of {} flows failed",
+                self.failed_flows, self.flows
+            ));
+        }
+        if let Some(n) = expected_flows.filter(|&n| n != self.flows) {
+            return Some(format!(
+                "{} flows recorded, the workload has {n}",
+                self.flows
+            ));
+        }
+        if self.wrong_bytes > 0 {
+            return Some(format!("{} delivered bytes were wrong", self.wrong_bytes));
+        }
+        None
     }
 
     /// p99 FCT (ms) of the completed pushes of tensors of at least 100 KB.
@@ -490,33 +527,40 @@ impl Ratio {
 /// usable TCP variants (none usable: no ratios).
 fn ratios_against(
     results: &[VariantResult],
+    usable: &dyn Fn(&VariantResult) -> bool,
     pick: impl Fn(&[&VariantResult]) -> Option<usize>,
 ) -> Vec<Ratio> {
     let tcp: Vec<&VariantResult> = results
         .iter()
-        .filter(|v| v.is_headline() && matches!(v.variant.kind, VariantKind::Tcp { .. }))
+        .filter(|v| usable(v) && matches!(v.variant.kind, VariantKind::Tcp { .. }))
         .collect();
     let Some(base) = pick(&tcp).map(|i| tcp[i]) else {
         return Vec::new();
     };
     results
         .iter()
-        .filter(|v| v.is_headline() && matches!(v.variant.kind, VariantKind::Gradwire { .. }))
+        .filter(|v| usable(v) && matches!(v.variant.kind, VariantKind::Gradwire { .. }))
         .map(|g| Ratio::of(g, base))
         .collect()
 }
 
 /// Each usable gradwire variant against the best usable TCP baseline (lowest overall p99).
-pub fn ratios_to_best_tcp(results: &[VariantResult]) -> Vec<Ratio> {
-    ratios_against(results, |tcp| {
+pub fn ratios_to_best_tcp(results: &[VariantResult], expected_flows: Option<usize>) -> Vec<Ratio> {
+    let usable = |v: &VariantResult| v.exclusion(expected_flows).is_none();
+    ratios_against(results, &usable, |tcp| {
         (0..tcp.len()).min_by(|&a, &b| tcp[a].fct_p99_ms.total_cmp(&tcp[b].fct_p99_ms))
     })
 }
 
 /// Each usable gradwire variant against the TCP variant named `name` (e.g. `tcp-dctcp`), if
 /// it ran and is usable.
-pub fn ratios_to(results: &[VariantResult], name: &str) -> Vec<Ratio> {
-    ratios_against(results, |tcp| {
+pub fn ratios_to(
+    results: &[VariantResult],
+    name: &str,
+    expected_flows: Option<usize>,
+) -> Vec<Ratio> {
+    let usable = |v: &VariantResult| v.exclusion(expected_flows).is_none();
+    ratios_against(results, &usable, |tcp| {
         tcp.iter().position(|v| v.variant.name == name)
     })
 }
@@ -557,14 +601,43 @@ pub struct ExperimentReport {
     pub ratios: Vec<Ratio>,
     /// Every valid gradwire variant against `tcp-dctcp` (the paper regime's target), if it ran.
     pub ratios_vs_dctcp: Vec<Ratio>,
+    /// The variants no ratio uses, and why (a headline needs a valid run with every flow of
+    /// the workload completed and right).
+    pub excluded: Vec<Excluded>,
+}
+
+/// A variant left out of the ratios.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Excluded {
+    /// The variant.
+    pub variant: String,
+    /// Why.
+    pub reason: String,
 }
 
 impl ExperimentReport {
     /// Fills [`ExperimentReport::ratios`] and [`ExperimentReport::ratios_vs_dctcp`] from the
     /// results.
     pub fn compute_ratios(&mut self) {
-        self.ratios = ratios_to_best_tcp(&self.results);
-        self.ratios_vs_dctcp = ratios_to(&self.results, "tcp-dctcp");
+        let expected = self.expected_flows();
+        self.ratios = ratios_to_best_tcp(&self.results, Some(expected));
+        self.ratios_vs_dctcp = ratios_to(&self.results, "tcp-dctcp", Some(expected));
+        self.excluded = self
+            .results
+            .iter()
+            .filter_map(|v| {
+                v.exclusion(Some(expected)).map(|reason| Excluded {
+                    variant: v.variant.name.clone(),
+                    reason,
+                })
+            })
+            .collect();
+    }
+
+    /// Flows of the workload per variant: every worker's tensors, pushed and pulled, every
+    /// iteration.
+    pub fn expected_flows(&self) -> usize {
+        self.iterations as usize * self.workers * self.tensors_per_worker * 2
     }
 }
 
@@ -811,7 +884,7 @@ pub fn print_table(r: &ExperimentReport) {
         if rs.is_empty() {
             continue;
         }
-        println!("ratios {title} (gradwire / TCP; valid runs only):");
+        println!("ratios {title} (gradwire / TCP; valid runs with every flow completed only):");
         let f = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}"));
         for x in rs {
             println!(
@@ -826,6 +899,9 @@ pub fn print_table(r: &ExperimentReport) {
                 x.baseline_drops_per_data_packet
             );
         }
+    }
+    for x in &r.excluded {
+        println!("  not in the ratios: {}: {}", x.variant, x.reason);
     }
 }
 
@@ -994,9 +1070,92 @@ mod tests {
             None,
             &Bootstrap::default(),
         );
+        // Synthetic figures of a run whose fabric reported (valid or behind).
+        r.error = None;
         r.valid = valid;
+        r.fabric_behind = !valid;
         r.drops_per_data_packet = p99 / 1000.0;
         r
+    }
+
+    fn report_of(results: Vec<VariantResult>) -> ExperimentReport {
+        ExperimentReport {
+            regime: "current".into(),
+            topology: "t".into(),
+            model: "m".into(),
+            scale: 1.0,
+            iterations: 1,
+            workers: 1,
+            servers: 1,
+            bytes_per_worker: 0,
+            // One push and one pull: the 2 records of `result` + one more below.
+            tensors_per_worker: 1,
+            link_rate_bps: 0,
+            tcp_rto_min_ms: None,
+            bootstrap: Bootstrap::default(),
+            data_packets_source: DATA_PACKETS_SOURCE,
+            results,
+            ratios: Vec::new(),
+            ratios_vs_dctcp: Vec::new(),
+            excluded: Vec::new(),
+        }
+    }
+
+    /// `name` with `done` completed flows and `failed` failed ones.
+    fn with_flows(name: &str, p99: f64, done: usize, failed: usize) -> VariantResult {
+        let recs: Vec<FlowRecord> = (0..done)
+            .map(|_| rec(150_000, true, p99, None))
+            .chain((0..failed).map(|_| rec(150_000, true, 1.0, Some("timed out"))))
+            .collect();
+        let mut r = summarize(
+            &variant(name),
+            recs,
+            vec![Duration::from_millis(p99 as u64 * 10)],
+            None,
+            &Bootstrap::default(),
+        );
+        r.error = None;
+        r.valid = true;
+        r.fabric_behind = false;
+        r
+    }
+
+    #[test]
+    fn a_variant_that_lost_flows_is_no_headline_and_is_listed() {
+        // gw-p1 failed one of its two flows: its p99 over the one that completed would look
+        // fine, but half its workload is missing.
+        let mut report = report_of(vec![
+            with_flows("gw-p1", 10.0, 1, 1),
+            with_flows("gw-p10", 20.0, 2, 0),
+            with_flows("tcp-cubic", 100.0, 2, 0),
+            // Best p99, but only one of the workload's two flows has a record.
+            with_flows("tcp-bbr", 50.0, 1, 0),
+        ]);
+        assert_eq!(report.expected_flows(), 2);
+        report.compute_ratios();
+        let names: Vec<&str> = report.ratios.iter().map(|r| r.variant.as_str()).collect();
+        assert_eq!(names, ["gw-p10"]);
+        assert_eq!(report.ratios[0].baseline, "tcp-cubic");
+        assert_eq!(
+            report.excluded,
+            vec![
+                Excluded {
+                    variant: "gw-p1".into(),
+                    reason: "1 of 2 flows failed".into()
+                },
+                Excluded {
+                    variant: "tcp-bbr".into(),
+                    reason: "1 flows recorded, the workload has 2".into()
+                },
+            ]
+        );
+        // Even more completed than failed is not enough.
+        assert!(!with_flows("gw-p0", 1.0, 10, 1).is_headline());
+        assert!(with_flows("gw-p0", 1.0, 10, 0).is_headline());
+        // Wrong bytes: excluded.
+        let mut w = with_flows("gw-p0", 1.0, 2, 0);
+        w.wrong_bytes = 3;
+        assert!(w.exclusion(Some(2)).unwrap().contains("wrong"));
     }
 
     #[test]
@@ -1009,7 +1168,7 @@ mod tests {
             // Best p99 but not valid: not a baseline.
             result("tcp-dctcp", 20.0, false),
         ];
-        let r = ratios_to_best_tcp(&results);
+        let r = ratios_to_best_tcp(&results, None);
         assert_eq!(r.len(), 1, "the invalid gradwire run takes no part");
         assert_eq!(
             (r[0].variant.as_str(), r[0].baseline.as_str()),
@@ -1019,8 +1178,8 @@ mod tests {
         assert_eq!(r[0].p99_push_large, Some(0.5));
         assert_eq!(r[0].mean_iteration, Some(0.5));
         assert_eq!(r[0].baseline_drops_per_data_packet, 0.1);
-        assert!(ratios_to(&results, "tcp-dctcp").is_empty());
-        assert_eq!(ratios_to(&results, "tcp-cubic")[0].p99, Some(0.25));
+        assert!(ratios_to(&results, "tcp-dctcp", None).is_empty());
+        assert_eq!(ratios_to(&results, "tcp-cubic", None)[0].p99, Some(0.25));
     }
 
     #[test]
@@ -1049,6 +1208,7 @@ mod tests {
             results: vec![v],
             ratios: Vec::new(),
             ratios_vs_dctcp: Vec::new(),
+            excluded: Vec::new(),
         };
         let mut out = Vec::new();
         write_flows_csv(&report, &mut out).unwrap();
