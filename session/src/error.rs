@@ -1,6 +1,7 @@
 //! The session's errors, each with a stable [`ErrorKind`] the bindings turn into a C error
 //! code or a Python exception class.
 
+use gradwire::ctrl_channel::ChannelError;
 use gradwire::transport::TransferError;
 use gradwire_collective::error::CollectiveError;
 
@@ -68,6 +69,9 @@ impl SessionError {
                         ErrorKind::InvalidArgument
                     }
                     TransferError::Random => ErrorKind::Setup,
+                    // The handshake refused the link: the ranks' job secrets, or their
+                    // authentication modes, differ (a set-up error, as documented).
+                    TransferError::Channel(ChannelError::Refused { .. }) => ErrorKind::Setup,
                     _ => ErrorKind::Peer,
                 },
                 CollectiveError::Aggregate { .. } => ErrorKind::Data,
@@ -139,6 +143,15 @@ mod tests {
             source: TransferError::Config("mtu".into()),
         });
         assert_eq!(bad.kind(), ErrorKind::InvalidArgument);
+        let refused = SessionError::from(CollectiveError::Link {
+            peer: 2,
+            source: TransferError::Channel(ChannelError::Refused {
+                peer: "198.18.0.3:9".into(),
+                reason: "job secret mismatch".into(),
+            }),
+        });
+        assert_eq!(refused.kind(), ErrorKind::Setup);
+        assert_eq!(refused.peer(), Some(2));
         assert_eq!(SessionError::Closed.kind(), ErrorKind::Unusable);
         assert_eq!(SessionError::Closed.peer(), None);
     }
