@@ -42,9 +42,21 @@
 //! rates over the same time) or `iterations` rounds, whichever comes first.
 //!
 //! **Figures.** A round's synchronization time is the slowest node's (`NodeReport::sync_ms`,
-//! from its PUSH to its last result chunk); a run's `sync_ms_mean` is their mean and its
-//! `speedup_vs_star` star's mean over its own on the same network. A run is valid when the
-//! fabric kept its clock ([`FabricHealth`]).
+//! from its PUSH to its last result chunk); a run's `sync_ms_mean` is their mean. A run is
+//! valid when the fabric kept its clock ([`FabricHealth`]), every node reported with every
+//! round verified, and nothing failed; only valid runs count. Each strategy runs
+//! [`WanConfig::repeats`] times per network; its figures ([`WanFigure`]) are the min, median
+//! and max over its valid runs, and its `speedup_vs_star` star's median over its own. The
+//! targets compare medians; a target whose strategy has no valid run is not judged, and the
+//! report lists every run left out and why ([`Targets::excluded`]).
+//!
+//! **Valid by construction.** The fabric forwards on one core. Each node's senders run at its
+//! site's fastest WAN link ([`site_rate_cap`]) rather than the 100 Mbit/s of its host link,
+//! so frames that could never cross the WAN are not offered to be forwarded and dropped;
+//! [`frame_budget`] bounds the frames per second a run may need from the link rates, and the
+//! experiment refuses settings above [`FRAME_BUDGET_FPS`]. Each run's measured frame rate
+//! (mean and peak, from the fabric's counters) is in its report, and a run whose fabric still
+//! fell behind is run again, up to [`WanConfig::max_attempts`] times, each attempt recorded.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
@@ -1133,10 +1145,12 @@ pub struct WanConfig {
 
 impl WanConfig {
     /// Defaults with files under the repository root `root`: wan9, AlexNet at 1 % (611 k
-    /// elements, 2.4 MB), every strategy on both networks, at most 200 rounds over one period
-    /// of the schedule (80 s; a round that starts within it is finished), chunks of 50 000
-    /// elements (13 per round) and probes above 100 kB, a 120 s timeout, grant rate control
-    /// with a 2 ms period.
+    /// elements, 2.4 MB), every strategy on both networks, twice each (a run whose fabric fell
+    /// behind up to 3 attempts), at most 200 rounds in 40 s from each fabric's start (the
+    /// schedule's first two rates; a round that starts within it is finished), chunks of
+    /// 50 000 elements (13 per round) and probes above 100 kB, a 120 s timeout, grant rate
+    /// control with a 2 ms period, senders at their site's fastest WAN link
+    /// ([`site_rate_cap`]). 28 runs of about 50 s: about 25 minutes.
     ///
     /// Why not the paper's sizes: wan9's rates are the paper's divided by 10, so AlexNet at
     /// full size would take minutes per round. Why not smaller chunks: each chunk costs its
@@ -2607,9 +2621,6 @@ delay = "1ms"
             let b = frame_budget(&topo, &links, |r| caps[r]);
             eprintln!("{file}: {b:?}");
             assert!(b.total_fps <= b.limit_fps, "{file}: {b:?}");
-            // At the host links' rate (the shipped experiment before) it was not.
-            let host = frame_budget(&topo, &links, |_| 100_000_000);
-            assert!(host.from_hosts_fps > b.from_hosts_fps, "{file}");
         }
     }
 
