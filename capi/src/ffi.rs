@@ -65,19 +65,27 @@ impl gw_session {
     /// The session for one call, or GW_ERR_BUSY / GW_ERR_UNUSABLE. Never waits: see the
     /// header's thread-safety notes.
     fn lock(&self) -> Result<MutexGuard<'_, SessionState>, CError> {
-        match self.state.try_lock() {
-            Ok(g) => Ok(g),
-            Err(TryLockError::WouldBlock) => Err(CError::new(
-                GW_ERR_BUSY,
-                "another thread is inside a call on this session: a gw_session is used by one \
-                 thread at a time (use one session per thread, or serialise the calls)",
-            )),
-            Err(TryLockError::Poisoned(_)) => Err(CError::new(
-                GW_ERR_UNUSABLE,
-                "an earlier call on this session failed with GW_ERR_INTERNAL: free it with \
-                 gw_session_free and build a new session",
-            )),
-        }
+        let g =
+            match self.state.try_lock() {
+                Ok(g) => g,
+                Err(TryLockError::WouldBlock) => {
+                    return Err(CError::new(
+                        GW_ERR_BUSY,
+                        "another thread is inside a call on this session: a gw_session is used by \
+                     one thread at a time (use one session per thread, or serialise the calls)",
+                    ))
+                }
+                Err(TryLockError::Poisoned(_)) => return Err(CError::new(
+                    GW_ERR_UNUSABLE,
+                    "an earlier call on this session failed with GW_ERR_INTERNAL: free it with \
+                     gw_session_free and build a new session",
+                )),
+            };
+        // The unit tests' way to make a call panic mid-operation (not in the library users
+        // get: no panic trigger ships).
+        #[cfg(test)]
+        tests::panic_if_armed();
+        Ok(g)
     }
 }
 
@@ -934,4 +942,97 @@ pub unsafe extern "C" fn gw_last_recv_missing(
         unsafe { len.write(missing.len()) };
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+    use std::ptr;
+
+    thread_local! {
+        static PANIC_IN_NEXT_CALL: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Panics once, inside the session's lock, after `arm()` on this thread.
+    pub(super) fn panic_if_armed() {
+        if PANIC_IN_NEXT_CALL.with(|p| p.replace(false)) {
+            panic!("test hook: a bug inside a session call");
+        }
+    }
+
+    fn arm() {
+        PANIC_IN_NEXT_CALL.with(|p| p.set(true));
+    }
+
+    fn message() -> String {
+        // SAFETY: this thread's live NUL-terminated message.
+        unsafe { CStr::from_ptr(gw_last_error_message()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn a_panic_inside_an_exported_call_is_gw_err_internal_then_the_session_is_unusable() {
+        // A 1-rank job set up in two phases: a real session with no peer to wait for.
+        let cfg = gw_config_default(0, 1, c"127.0.0.1".as_ptr());
+        let (mut ep, mut s) = (ptr::null_mut(), ptr::null_mut());
+        let (mut p, mut n) = (ptr::null(), 0);
+        // SAFETY: valid config, out-pointers, a live endpoint, a table of its 1 address.
+        unsafe {
+            assert_eq!(
+                gw_endpoint_bind(&cfg, &mut ep),
+                error::GW_OK,
+                "{}",
+                message()
+            );
+            assert_eq!(gw_endpoint_address(ep, &mut p, &mut n), error::GW_OK);
+            assert_eq!(
+                gw_endpoint_connect(ep, &p, &n, 1, &mut s),
+                error::GW_OK,
+                "{}",
+                message()
+            );
+            gw_endpoint_free(ep);
+        }
+        // SAFETY: a live session.
+        assert_eq!(unsafe { gw_barrier(s) }, error::GW_OK, "{}", message());
+
+        arm();
+        // SAFETY: a live session; the call panics inside (the hook), which must not unwind
+        // out of the extern "C" function.
+        let rc = unsafe { gw_barrier(s) };
+        assert_eq!(rc, error::GW_ERR_INTERNAL, "{}", message());
+        let m = message();
+        assert!(
+            m.contains("internal error in gradwire") && m.contains("test hook: a bug"),
+            "{m}"
+        );
+        assert_eq!(gw_last_error_peer(), -1);
+        // The panic left the session half-way: every later operation says so.
+        let mut x = [1.0f32; 4];
+        // SAFETY: a live session and a buffer of 4 f32.
+        let rc = unsafe {
+            gw_all_reduce(
+                s,
+                x.as_mut_ptr().cast(),
+                4,
+                types::GW_DTYPE_F32,
+                types::GW_OP_SUM,
+                ptr::null(),
+                ptr::null_mut(),
+            )
+        };
+        assert_eq!(rc, GW_ERR_UNUSABLE, "{}", message());
+        assert!(message().contains("GW_ERR_INTERNAL"), "{}", message());
+        // SAFETY: a live session.
+        assert_eq!(unsafe { gw_barrier(s) }, GW_ERR_UNUSABLE);
+        // What needs no lock still works, and the session frees normally.
+        let mut rank = 7;
+        // SAFETY: a live session and a writable u32.
+        assert_eq!(unsafe { gw_session_rank(s, &mut rank) }, error::GW_OK);
+        assert_eq!(rank, 0);
+        // SAFETY: freed once.
+        unsafe { gw_session_free(s) };
+    }
 }
