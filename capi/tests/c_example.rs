@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -199,22 +201,17 @@ fn spawn(mut cmd: Command, rank: usize, master_addr: &str, port: u16) -> Child {
     cmd.spawn().unwrap()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn the_c_example_runs_three_ranks_on_loopback_shared_and_static() {
     let b = binaries();
     for bin in [&b.shared, &b.static_] {
-        let port = free_port();
+        // Reserved until the job is over: rank 0 binds it, nobody else can.
+        let port = common::MasterPort::reserve();
         let mut ranks = Ranks(Vec::new());
         for r in 0..WORLD {
-            ranks.0.push(spawn(Command::new(bin), r, "127.0.0.1", port));
+            ranks
+                .0
+                .push(spawn(Command::new(bin), r, "127.0.0.1", port.port));
         }
         let outputs = wait_all(ranks);
         check_lines(&outputs, |_| "127.0.0.1".into());

@@ -2,21 +2,42 @@
 //! functions C calls.
 #![allow(dead_code, unsafe_code)]
 
+pub mod forge;
+
 use std::ffi::{CStr, CString};
-use std::net::{Ipv4Addr, TcpListener};
+use std::net::Ipv4Addr;
 use std::ptr;
 
 use gradwire_c::*;
 
 pub const LOCAL: &CStr = c"127.0.0.1";
 
-/// A port free on 127.0.0.1 right now (for a rendezvous master).
-pub fn free_port() -> u16 {
-    TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// A rendezvous master's port on 127.0.0.1, reserved for as long as this lives: a socket bound
+/// there with `SO_REUSEADDR` but not listening. Rank 0's listener (std sets `SO_REUSEADDR`)
+/// can bind the same port, since the reservation never listens; nobody else can take it in
+/// the meantime (the kernel skips it for port-0 binds, and an explicit bind without
+/// `SO_REUSEADDR` conflicts). No port is ever found free, dropped and bound again later.
+#[derive(Debug)]
+pub struct MasterPort {
+    _hold: socket2::Socket,
+    pub port: u16,
+}
+
+impl MasterPort {
+    pub fn reserve() -> MasterPort {
+        use socket2::{Domain, Socket, Type};
+        let s = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        s.set_reuse_address(true).unwrap();
+        s.bind(&std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, 0)).into())
+            .unwrap();
+        let port = s.local_addr().unwrap().as_socket().unwrap().port();
+        MasterPort { _hold: s, port }
+    }
+
+    /// "127.0.0.1:port" as C wants it.
+    pub fn master(&self) -> CString {
+        master(self.port)
+    }
 }
 
 /// The master address of a rendezvous on 127.0.0.1.
@@ -94,7 +115,8 @@ pub fn with_sessions<T: Send>(
     tweak: impl Fn(&mut gw_config) + Sync,
     f: impl Fn(u32, &Session) -> T + Sync,
 ) -> Vec<T> {
-    let m = master(free_port());
+    let port = MasterPort::reserve();
+    let m = port.master();
     std::thread::scope(|sc| {
         let hs: Vec<_> = (0..world)
             .map(|r| {
