@@ -1,0 +1,141 @@
+//! Network links on loopback addresses of this host (no root needed): a link's listener
+//! refuses a connection from an address that is not its peer's in the endpoint table, and
+//! the link is still made with the real peer.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use gradwire::ctrl_channel::{ChannelError, CtrlChannel, TcpCtrl};
+use gradwire::tensor::Tensor;
+use gradwire_collective::comm::{AllReduceOptions, CommConfig, Communicator};
+use gradwire_collective::link::{parse_endpoint_table, ring_edges, Links, NetLinkConfig};
+
+const JOB: u32 = 21;
+
+fn ip(last: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(127, 64, 0, last))
+}
+
+#[test]
+fn a_links_listener_refuses_an_address_not_in_the_table() {
+    let cfg = NetLinkConfig {
+        connect_timeout: Duration::from_secs(5),
+        ..NetLinkConfig::default()
+    };
+    let pending: Vec<_> = (0..2)
+        .map(|r| Links::bind(JOB, r, 2, ip(r as u8 + 1), &ring_edges(2), None, &cfg).unwrap())
+        .collect();
+    let table: Vec<Vec<u8>> = pending.iter().map(|p| p.endpoint().to_vec()).collect();
+    let infos = parse_endpoint_table(&table, JOB, 2).unwrap();
+    let port = infos[1]
+        .listeners
+        .iter()
+        .find(|(from, _)| *from == 0)
+        .unwrap()
+        .1;
+    // A stranger (another address of this host) completes the handshake on rank 1's
+    // listener for rank 0's link before rank 0 connects: it is first in line.
+    let mut stranger = TcpCtrl::connect_from(
+        Some(ip(3)),
+        SocketAddr::new(ip(2), port),
+        Duration::from_secs(5),
+        None,
+        None,
+    )
+    .unwrap();
+    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = pending
+            .into_iter()
+            .map(|p| {
+                let table = table.clone();
+                s.spawn(move || {
+                    let links = p.finish(&table).unwrap();
+                    let r = links.rank();
+                    let ccfg = CommConfig {
+                        op_timeout: Duration::from_secs(5),
+                        ..CommConfig::default()
+                    };
+                    let mut comm = Communicator::new(links, JOB, ccfg).unwrap();
+                    let mut t = Tensor::from_f32(&[r as f32 + 1.0; 300]);
+                    comm.all_reduce(&mut t, &AllReduceOptions::default())
+                        .unwrap();
+                    t.as_f32().unwrap().to_vec()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(sums.iter().all(|v| v.iter().all(|&x| x == 3.0)), "{sums:?}");
+    // Rank 1 dropped the stranger's connection when it accepted it (a refused stranger is
+    // closed, not kept as the link).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match stranger.recv(Duration::from_millis(200)) {
+            Err(ChannelError::Closed { .. } | ChannelError::Io { .. }) => break,
+            Ok(None) if Instant::now() < deadline => continue,
+            other => panic!("the stranger's connection is still open: {other:?}"),
+        }
+    }
+}
+
+/// Ranks whose transfers use different MTUs cut tensors into different blocks: the
+/// all-reduce fails at every rank with an error naming the peer (the transport refuses a
+/// flow whose size does not match), reliable or lossy, never a silent mix of layouts.
+#[test]
+fn ranks_with_different_mtus_get_an_error_not_a_silent_mix() {
+    use gradwire::message::LossBound;
+    use gradwire_collective::error::CollectiveError;
+    use gradwire_collective::link::MemLinkConfig;
+    let mem = MemLinkConfig {
+        max_datagram: 9000,
+        ..MemLinkConfig::default()
+    };
+    for (elems, bound) in [(100_000, 0.0), (100_000, 0.05), (5_000, 0.05), (300, 0.05)] {
+        let links = Links::in_memory(2, &ring_edges(2), &mem).unwrap();
+        let results: Vec<Result<Vec<f32>, CollectiveError>> = std::thread::scope(|s| {
+            let hs: Vec<_> = links
+                .into_iter()
+                .map(|l| {
+                    s.spawn(move || {
+                        let r = l.rank();
+                        let mut ccfg = CommConfig {
+                            op_timeout: Duration::from_secs(3),
+                            ..CommConfig::default()
+                        };
+                        ccfg.transfer.mtu = if r == 0 { 1500 } else { 4000 };
+                        ccfg.transfer.idle_timeout = Duration::from_secs(3);
+                        let mut comm = Communicator::new(l, JOB, ccfg).unwrap();
+                        let mut t = Tensor::from_f32(&vec![r as f32 + 1.0; elems]);
+                        let o = AllReduceOptions {
+                            loss_bound: Some(LossBound::from_fraction(bound).unwrap()),
+                            ..AllReduceOptions::default()
+                        };
+                        comm.all_reduce(&mut t, &o)?;
+                        Ok(t.as_f32().unwrap().to_vec())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut why = false;
+        for (r, res) in results.iter().enumerate() {
+            match res {
+                Err(e @ CollectiveError::Link { peer, .. }) => {
+                    assert_eq!(*peer, 1 - r, "{elems} elems, p {bound}: rank {r}: {e}");
+                    let m = e.to_string();
+                    why |= m.contains("SizeMismatch") || m.contains("BadSegmentLayout");
+                }
+                other => panic!(
+                    "{elems} elems, p {bound}: rank {r}: {:?}",
+                    other.as_ref().map(|v| v.len())
+                ),
+            }
+        }
+        assert!(
+            why,
+            "{elems} elems, p {bound}: no rank says the layouts differ: {results:?}"
+        );
+    }
+}
