@@ -7,7 +7,9 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum WanError {
     /// A chunk channel with a peer failed, or a peer sent what the round's policy forbids.
-    #[error("node {rank}: link with node {peer}: {error}")]
+    /// A peer that failed closes its links, so the nodes whose links had closed before are
+    /// named too: one of them may be the cause (a dead node whose death failed the peer).
+    #[error("node {rank}: link with node {peer}: {error}{}", closed_before(.closed))]
     Peer {
         /// This node.
         rank: usize,
@@ -15,6 +17,8 @@ pub enum WanError {
         peer: usize,
         /// What happened.
         error: String,
+        /// Nodes whose links to this one had closed before (finished early, or dead).
+        closed: Vec<usize>,
     },
     /// A round did not finish in time: a node stopped answering, or the network is slower
     /// than the timeout allows.
@@ -60,4 +64,13 @@ pub enum WanError {
     /// A bug.
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+/// " (links closed before by nodes [..])", or nothing when none had.
+fn closed_before(closed: &[usize]) -> String {
+    if closed.is_empty() {
+        String::new()
+    } else {
+        format!(" (links closed before by nodes {closed:?})")
+    }
 }

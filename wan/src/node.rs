@@ -180,6 +180,7 @@ impl Node {
             rank: self.cfg.rank,
             peer,
             error: error.to_string(),
+            closed: self.closed.clone(),
         }
     }
 
