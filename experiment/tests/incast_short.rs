@@ -2,7 +2,8 @@
 //! one iteration. Checks invariants only, never timings: every tensor flow completed, every
 //! delivered byte is right, gradwire delivered at least 1 - p of every tensor, TCP all of it,
 //! the TCP host settings were in force; and a receiver that fails mid-run costs only its own
-//! flows, which the report counts and explains.
+//! flows, which the report counts and explains. Every test holds the fabric lock, and a run
+//! whose fabric fell behind its clock fails the test (its results are no evidence).
 
 #![allow(clippy::unwrap_used)]
 
@@ -11,7 +12,7 @@ use std::path::{Path, PathBuf};
 use gradwire_experiment::{
     run, write_flows_csv, IncastConfig, ReceiverFault, Regime, Variant, VariantKind,
 };
-use gradwire_netns::require_root;
+use gradwire_netns::{require_root, FabricLock};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -39,6 +40,7 @@ fn short_incast_keeps_the_invariants() {
     if !require_root("short_incast_keeps_the_invariants") {
         return;
     }
+    let _fabric = FabricLock::acquire().unwrap();
     let cfg = short(&[
         "gw-p10",
         "gw-p0",
@@ -53,6 +55,11 @@ fn short_incast_keeps_the_invariants() {
     for v in &r.results {
         assert!(v.skipped.is_none(), "{}: {:?}", v.variant.name, v.skipped);
         assert!(v.error.is_none(), "{}: {:?}", v.variant.name, v.error);
+        assert!(
+            v.valid,
+            "{}: the fabric fell behind its clock (late {}/{} departures): the run is no result",
+            v.variant.name, v.fabric_late.0, v.fabric_late.1
+        );
         assert_eq!(
             v.flows, tensors,
             "{}: every tensor flow completed",
@@ -87,6 +94,12 @@ fn short_incast_keeps_the_invariants() {
             );
         }
         assert!(v.data_packets > 0);
+        assert!(
+            v.is_headline(),
+            "{}: {:?}",
+            v.variant.name,
+            v.exclusion(None)
+        );
         eprintln!(
             "{}: fct avg {:.1} ms p99 {:.1} ms, marked {}, dropped {}, drops/pkt {:.4} (valid: {})",
             v.variant.name,
@@ -111,6 +124,7 @@ fn a_failing_receiver_is_recorded_and_the_run_goes_on() {
     if !require_root("a_failing_receiver_is_recorded_and_the_run_goes_on") {
         return;
     }
+    let _fabric = FabricLock::acquire().unwrap();
     let cfg = IncastConfig {
         iterations: 2,
         receiver_fault: Some(ReceiverFault {
@@ -124,6 +138,12 @@ fn a_failing_receiver_is_recorded_and_the_run_goes_on() {
     for v in &r.results {
         let name = &v.variant.name;
         assert!(v.skipped.is_none() && v.error.is_none(), "{name}: {v:?}");
+        assert!(
+            v.valid,
+            "{name}: the fabric fell behind its clock (late {}/{} departures): the run is no \
+             result",
+            v.fabric_late.0, v.fabric_late.1
+        );
         assert_eq!(
             v.flows,
             2 * per_iteration,
@@ -163,6 +183,18 @@ fn a_failing_receiver_is_recorded_and_the_run_goes_on() {
             "{name}: figures from the completed flows"
         );
     }
+    // A variant that lost flows is no headline, and the report says why.
+    for v in &r.results {
+        assert!(!v.is_headline(), "{}", v.variant.name);
+        assert!(
+            r.excluded
+                .iter()
+                .any(|x| x.variant == v.variant.name && x.reason.contains("failed")),
+            "{:?}",
+            r.excluded
+        );
+    }
+    assert!(r.ratios.is_empty(), "{:?}", r.ratios);
     let mut csv = Vec::new();
     write_flows_csv(&r, &mut csv).unwrap();
     let csv = String::from_utf8(csv).unwrap();

@@ -1,6 +1,8 @@
 //! Short versions of the MLNET experiments (seconds, root): every strategy and priority mode
 //! completes on the oversubscribed leaf-spine, and a cut link ends a job with an error, not a
-//! hang. Invariants only, never timings (those are in docs/results.md).
+//! hang. Invariants only, never timings (those are in docs/results.md). Every test holds the
+//! fabric lock (one emulated fabric at a time on this machine), and a run whose fabric fell
+//! behind its clock fails the test: its results are no evidence either way.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -13,7 +15,7 @@ use gradwire_experiment::mlnet::{
     PriorityMode, RunSettings,
 };
 use gradwire_fabric::topology::Topology;
-use gradwire_netns::require_root;
+use gradwire_netns::{require_root, FabricLock};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -24,6 +26,7 @@ fn short_mlnet_runs_every_strategy() {
     if !require_root("short_mlnet_runs_every_strategy") {
         return;
     }
+    let _fabric = FabricLock::acquire().unwrap();
     let cfg = MlnetConfig {
         strategies: vec![Strategy::Star, Strategy::Rack, Strategy::BINARY],
         servers: vec![1, 2],
@@ -40,6 +43,12 @@ fn short_mlnet_runs_every_strategy() {
             r.strategy,
             r.servers,
             r.error
+        );
+        assert!(
+            r.valid,
+            "{}/{}: the fabric fell behind its clock (late {}/{} departures, peak {:.0} \
+             frames/s): the run is no result",
+            r.strategy, r.servers, r.fabric.late, r.fabric.departures, r.fabric.frames_per_s_peak
         );
         assert!(r.makespan_ms.is_finite() && r.makespan_ms > 0.0, "{r:?}");
         assert!(r.vs_star.is_finite());
@@ -63,6 +72,7 @@ fn short_priority_runs_every_mode_and_the_urgent_job_finishes_first() {
     if !require_root("short_priority_runs_every_mode_and_the_urgent_job_finishes_first") {
         return;
     }
+    let _fabric = FabricLock::acquire().unwrap();
     let cfg = PriorityConfig {
         jobs: 3,
         workers: 3,
@@ -77,6 +87,11 @@ fn short_priority_runs_every_mode_and_the_urgent_job_finishes_first() {
     assert_eq!(report.results.len(), 3 * PriorityMode::ALL.len());
     for r in &report.results {
         assert!(r.error.is_none(), "{r:?}");
+        assert!(
+            r.valid,
+            "{} repetition {} job {}: the fabric fell behind its clock: the run is no result",
+            r.mode, r.repetition, r.job
+        );
         assert!(r.makespan_ms.is_finite() && r.makespan_ms > 0.0);
     }
     // Every job of a repetition has the same placement and priority in every mode, and
@@ -98,6 +113,12 @@ fn short_priority_runs_every_mode_and_the_urgent_job_finishes_first() {
     })
     .unwrap();
     assert!(pair.error.is_none(), "{pair:?}");
+    assert!(
+        pair.valid,
+        "the fabric fell behind its clock in a run of the pair ({:?}): its ordering is no \
+         evidence",
+        pair.excluded
+    );
     assert!(pair.urgent_ms < pair.background_ms, "{pair:?}");
 }
 
@@ -109,6 +130,7 @@ fn a_cut_link_is_an_error_not_a_hang() {
     if !require_root("a_cut_link_is_an_error_not_a_hang") {
         return;
     }
+    let _fabric = FabricLock::acquire().unwrap();
     let mut topo = Topology::load(&root().join("testbeds/mlnet.toml")).unwrap();
     let victim = 5;
     let h = topo.hosts[victim].clone();
