@@ -20,7 +20,7 @@ use std::io::{BufRead, BufReader, Read};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -65,6 +65,12 @@ const BRIDGE: &str = "br0";
 const RUN_PREFIX_LEN: u8 = 15;
 /// What a worker prints per iteration starts with this after `rank R`; `job run` counts them.
 const ITERATION_MARK: &str = ": iteration ";
+/// `job run` sets this in its workers' environment to its own pid: a worker that finds it
+/// dies with that process (see [`die_with_launcher`]).
+const PARENT_VAR: &str = "GRADWIRE_JOB_RUN_PARENT";
+/// What `job run` prints on stderr once every rank has finished its first iteration (the
+/// job is under way: tests wait for it instead of guessing a time).
+const ALL_ITERATING: &str = "every rank is iterating";
 
 /// Why a job command failed (besides the collective layer's and the job file's own errors).
 #[derive(Debug, thiserror::Error)]
@@ -185,6 +191,10 @@ pub enum JobCmdError {
     Deadline { secs: f64, running: Vec<usize> },
     #[error("interrupted: stopped every rank and removed the namespaces")]
     Interrupted,
+    #[error("cannot ask to die with the `job run` that started this rank: {0}")]
+    ParentDeathSignal(nix::Error),
+    #[error("the `job run` that started this rank (pid {pid}) is gone: not starting without it")]
+    LauncherGone { pid: u32 },
     #[error("rank {rank} exited 0 but its report is not valid JSON ({source}): {stdout:?}")]
     BadReport {
         rank: usize,
@@ -329,8 +339,30 @@ fn local_ip_towards(master: SocketAddr) -> Result<IpAddr, JobCmdError> {
     Ok(s.local_addr().map_err(err)?.ip())
 }
 
+/// A worker started by `job run` (its pid in [`PARENT_VAR`]) asks the kernel for SIGKILL when
+/// that process dies, so a `job run` killed outright (SIGKILL, no cleanup of its own) leaves
+/// no rank running. `ip netns exec` execs the worker without forking, so `job run` is this
+/// process's parent; it spawns the ranks from its main thread, which lives as long as it does
+/// (the signal follows the thread that forked). If `job run` died before the request took
+/// effect, the parent is already someone else: stop here.
+fn die_with_launcher() -> Result<(), JobCmdError> {
+    let Some(pid) = std::env::var(PARENT_VAR)
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok())
+    else {
+        return Ok(());
+    };
+    nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+        .map_err(JobCmdError::ParentDeathSignal)?;
+    if i64::from(nix::unistd::getppid().as_raw()) != i64::from(pid) {
+        return Err(JobCmdError::LauncherGone { pid });
+    }
+    Ok(())
+}
+
 /// `gradwire job worker`.
 pub fn worker(a: &JobWorkerArgs) -> Res {
+    die_with_launcher()?;
     let env = LaunchEnv::from_env()?;
     let (rank, world) = (env.rank, env.world);
     let spec = a.job_file.as_deref().map(JobSpec::load).transpose()?;
@@ -992,6 +1024,8 @@ fn run_ranks(
         readers: Vec::with_capacity(world),
     };
     let mut local_rank: BTreeMap<usize, usize> = BTreeMap::new();
+    // Ranks that have finished their first iteration.
+    let iterating = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     for (r, &h) in host_of.iter().enumerate() {
         let lr = local_rank.entry(h).or_insert(0);
@@ -1007,6 +1041,8 @@ fn run_ranks(
             // Launcher variables this process may have inherited (a Slurm allocation) must
             // not contradict ours.
             .env(LAUNCHER_VAR, "torchrun")
+            // The worker dies with this process, however it ends (`die_with_launcher`).
+            .env(PARENT_VAR, std::process::id().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -1025,13 +1061,20 @@ fn run_ranks(
             s
         });
         let pb2 = pb.clone();
+        let iterating = Arc::clone(&iterating);
         let err_reader = std::thread::spawn(move || {
             let mut kept = String::new();
+            let mut first = true;
             if let Some(e) = err {
                 for line in BufReader::new(e).lines() {
                     let Ok(line) = line else { break };
                     if line.starts_with(&format!("rank {r}{ITERATION_MARK}")) {
                         pb2.inc(1);
+                        if std::mem::take(&mut first)
+                            && iterating.fetch_add(1, Ordering::SeqCst) + 1 == world
+                        {
+                            pb2.suspend(|| eprintln!("gradwire job run: {ALL_ITERATING}"));
+                        }
                     } else {
                         kept.push_str(&line);
                         kept.push('\n');

@@ -5,7 +5,13 @@
 //!
 //! The namespace tests need root: without it they print a visible SKIPPED line, or fail when
 //! GRADWIRE_REQUIRE_PRIV=1. Namespaces are removed by the netns kit's guards and every child
-//! process is killed by its guard, also when a test fails half-way.
+//! process is killed by its guard, also when a test fails half-way. Their outcomes depend on
+//! the ranks' timeouts, so each holds [`FabricLock`] (no fabric or timed test beside them).
+//!
+//! A `job run` gets more time from the harness than its own `--deadline`, so its own cleanup
+//! (stop the ranks, remove the namespaces) is what ends a slow run; past the harness's bound
+//! it gets SIGTERM (the same cleanup), and SIGKILL only if that does not end it. Its workers
+//! die with it even then (`killing_job_run_leaves_no_worker_running`).
 
 #![allow(clippy::unwrap_used)]
 
@@ -19,7 +25,10 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use gradwire_netns::{Testbed, TestbedConfig};
+use gradwire_netns::{FabricLock, Testbed, TestbedConfig};
+use nix::sys::signal::{kill, Signal};
+use nix::sys::wait::waitpid;
+use nix::unistd::Pid;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gradwire");
 const MODEL: &str = concat!(
@@ -27,9 +36,20 @@ const MODEL: &str = concat!(
     "/../control/models/resnet50.toml"
 );
 const JOB4: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/job4.toml");
+/// What `job run` prints once every rank has finished an iteration (job_cmd.rs).
+const ALL_ITERATING: &str = "every rank is iterating";
+/// The harness waits this much longer than a `job run`'s own `--deadline`.
+const BEYOND_DEADLINE: Duration = Duration::from_secs(30);
+/// After SIGTERM at the harness's bound, this long for the process's own cleanup.
+const TERM_GRACE: Duration = Duration::from_secs(20);
+
+/// The harness's bound for a `job run --deadline secs`: its own deadline and cleanup first.
+fn beyond(deadline_secs: u64) -> Duration {
+    Duration::from_secs(deadline_secs) + BEYOND_DEADLINE
+}
 
 /// Every variable a launcher or the job layer reads: tests set exactly the ones they mean.
-const LAUNCH_VARS: [&str; 16] = [
+const LAUNCH_VARS: [&str; 17] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -46,6 +66,7 @@ const LAUNCH_VARS: [&str; 16] = [
     "MASTER_PORT",
     "GRADWIRE_JOB_SECRET",
     "GRADWIRE_LOG",
+    "GRADWIRE_JOB_RUN_PARENT",
 ];
 
 /// `gradwire job worker args` (inside namespace `netns` if given) with only `vars` set of the
@@ -141,6 +162,14 @@ impl Proc {
         c.wait().unwrap();
     }
 
+    /// Still running (not yet reaped)?
+    fn running(&mut self) -> bool {
+        self.guard
+            .0
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
     fn finish(mut self, status: ExitStatus) -> Ended {
         self.guard.0 = None;
         Ended {
@@ -151,24 +180,132 @@ impl Proc {
     }
 }
 
-/// Waits for every process, at most `within` in all; past that, panics (the guards kill
-/// whatever still runs).
-fn wait_all(procs: Vec<Proc>, within: Duration) -> Vec<Ended> {
-    let deadline = Instant::now() + within;
-    let mut procs: Vec<(Proc, Option<ExitStatus>)> = procs.into_iter().map(|p| (p, None)).collect();
+/// Polls until every process has exited or `until`; true if they all did.
+fn reap_until(procs: &mut [(Proc, Option<ExitStatus>)], until: Instant) -> bool {
     loop {
         for (p, s) in procs.iter_mut().filter(|(_, s)| s.is_none()) {
             *s = p.guard.child().try_wait().unwrap();
         }
         if procs.iter().all(|(_, s)| s.is_some()) {
-            break;
+            return true;
         }
-        let running: Vec<usize> = (0..procs.len()).filter(|&i| procs[i].1.is_none()).collect();
-        assert!(
-            Instant::now() < deadline,
-            "process(es) {running:?} still running after {within:?}"
-        );
+        if Instant::now() >= until {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+impl Drop for Proc {
+    /// On a failure path: SIGTERM first, so a `job run` stops its ranks and removes its
+    /// namespaces itself; [`TERM_GRACE`] for that; then the guard's SIGKILL and reap.
+    fn drop(&mut self) {
+        if !self.running() {
+            return;
+        }
+        let _ = kill(Pid::from_raw(self.pid() as i32), Signal::SIGTERM);
+        let until = Instant::now() + TERM_GRACE;
+        while self.running() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// A process found under /proc: its pid, its start time (clock ticks after boot: with the
+/// pid, its identity, as pids are recycled), whether it runs `gradwire`, its RANK variable.
+#[derive(Debug, Clone)]
+struct Found {
+    pid: u32,
+    start: u64,
+    worker: bool,
+    rank: Option<String>,
+}
+
+/// (state, ppid, start time) of `pid` from /proc/PID/stat.
+fn stat_of(pid: u32) -> Option<(char, u32, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name: state, ppid, ..., start time (field 22 of stat).
+    let f: Vec<&str> = stat.rsplit_once(") ")?.1.split(' ').collect();
+    Some((
+        f.first()?.chars().next()?,
+        f.get(1)?.parse().ok()?,
+        f.get(19)?.parse().ok()?,
+    ))
+}
+
+/// The processes whose parent is `parent`.
+fn children_of(parent: u32) -> Vec<Found> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|d| {
+            let pid: u32 = d.file_name().to_str()?.parse().ok()?;
+            let (_, ppid, start) = stat_of(pid)?;
+            if ppid != parent {
+                return None;
+            }
+            let exe = std::fs::read_link(d.path().join("exe")).ok()?;
+            let env = std::fs::read(d.path().join("environ")).ok()?;
+            let rank = env
+                .split(|&b| b == 0)
+                .find_map(|v| v.strip_prefix(b"RANK="))
+                .map(|v| String::from_utf8_lossy(v).into_owned());
+            Some(Found {
+                pid,
+                start,
+                worker: exe.ends_with("gradwire"),
+                rank,
+            })
+        })
+        .collect()
+}
+
+/// A `job run`'s workers: its `gradwire` children (`ip netns exec` execs the worker without
+/// forking).
+fn workers_of(parent: u32) -> Vec<Found> {
+    children_of(parent)
+        .into_iter()
+        .filter(|c| c.worker)
+        .collect()
+}
+
+/// Is this process still running (not gone, not a zombie, not a recycled pid)?
+fn alive(p: &Found) -> bool {
+    stat_of(p.pid).is_some_and(|(state, _, start)| start == p.start && !matches!(state, 'Z' | 'X'))
+}
+
+/// Processes that are not this test's children: SIGKILLed on drop if still alive, so a
+/// failing test leaves none of them running.
+struct Strays(Vec<Found>);
+
+impl Drop for Strays {
+    fn drop(&mut self) {
+        for p in self.0.iter().filter(|p| alive(p)) {
+            let _ = kill(Pid::from_raw(p.pid as i32), Signal::SIGKILL);
+        }
+    }
+}
+
+/// Waits for every process, at most `within` in all. Past that, SIGTERM to what still runs
+/// (a `job run` then stops its ranks and removes its namespaces), [`TERM_GRACE`] for that,
+/// and a panic (the guards SIGKILL and reap whatever is left).
+fn wait_all(procs: Vec<Proc>, within: Duration) -> Vec<Ended> {
+    let mut procs: Vec<(Proc, Option<ExitStatus>)> = procs.into_iter().map(|p| (p, None)).collect();
+    if !reap_until(&mut procs, Instant::now() + within) {
+        let running: Vec<usize> = (0..procs.len()).filter(|&i| procs[i].1.is_none()).collect();
+        for &i in &running {
+            let pid = Pid::from_raw(procs[i].0.pid() as i32);
+            let _ = kill(pid, Signal::SIGTERM);
+        }
+        let ended = reap_until(&mut procs, Instant::now() + TERM_GRACE);
+        panic!(
+            "process(es) {running:?} still running after {within:?}; sent SIGTERM, {}",
+            if ended {
+                "which ended them"
+            } else {
+                "which did not end them within the grace (killed)"
+            }
+        );
     }
     procs
         .into_iter()
@@ -186,14 +323,17 @@ fn json_of(e: &Ended) -> serde_json::Value {
     serde_json::from_str(&e.stdout).unwrap_or_else(|err| panic!("{err}: {:?}", e.stdout))
 }
 
-fn run_plain(cmd: &mut Command) -> Ended {
+fn run_plain(cmd: &mut Command, within: Duration) -> Ended {
     let p = Proc::spawn(cmd);
-    wait_all(vec![p], Duration::from_secs(30)).pop().unwrap()
+    wait_all(vec![p], within).pop().unwrap()
 }
+
+/// Bound for commands that end before any deadline of theirs matters (argument errors).
+const QUICK: Duration = Duration::from_secs(30);
 
 #[test]
 fn worker_without_launcher_variables_names_them() {
-    let e = run_plain(&mut worker_cmd(None, &[], &["--model", MODEL]));
+    let e = run_plain(&mut worker_cmd(None, &[], &["--model", MODEL]), QUICK);
     assert_eq!(e.status.code(), Some(1), "{}", e.stderr);
     for v in [
         "RANK/WORLD_SIZE",
@@ -207,11 +347,10 @@ fn worker_without_launcher_variables_names_them() {
 
 #[test]
 fn worker_with_rank_but_no_world_size_says_so() {
-    let e = run_plain(&mut worker_cmd(
-        None,
-        &[("RANK", "1".into())],
-        &["--model", MODEL],
-    ));
+    let e = run_plain(
+        &mut worker_cmd(None, &[("RANK", "1".into())], &["--model", MODEL]),
+        QUICK,
+    );
     assert_eq!(e.status.code(), Some(1), "{}", e.stderr);
     assert!(
         e.stderr.contains("RANK is set but WORLD_SIZE is not"),
@@ -222,11 +361,14 @@ fn worker_with_rank_but_no_world_size_says_so() {
 
 #[test]
 fn worker_refuses_a_job_file_of_another_world_size() {
-    let e = run_plain(&mut worker_cmd(
-        None,
-        &[("RANK", "0".into()), ("WORLD_SIZE", "2".into())],
-        &["--model", MODEL, "--job-file", JOB4],
-    ));
+    let e = run_plain(
+        &mut worker_cmd(
+            None,
+            &[("RANK", "0".into()), ("WORLD_SIZE", "2".into())],
+            &["--model", MODEL, "--job-file", JOB4],
+        ),
+        QUICK,
+    );
     assert_eq!(e.status.code(), Some(1), "{}", e.stderr);
     assert!(
         e.stderr.contains("lists 4 ranks") && e.stderr.contains("started 2"),
@@ -234,11 +376,14 @@ fn worker_refuses_a_job_file_of_another_world_size() {
         e.stderr
     );
     // No master anywhere: said so, with what to set.
-    let e = run_plain(&mut worker_cmd(
-        None,
-        &[("RANK", "0".into()), ("WORLD_SIZE", "2".into())],
-        &["--model", MODEL],
-    ));
+    let e = run_plain(
+        &mut worker_cmd(
+            None,
+            &[("RANK", "0".into()), ("WORLD_SIZE", "2".into())],
+            &["--model", MODEL],
+        ),
+        QUICK,
+    );
     assert_eq!(e.status.code(), Some(1), "{}", e.stderr);
     assert!(e.stderr.contains("MASTER_ADDR"), "{}", e.stderr);
 }
@@ -255,6 +400,7 @@ fn job_run_refuses_hosts_outside_the_benchmark_range() {
             .args(["job", "run", &file, "--model", MODEL])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped()),
+        QUICK,
     );
     assert_eq!(e.status.code(), Some(1), "{}", e.stderr);
     assert!(
@@ -282,6 +428,7 @@ fn four_workers_in_namespaces_under_torchrun_and_slurm_variables() {
     ) {
         return;
     }
+    let _fabric_lock = FabricLock::acquire().unwrap();
     let tb = testbed(4);
     let master = tb.host(0).ipv4.to_string();
 
@@ -364,6 +511,7 @@ fn job_run_runs_the_shipped_job_file() {
     if !gradwire_netns::require_root("job_run_runs_the_shipped_job_file") {
         return;
     }
+    let _fabric_lock = FabricLock::acquire().unwrap();
     let e = run_plain(
         Command::new(BIN)
             .args(["job", "run", JOB4, "--iterations", "2", "--scale", "0.001"])
@@ -378,6 +526,7 @@ fn job_run_runs_the_shipped_job_file() {
             ])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped()),
+        beyond(40),
     );
     let v = json_of(&e);
     let reports = v.as_array().unwrap();
@@ -400,6 +549,7 @@ fn job_run_runs_the_shipped_job_file() {
             .args(["--algorithm", "rack", "--op", "average"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped()),
+        beyond(40),
     );
     assert!(e.status.success(), "{}", e.stderr);
     for r in 0..4 {
@@ -421,6 +571,7 @@ fn job_run_on_a_testbed_topology() {
     if !gradwire_netns::require_root("job_run_on_a_testbed_topology") {
         return;
     }
+    let _fabric_lock = FabricLock::acquire().unwrap();
     let job = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/job-mlnet6.toml");
     let topology = concat!(env!("CARGO_MANIFEST_DIR"), "/../testbeds/mlnet.toml");
     let e = run_plain(
@@ -438,6 +589,7 @@ fn job_run_on_a_testbed_topology() {
             .args(["--timeout", "15", "--deadline", "60", "--json"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped()),
+        beyond(60),
     );
     let v = json_of(&e);
     let reports = v.as_array().unwrap();
@@ -451,6 +603,7 @@ fn job_run_on_a_testbed_topology() {
             .args(["job", "run", JOB4, "--topology", topology, "--model", MODEL])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped()),
+        QUICK,
     );
     assert!(!e.status.success());
     assert!(
@@ -465,6 +618,7 @@ fn job_run_names_a_rank_that_died() {
     if !gradwire_netns::require_root("job_run_names_a_rank_that_died") {
         return;
     }
+    let _fabric_lock = FabricLock::acquire().unwrap();
     let mut run = Proc::spawn(
         Command::new(BIN)
             .args([
@@ -480,34 +634,15 @@ fn job_run_names_a_rank_that_died() {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped()),
     );
-    // The workers are the run's children (`ip netns exec` becomes the worker); rank 2 is the
-    // one with RANK=2. Wait until it exists, then kill it.
-    let parent = run.pid();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let victim = loop {
-        let found = std::fs::read_dir("/proc").unwrap().flatten().find_map(|d| {
-            let pid: u32 = d.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(d.path().join("stat")).ok()?;
-            let ppid: u32 = stat.rsplit_once(") ")?.1.split(' ').nth(1)?.parse().ok()?;
-            let env = std::fs::read(d.path().join("environ")).ok()?;
-            let is_rank2 = env.split(|&b| b == 0).any(|v| v == b"RANK=2");
-            let exe = std::fs::read_link(d.path().join("exe")).ok()?;
-            (ppid == parent && is_rank2 && exe.ends_with("gradwire")).then_some(pid)
-        });
-        if let Some(pid) = found {
-            break pid;
-        }
-        assert!(Instant::now() < deadline, "rank 2 never started");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    // Let it get into the all-reduces.
-    std::thread::sleep(Duration::from_millis(500));
-    let status = Command::new("kill")
-        .args(["-9", &victim.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let e = wait_all(vec![run], Duration::from_secs(30)).pop().unwrap();
+    // Every rank is in its all-reduces once the run says so; then kill rank 2.
+    run.wait_line(ALL_ITERATING, Duration::from_secs(45));
+    let workers = workers_of(run.pid());
+    let victim = workers
+        .iter()
+        .find(|w| w.rank.as_deref() == Some("2"))
+        .unwrap_or_else(|| panic!("no worker with RANK=2 among {workers:?}"));
+    kill(Pid::from_raw(victim.pid as i32), Signal::SIGKILL).unwrap();
+    let e = wait_all(vec![run], beyond(60)).pop().unwrap();
     assert_eq!(e.status.code(), Some(1), "{}", e.stderr);
     assert!(
         e.stderr.contains("rank 2 failed") && e.stderr.contains("SIGKILL"),
@@ -524,6 +659,7 @@ fn a_missing_or_killed_rank_ends_the_others_with_an_error_naming_a_rank() {
     ) {
         return;
     }
+    let _fabric_lock = FabricLock::acquire().unwrap();
     let tb = testbed(3);
     let master = tb.host(0).ipv4.to_string();
     let start = |r: usize, port: &str, extra: &[&str]| {
@@ -583,4 +719,97 @@ fn a_missing_or_killed_rank_ends_the_others_with_an_error_naming_a_rank() {
         ended.iter().map(|e| &e.stderr).collect::<Vec<_>>()
     );
     tb.down().unwrap();
+}
+
+/// While alive, orphans of this process's descendants are reparented to it (not to init), so
+/// it can wait for them; the previous setting comes back on drop.
+struct Subreaper(bool);
+
+impl Subreaper {
+    fn on() -> Subreaper {
+        let was = nix::sys::prctl::get_child_subreaper().unwrap();
+        nix::sys::prctl::set_child_subreaper(true).unwrap();
+        Subreaper(was)
+    }
+}
+
+impl Drop for Subreaper {
+    fn drop(&mut self) {
+        let _ = nix::sys::prctl::set_child_subreaper(self.0);
+    }
+}
+
+#[test]
+fn killing_job_run_leaves_no_worker_running() {
+    if !gradwire_netns::require_root("killing_job_run_leaves_no_worker_running") {
+        return;
+    }
+    let _fabric_lock = FabricLock::acquire().unwrap();
+    // `job run`'s children become ours when it dies: waited for here, not left to init.
+    // (The other tests of this binary that may run meanwhile orphan nothing.)
+    let _subreaper = Subreaper::on();
+    let mut run = Proc::spawn(
+        Command::new(BIN)
+            .args(["job", "run", JOB4, "--iterations", "100000"])
+            .args(["--scale", "0.001", "--model", MODEL])
+            .args(["--timeout", "5", "--deadline", "120"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    run.wait_line(ALL_ITERATING, Duration::from_secs(45));
+    let parent = run.pid();
+    // Its workers, and the netns kit's reaper (a shell that removes the namespaces when its
+    // creator dies).
+    let children = Strays(children_of(parent));
+    let workers: Vec<&Found> = children.0.iter().filter(|c| c.worker).collect();
+    assert_eq!(workers.len(), 4, "{:?}", children.0);
+    // Rank 2 hangs (stopped): a worker that prints nothing never finds its launcher's pipes
+    // closed, and this one would never end on its own. The others stall on it.
+    let hung = workers
+        .iter()
+        .find(|w| w.rank.as_deref() == Some("2"))
+        .unwrap();
+    kill(Pid::from_raw(hung.pid as i32), Signal::SIGSTOP).unwrap();
+
+    // SIGKILL: `job run` runs none of its own cleanup; only the kernel can end its workers.
+    run.kill();
+    let (tx, ended) = mpsc::channel();
+    for c in &children.0 {
+        let (tx, pid) = (tx.clone(), c.pid);
+        std::thread::spawn(move || {
+            let _ = tx.send((pid, waitpid(Pid::from_raw(pid as i32), None)));
+        });
+    }
+    drop(tx);
+    let mut left: Vec<u32> = children.0.iter().map(|c| c.pid).collect();
+    let until = Instant::now() + Duration::from_secs(30);
+    while !left.is_empty() {
+        let Ok((pid, how)) = ended.recv_timeout(until.saturating_duration_since(Instant::now()))
+        else {
+            let left: Vec<&Found> = children
+                .0
+                .iter()
+                .filter(|c| left.contains(&c.pid))
+                .collect();
+            panic!("still running 30 s after their `job run` was killed: {left:?}");
+        };
+        assert!(
+            how.is_ok(),
+            "waiting for {pid}: {how:?} (not reparented to the test?)"
+        );
+        left.retain(|&p| p != pid);
+    }
+    // The reaper has run: none of the run's namespaces is left.
+    let prefix = format!("gw{parent}t");
+    let stale: Vec<String> = std::fs::read_dir("/run/netns")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "namespaces left by the killed run: {stale:?}"
+    );
 }
