@@ -592,6 +592,33 @@ mod tests {
             let _ = Contributors::decode(&bytes, blocks, world, false);
         }
 
+        /// Any sets encode to exactly `blocks` x `encoded_block_len` bytes that decode to the
+        /// same sets, and a decoded input re-encodes to itself (the encoding is canonical).
+        #[test]
+        fn sets_round_trip_and_decoding_is_canonical(
+            world in 1usize..200,
+            members in proptest::collection::vec(proptest::collection::vec(any::<u16>(), 1..6), 0..6),
+            noise in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let blocks = members.len();
+            let mut c = Contributors::none(blocks, world);
+            for (b, m) in members.iter().enumerate() {
+                for &r in m {
+                    c.insert(b, usize::from(r) % world);
+                }
+            }
+            let bytes = c.encode(0..blocks);
+            prop_assert_eq!(bytes.len(), blocks * c.encoded_block_len());
+            let back = Contributors::decode(&bytes, blocks, world, false).unwrap();
+            for b in 0..blocks {
+                prop_assert_eq!(back.ranks(b), c.ranks(b));
+            }
+            prop_assert_eq!(back.encode(0..blocks), bytes);
+            if let Ok(d) = Contributors::decode(&noise, 1, world, true) {
+                prop_assert_eq!(d.encode(0..1), noise);
+            }
+        }
+
         /// However the pieces were lost along a chain of ranks, every block's result is the
         /// average of exactly the ranks its set names.
         #[test]
