@@ -340,8 +340,8 @@ pub struct WanExperimentArgs {
     /// Most rounds per run (default 200; 50 with --quick).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub iterations: Option<u32>,
-    /// Seconds per run (default: the topology's rate schedule period, so that every strategy
-    /// sees the same rates; 20 with --quick).
+    /// Seconds per run, counted from each fabric's start so that every strategy sees the same
+    /// rates (default 40: wan9's first two rate steps; 20 with --quick).
     #[arg(long, value_parser = parse_secs)]
     pub duration: Option<f64>,
     /// Strategies, comma-separated (default: all, star first).
@@ -354,6 +354,13 @@ pub struct WanExperimentArgs {
     /// A short run: testbeds/wan4.toml, a small model, 20 s per run.
     #[arg(long)]
     pub quick: bool,
+    /// Runs of each strategy on each network; the figures are their spread (min, median,
+    /// max over the valid ones).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=50))]
+    pub repeats: u32,
+    /// Attempts at a run whose fabric fell behind its clock before it counts as not valid.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=10))]
+    pub max_attempts: u32,
     /// Each node's longest wait for the others, a round and the final barrier, seconds
     /// (default 120; 30 with --quick).
     #[arg(long, value_parser = parse_secs)]

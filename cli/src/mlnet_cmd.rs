@@ -62,11 +62,20 @@ pub fn mlnet(a: &MlnetArgs) -> Res {
         }
     }
     if let Some(dir) = &a.out {
-        let mut csv = String::from("strategy,servers,makespan_ms,vs_star,cross_rack_edges,valid\n");
+        let mut csv = String::from(
+            "strategy,servers,makespan_ms,vs_star,cross_rack_edges,frames_per_s_peak,valid,error\n",
+        );
         for r in &report.results {
             csv.push_str(&format!(
-                "{},{},{:.1},{:.3},{},{}\n",
-                r.strategy, r.servers, r.makespan_ms, r.vs_star, r.cross_rack_edges, r.valid
+                "{},{},{:.3},{:.6},{},{:.0},{},{}\n",
+                r.strategy,
+                r.servers,
+                r.makespan_ms,
+                r.vs_star,
+                r.cross_rack_edges,
+                r.fabric.frames_per_s_peak,
+                r.valid,
+                csv_field(r.error.as_deref().unwrap_or(""))
             ));
         }
         write_outputs(dir, "mlnet", &report, &csv, |p| plot_mlnet(&report, p))?;
@@ -74,7 +83,23 @@ pub fn mlnet(a: &MlnetArgs) -> Res {
     if report.results.iter().any(|r| r.error.is_some()) {
         return Err("some runs failed (see the error column)".into());
     }
+    if report.results.iter().any(|r| !r.valid) {
+        return Err(
+            "some runs are NOT VALID (the fabric fell behind its clock): they have no \
+                    vs_star figure"
+                .into(),
+        );
+    }
     Ok(())
+}
+
+/// `s` as one CSV field: quoted when it holds a comma, a quote or a line break.
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_owned()
+    }
 }
 
 /// `DIR/NAME.json` (the report), `DIR/NAME.csv` and `DIR/NAME.png` (drawn by `plot`).
@@ -238,11 +263,17 @@ pub fn priority(a: &PriorityArgs) -> Res {
         }
     }
     if let Some(dir) = &a.out {
-        let mut csv = String::from("mode,repetition,job,priority,makespan_ms,valid\n");
+        let mut csv = String::from("mode,repetition,job,priority,makespan_ms,valid,error\n");
         for r in &report.results {
             csv.push_str(&format!(
-                "{},{},{},{},{:.1},{}\n",
-                r.mode, r.repetition, r.job, r.priority, r.makespan_ms, r.valid
+                "{},{},{},{},{:.3},{},{}\n",
+                r.mode,
+                r.repetition,
+                r.job,
+                r.priority,
+                r.makespan_ms,
+                r.valid,
+                csv_field(r.error.as_deref().unwrap_or(""))
             ));
         }
         write_outputs(dir, "priority", &report, &csv, |p| {
@@ -253,6 +284,13 @@ pub fn priority(a: &PriorityArgs) -> Res {
         || report.pair.as_ref().is_some_and(|p| p.error.is_some())
     {
         return Err("some jobs failed (see priority.json)".into());
+    }
+    if report.results.iter().any(|r| !r.valid) || report.pair.as_ref().is_some_and(|p| !p.valid) {
+        return Err(
+            "some runs are NOT VALID (the fabric fell behind its clock): the summaries \
+                    leave them out (see priority.json)"
+                .into(),
+        );
     }
     Ok(())
 }

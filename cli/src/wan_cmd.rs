@@ -187,6 +187,8 @@ pub fn experiment(a: &WanExperimentArgs) -> Res {
     cfg.rate_mode = a.rate_mode;
     cfg.period_ns = a.period_us * 1000;
     cfg.netstorm = netstorm_config(cfg.netstorm, &a.netstorm);
+    cfg.repeats = a.repeats;
+    cfg.max_attempts = a.max_attempts;
     // Ctrl-C and SIGTERM end the run in order: stop the nodes, the fabric, the namespaces.
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
@@ -207,6 +209,14 @@ pub fn experiment(a: &WanExperimentArgs) -> Res {
         )
         .into());
     }
+    if !report.targets.all_runs_valid {
+        return Err(format!(
+            "some runs are NOT VALID; the figures and targets leave them out (see \
+             targets.excluded in {}/wan.json)",
+            a.out.display()
+        )
+        .into());
+    }
     Ok(())
 }
 
@@ -214,7 +224,7 @@ fn met(m: Option<bool>) -> &'static str {
     match m {
         Some(true) => "met",
         Some(false) => "NOT MET",
-        None => "not judged (a run is missing or failed)",
+        None => "not judged (no valid run of a strategy it needs)",
     }
 }
 
@@ -232,21 +242,55 @@ fn print_report(r: &WanReport) {
             .unwrap_or_default()
     );
     println!(
-        "{:<18} {:<8} {:>7} {:>12} {:>11} {:>9} {:>9} {:>6}  error",
-        "strategy", "network", "rounds", "sync_ms_mean", "vs_star", "policies", "aux", "valid"
+        "senders per flow at their site's fastest WAN link; frame budget {:.0} frames/s \
+         (limit {:.0})",
+        r.frame_budget.total_fps, r.frame_budget.limit_fps
+    );
+    println!(
+        "{:<18} {:<8} {:>3} {:>8} {:>7} {:>12} {:>11} {:>9} {:>9} {:>10} {:>6}  excluded because",
+        "strategy",
+        "network",
+        "run",
+        "attempts",
+        "rounds",
+        "sync_ms_mean",
+        "vs_star",
+        "policies",
+        "aux",
+        "peak_fps",
+        "valid"
     );
     for x in &r.results {
         println!(
-            "{:<18} {:<8} {:>7} {:>12.1} {:>10.2}x {:>9} {:>9} {:>6}  {}",
+            "{:<18} {:<8} {:>3} {:>8} {:>7} {:>12.1} {:>10.2}x {:>9} {:>9} {:>10.0} {:>6}  {}",
             x.strategy,
             x.network,
+            x.repeat + 1,
+            x.attempts.len(),
             x.rounds,
             x.sync_ms_mean,
             x.speedup_vs_star,
             x.policies,
             x.aux_chunks,
+            x.fabric.frames_per_s_peak,
             if x.valid { "yes" } else { "NO" },
-            x.error.as_deref().unwrap_or("")
+            x.exclusion().unwrap_or_default()
+        );
+    }
+    println!("over the valid runs (min / median / max):");
+    for f in &r.figures {
+        println!(
+            "{:<18} {:<8} {}/{} valid  sync {:.1} / {:.1} / {:.1} ms  vs star {:.2} / {:.2} / {:.2}x",
+            f.strategy,
+            f.network,
+            f.valid_runs,
+            f.runs,
+            f.sync_ms.min,
+            f.sync_ms.median,
+            f.sync_ms.max,
+            f.speedup_vs_star.min,
+            f.speedup_vs_star.median,
+            f.speedup_vs_star.max
         );
     }
     let t = &r.targets;
@@ -280,14 +324,17 @@ fn write_outputs(dir: &Path, r: &WanReport) -> Res {
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join("wan.json"), serde_json::to_vec_pretty(r)?)?;
     let mut csv = String::from(
-        "strategy,network,rounds,sync_ms_mean,sync_ms_median,speedup_vs_star,round_ms_mean,\
-         policies,aux_chunks,relayed,link_reports,valid,verified\n",
+        "strategy,network,repeat,attempts,rounds,sync_ms_mean,sync_ms_median,speedup_vs_star,\
+         round_ms_mean,policies,aux_chunks,relayed,link_reports,frames_per_s_peak,valid,\
+         verified\n",
     );
     for x in &r.results {
         csv.push_str(&format!(
-            "{},{},{},{:.1},{:.1},{:.3},{:.1},{},{},{},{},{},{}\n",
+            "{},{},{},{},{},{:.1},{:.1},{:.3},{:.1},{},{},{},{},{:.0},{},{}\n",
             x.strategy,
             x.network,
+            x.repeat,
+            x.attempts.len(),
             x.rounds,
             x.sync_ms_mean,
             x.sync_ms_median,
@@ -297,6 +344,7 @@ fn write_outputs(dir: &Path, r: &WanReport) -> Res {
             x.aux_chunks,
             x.relayed,
             x.link_reports,
+            x.fabric.frames_per_s_peak,
             x.valid,
             x.verified
         ));
@@ -328,8 +376,9 @@ fn strategies(r: &WanReport) -> Vec<String> {
     names
 }
 
-/// Mean synchronization time per strategy, one bar per network, the speed-up over star
-/// above each; runs that are not valid hatched (drawn hollow).
+/// Per strategy, one bar per network: the median over the valid runs of the mean
+/// synchronization time, a whisker from the lowest to the highest, the median speed-up over
+/// star above; a strategy without a valid run is marked "no valid run".
 fn plot_bars(r: &WanReport, path: &Path) -> Res {
     let e = |err: &dyn std::fmt::Display| format!("plot {}: {err}", path.display());
     let root = BitMapBackend::new(path, (1200, 650)).into_drawing_area();
@@ -341,7 +390,7 @@ fn plot_bars(r: &WanReport, path: &Path) -> Res {
             networks.push(x.network.clone());
         }
     }
-    let top = largest(r.results.iter().map(|x| x.sync_ms_mean)) * 1.2 + 1.0;
+    let top = largest(r.figures.iter().map(|f| f.sync_ms.max)) * 1.2 + 1.0;
     let mut chart = ChartBuilder::on(&root)
         .caption(
             format!(
@@ -374,47 +423,51 @@ fn plot_bars(r: &WanReport, path: &Path) -> Res {
     let width = 0.8 / networks.len().max(1) as f64;
     for (k, net) in networks.iter().enumerate() {
         let color = LINE_COLORS[k % LINE_COLORS.len()];
-        let bars: Vec<(f64, f64, bool, f64)> = names
+        let figure = |s: &String| {
+            r.figures
+                .iter()
+                .find(|f| &f.strategy == s && &f.network == net)
+        };
+        let bars: Vec<(f64, f64, f64, f64, f64)> = names
             .iter()
             .enumerate()
             .filter_map(|(i, s)| {
-                r.results
-                    .iter()
-                    .find(|x| &x.strategy == s && &x.network == net)
-                    .filter(|x| x.sync_ms_mean.is_finite())
-                    .map(|x| {
-                        let x0 = i as f64 + 0.1 + k as f64 * width;
-                        (x0, x.sync_ms_mean, x.valid, x.speedup_vs_star)
-                    })
+                figure(s).filter(|f| f.valid_runs > 0).map(|f| {
+                    let x0 = i as f64 + 0.1 + k as f64 * width;
+                    (
+                        x0,
+                        f.sync_ms.median,
+                        f.sync_ms.min,
+                        f.sync_ms.max,
+                        f.speedup_vs_star.median,
+                    )
+                })
             })
             .collect();
         chart
-            .draw_series(bars.iter().map(|&(x0, y, valid, _)| {
-                let style = if valid {
-                    color.filled()
-                } else {
-                    color.stroke_width(2)
-                };
-                Rectangle::new([(x0, 0.0), (x0 + width * 0.9, y)], style)
+            .draw_series(bars.iter().map(|&(x0, y, ..)| {
+                Rectangle::new([(x0, 0.0), (x0 + width * 0.9, y)], color.filled())
             }))
             .map_err(|x| e(&x))?
             .label(format!("{net} network"))
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 15, y + 5)], color.filled()));
-        // Runs without a figure (failed) are marked where their bar would be.
+        chart
+            .draw_series(bars.iter().map(|&(x0, _, lo, hi, _)| {
+                let mid = x0 + width * 0.45;
+                PathElement::new(vec![(mid, lo), (mid, hi)], BLACK.stroke_width(2))
+            }))
+            .map_err(|x| e(&x))?;
+        // Strategies that ran without a valid run are marked where their bar would be.
         let failed: Vec<f64> = names
             .iter()
             .enumerate()
-            .filter(|(_, s)| {
-                r.results
-                    .iter()
-                    .any(|x| &&x.strategy == s && &x.network == net && !x.sync_ms_mean.is_finite())
-            })
+            .filter(|(_, s)| figure(s).is_some_and(|f| f.valid_runs == 0))
             .map(|(i, _)| i as f64 + 0.1 + k as f64 * width)
             .collect();
         chart
             .draw_series(failed.iter().map(|&x0| {
                 Text::new(
-                    "failed",
+                    "no valid run",
                     (x0, top * 0.02),
                     ("sans-serif", 13).into_font().color(&color),
                 )
@@ -423,11 +476,11 @@ fn plot_bars(r: &WanReport, path: &Path) -> Res {
         chart
             .draw_series(
                 bars.iter()
-                    .filter(|b| b.3.is_finite())
-                    .map(|&(x0, y, _, s)| {
+                    .filter(|b| b.4.is_finite())
+                    .map(|&(x0, _, _, hi, s)| {
                         Text::new(
                             format!("{s:.1}x"),
-                            (x0, y + top * 0.01),
+                            (x0, hi + top * 0.01),
                             ("sans-serif", 13).into_font(),
                         )
                     }),
@@ -451,10 +504,16 @@ fn plot_rates(r: &WanReport, path: &Path) -> Res {
     let root = BitMapBackend::new(path, (1200, 900)).into_drawing_area();
     root.fill(&WHITE).map_err(|x| e(&x))?;
     let (upper, lower) = root.split_vertically(420);
+    // The first valid run of each strategy (the others are in wan.json).
     let dynamic: Vec<_> = r
         .results
         .iter()
-        .filter(|x| x.network == Network::Dynamic.name())
+        .filter(|x| x.network == Network::Dynamic.name() && x.valid)
+        .filter(|x| {
+            !r.results.iter().any(|y| {
+                y.valid && y.network == x.network && y.strategy == x.strategy && y.repeat < x.repeat
+            })
+        })
         .collect();
     let end = largest(
         dynamic
