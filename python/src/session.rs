@@ -17,7 +17,7 @@ use gradwire_session::{
     self as gs, P2pOptions, PriorityFn, ReduceOp, ReduceOptions, SegmentInfo, SessionError,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyString};
 
 use crate::buffer::{ArrayMut, ArrayRef};
 use crate::config::{self, Keywords};
@@ -562,8 +562,16 @@ impl Session {
         slf
     }
 
-    #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<bool> {
+    /// The stub's signature, names included (the stub check in test_native.py compares them).
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: &Bound<'_, PyAny>,
+        exc: &Bound<'_, PyAny>,
+        tb: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        // Closed whatever the exception: nothing of it is needed.
+        let _ = (exc_type, exc, tb);
         self.close(py)?;
         Ok(false)
     }
