@@ -407,9 +407,10 @@ class GradwireState:
                 except gradwire.GradwireError as e:
                     self.failed = e
                     names = [info.name for info, _, _ in g.params]
-                    e.add_note(
+                    _add_note(
+                        e,
                         f"gradwire: during DDP's all-reduce of {names} at iteration "
-                        f"{self.iteration} on rank {self.rank}"
+                        f"{self.iteration} on rank {self.rank}",
                     )
                     raise
                 if shift:
@@ -455,6 +456,15 @@ class GradwireState:
             f"params={len(self.params)}, layers={self.num_layers}, iteration={self.iteration})"
         )
 
+
+
+def _add_note(e: BaseException, note: str) -> None:
+    """``e.add_note(note)`` (Python 3.11+), or the same ``__notes__`` list by hand on the
+    older Pythons the package supports (>= 3.9), where tracebacks do not print it."""
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+    else:
+        e.__notes__ = [*getattr(e, "__notes__", []), note]
 
 
 def _check_tensor(t, what: str) -> None:
