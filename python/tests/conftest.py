@@ -21,11 +21,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the job binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def reserve_port() -> socket.socket:
+    """A TCP port on 127.0.0.1 reserved while the returned socket is open: bound with
+    SO_REUSEADDR but never listening, so the job's own listener (SO_REUSEADDR, as std's,
+    torch's and gradwire's are) can bind it, while the kernel hands it to no port-0 bind and
+    another explicit bind conflicts. Never found free, dropped and bound again later."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Job:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.procs: list[subprocess.Popen] = []
+        self.ports: list[socket.socket] = []
 
     def run(
         self,
@@ -54,7 +59,9 @@ class Job:
     ) -> list[RankResult]:
         """Run the job until every rank (or the ranks `wait_for`) exited, or `timeout`
         seconds; then kill what is left (its returncode is None)."""
-        port = free_port()
+        reservation = reserve_port()
+        self.ports.append(reservation)  # held until kill(): the job's master binds it
+        port = reservation.getsockname()[1]
         logs, outs = [], []
         for rank in range(world):
             out = self.tmp / f"rank{rank}.json"
@@ -116,6 +123,9 @@ class Job:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        for s in self.ports:
+            s.close()
+        self.ports.clear()
 
 
 @pytest.fixture

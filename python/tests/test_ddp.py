@@ -388,13 +388,20 @@ def test_silent_rank_fails_the_others_within_the_timeout(job):
 def world_of_one():
     import torch.distributed as dist
 
-    from conftest import free_port
+    from conftest import reserve_port
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # Reserved while the group lives: torch's store binds it (SO_REUSEADDR), nobody else can.
+    port = reserve_port()
     try:
-        yield dist
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port.getsockname()[1]}", rank=0, world_size=1
+        )
+        try:
+            yield dist
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        port.close()
 
 
 class FakeBucket:
