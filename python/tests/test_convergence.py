@@ -22,6 +22,8 @@ import tempfile
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, needs_root
 
 from gradwire.experiments import convergence as conv
@@ -180,12 +182,42 @@ def fabric_lock():
         os.close(fd)
 
 
+def newer_sources(binary: Path) -> list:
+    """The repository's Rust sources and manifests modified after `binary` was built (all of
+    them when it does not exist): a stale binary would test old code and pass."""
+    try:
+        built = binary.stat().st_mtime
+    except OSError:
+        return [str(binary)]
+    newer = []
+    for pattern in ("*/src/**/*.rs", "*/Cargo.toml", "Cargo.toml", "Cargo.lock", "ebpf/**/*.c"):
+        for f in REPO.glob(pattern):
+            if "target" not in f.parts and f.stat().st_mtime > built:
+                newer.append(str(f.relative_to(REPO)))
+    return sorted(newer)
+
+
+def test_a_stale_gradwire_bin_is_refused(tmp_path, monkeypatch):
+    old = tmp_path / "gradwire"
+    old.write_text("#!/bin/sh\n")
+    os.utime(old, (0, 0))  # built in 1970: every source is newer
+    monkeypatch.setenv("GRADWIRE_BIN", str(old))
+    with pytest.raises(AssertionError, match="older than the sources"):
+        gradwire_binary()
+    assert newer_sources(tmp_path / "missing") == [str(tmp_path / "missing")]
+
+
 def gradwire_binary() -> str:
     """GRADWIRE_BIN, or the release CLI built from this tree (incremental when it is current):
     a stale target/release/gradwire would test old code, and a debug fabric is too slow to
     keep its emulated clock."""
     given = os.environ.get("GRADWIRE_BIN")
     if given:
+        stale = newer_sources(Path(given))
+        assert not stale, (
+            f"GRADWIRE_BIN={given} is older than the sources it would test ({stale[:3]} "
+            "changed since it was built): rebuild it or unset GRADWIRE_BIN"
+        )
         return given
     build = subprocess.run(
         ["cargo", "build", "--release", "--locked", "-p", "gradwire-cli"],
