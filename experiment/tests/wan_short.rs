@@ -1,45 +1,40 @@
 //! Short NetStorm runs on `testbeds/wan4.toml` (root; seconds to tens of seconds each), one
 //! `gradwire wan node` process per site as `gradwire experiment wan` runs them:
 //! - every strategy gives every node the same, exact average (each node checks every
-//!   element of every round);
+//!   element of every round), and `+aux` sends and relays chunks on auxiliary paths;
 //! - a site that stops answering (its process killed mid-run) makes every other node fail
-//!   within the timeout with an error naming it, or naming the node whose failure it caused
-//!   (whose own error names it);
+//!   with an error naming it, or naming the node whose failure it caused (whose own error
+//!   names it), a round timeout being the configured one;
 //! - a link whose rate drops is avoided by the trees of a later refresh (awareness on);
 //! - policies that change between rounds (UPDATE_TIME 0.2 s) lose nothing and do not
 //!   deadlock: every round of every node verified.
 //!
-//! Invariants only, never timings; the tests run one at a time (each runs a fabric and four
-//! processes). The tests run the `gradwire` executable of this build
-//! (`cargo build -p gradwire-cli` first, a no-op when `cargo test --workspace` built it), or
-//! `GRADWIRE_BIN`. Everything runs in namespaces the driver creates and removes, bounded by
+//! Invariants only, never timings; the tests run one at a time, and never beside another
+//! fabric (each runs a fabric and four processes, and holds the [`FabricLock`]). The tests
+//! run the `gradwire` executable of this build (`cargo build -p gradwire-cli` first, a
+//! no-op when `cargo test --workspace` built it), or `GRADWIRE_BIN`. Everything runs in namespaces the driver creates and removes, bounded by
 //! the nodes' timeouts and the driver's deadline.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use gradwire_experiment::wan::{
     network_topology, run_strategy, summarize, Network, NodeFault, WanConfig, WanResult, WAN4,
 };
 use gradwire_fabric::topology::Topology;
-use gradwire_netns::require_root;
+use gradwire_netns::{require_root, FabricLock};
 use gradwire_wan::scheduler::Strategy;
 
-/// One run at a time: each test runs a fabric and four node processes, and two at once on
-/// a 2-core machine push the fabric behind its clock and stretch rounds past what the
-/// timing-dependent tests allow.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    // A test that failed while holding the lock leaves nothing behind (its driver tore
-    // down): the next one may run.
-    SERIAL
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+/// One fabric at a time, in this binary and in any other test or process: each test runs a
+/// fabric and four node processes, and two at once on a 2-core machine push the fabric
+/// behind its clock and stretch rounds past what the timing-dependent tests allow. A test
+/// that failed while holding it leaves nothing behind (its driver tore down).
+fn serial() -> FabricLock {
+    FabricLock::acquire().expect("the fabric lock")
 }
 
 fn root() -> PathBuf {
@@ -163,6 +158,23 @@ fn every_strategy_gives_every_node_the_exact_average() {
         assert_verified(&r, 2);
         assert_eq!(r.rounds, 2, "{s}");
         assert!(r.policies >= 1, "{s}: the scheduler reported no policy");
+        assert_aux(&r, s.aux());
+    }
+}
+
+/// `+aux` sent chunks on auxiliary paths, each relayed at least once (the direct link is
+/// the primary edge), and the averages were still exact (checked before); the others none.
+fn assert_aux(r: &WanResult, aux: bool) {
+    if aux {
+        assert!(
+            r.aux_chunks > 0 && r.relayed > 0,
+            "{}: {} chunks sent and {} relayed on auxiliary paths",
+            r.strategy,
+            r.aux_chunks,
+            r.relayed
+        );
+    } else {
+        assert_eq!((r.aux_chunks, r.relayed), (0, 0), "{}", r.strategy);
     }
 }
 
@@ -190,14 +202,16 @@ fn a_site_that_stops_answering_fails_the_others_naming_it() {
             .error
             .as_deref()
             .unwrap_or_else(|| panic!("node {} did not fail although node 2 died: {n:?}", n.rank));
-        // Within the timeout of the death (and some slack for the process to end).
-        assert!(
-            n.ended_s <= dead.ended_s + cfg.timeout.as_secs_f64() + 5.0,
-            "node {} failed {:.1} s after node 2 died (timeout {:?}): {e}",
-            n.rank,
-            n.ended_s - dead.ended_s,
-            cfg.timeout
-        );
+        // A round that timed out did so after the configured timeout (how long the node
+        // took to end depends on the machine's load: the driver's deadline bounds it).
+        if e.contains("did not finish within") {
+            assert!(
+                e.contains(&format!("did not finish within {:?}", cfg.timeout)),
+                "node {}: {e} (timeout {:?})",
+                n.rank,
+                cfg.timeout
+            );
+        }
     }
     let errors: Vec<(usize, String)> = survivors
         .iter()
@@ -206,11 +220,85 @@ fn a_site_that_stops_answering_fails_the_others_naming_it() {
     assert_traceable(&errors, 2);
 }
 
+/// The number at the start of `s` (all its leading digits).
+fn number(s: &str) -> Option<usize> {
+    let end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    s[..end].parse().ok()
+}
+
+/// The list `[a, b, ...]` at the start of `s`, every element a number.
+fn list(s: &str) -> Vec<usize> {
+    let body = s
+        .strip_prefix('[')
+        .and_then(|r| r.split_once(']'))
+        .map(|(b, _)| b)
+        .unwrap_or_else(|| panic!("not a list: {s}"));
+    if body.trim().is_empty() {
+        return Vec::new();
+    }
+    body.split(',')
+        .map(|x| {
+            x.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("not a node list: [{body}]"))
+        })
+        .collect()
+}
+
+/// The nodes an error names as the cause, parsed exactly: a broken "link with node N", the
+/// nodes whose links closed ("links closed by nodes [..]", "links closed before by nodes
+/// [..]"), the node serving a lost scheduler ("served by node N"). The failing node's own
+/// prefix ("node R, round K: ...") is not a cause.
+fn blamed(e: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for (key, is_list) in [
+        ("link with node ", false),
+        ("served by node ", false),
+        ("links closed by nodes ", true),
+        ("links closed before by nodes ", true),
+    ] {
+        for (at, _) in e.match_indices(key) {
+            let rest = &e[at + key.len()..];
+            if is_list {
+                out.extend(list(rest));
+            } else if let Some(n) = number(rest) {
+                out.push(n);
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+#[test]
+fn the_error_parser_reads_node_numbers_and_lists_exactly() {
+    assert_eq!(
+        blamed("node 0, round 3: link with node 12: closed (links closed before by nodes [2])"),
+        vec![2, 12]
+    );
+    assert_eq!(
+        blamed(
+            "node 1, round 2: round 2 did not finish within 10s (3 chunks still missing; links \
+             closed by nodes [20, 0]): a node stopped answering"
+        ),
+        vec![0, 20]
+    );
+    assert_eq!(
+        blamed("node 3, round 4: the scheduler, served by node 0, stopped answering"),
+        vec![0]
+    );
+    // What a substring match took for node 2: another number, a longer list, the failing
+    // node's own prefix.
+    assert_eq!(blamed("links closed by nodes [21]"), vec![21]);
+    assert!(!blamed("node 2, round 1: link with node 0: closed").contains(&2));
+    assert!(!blamed("node 1: link with node 23: closed").contains(&2));
+}
+
 /// Every error names `dead`, or a node whose error does (a node that failed because a
 /// neighbour failed before it names that neighbour): the cause is always traceable.
 fn assert_traceable(errors: &[(usize, String)], dead: usize) {
-    let names =
-        |e: &str, n: usize| e.contains(&format!("node {n}")) || e.contains(&format!("[{n}"));
+    let names = |e: &str, n: usize| blamed(e).contains(&n);
     let mut traced = vec![dead];
     loop {
         let more: Vec<usize> = errors
@@ -306,4 +394,5 @@ fn policy_switches_between_rounds_lose_nothing_and_do_not_deadlock() {
         .map(|n| n.output.as_ref().unwrap().rounds)
         .collect();
     assert!(rounds.iter().all(|&k| k == rounds[0]), "{rounds:?}");
+    assert_aux(&r, true);
 }
