@@ -41,13 +41,78 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// The workspace's Rust sources and manifests modified after `exe` was built (`exe` itself
+/// when it cannot be read): a stale binary would test old code and pass.
+fn newer_sources(exe: &Path) -> Vec<PathBuf> {
+    let Ok(built) = std::fs::metadata(exe).and_then(|m| m.modified()) else {
+        return vec![exe.to_owned()];
+    };
+    let mut newer = Vec::new();
+    let mut dirs = vec![root()];
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if path.is_dir() {
+                if !name.starts_with('.') && name != "target" {
+                    dirs.push(path);
+                }
+            } else if (name.ends_with(".rs") || name == "Cargo.toml" || name == "Cargo.lock")
+                && e.metadata()
+                    .and_then(|m| m.modified())
+                    .is_ok_and(|t| t > built)
+            {
+                newer.push(path);
+            }
+        }
+    }
+    newer
+}
+
+#[test]
+fn a_stale_gradwire_bin_is_refused() {
+    let dir = std::env::temp_dir().join(format!("gw-stale-bin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let old = dir.join("gradwire");
+    let f = std::fs::File::create(&old).unwrap();
+    // Built in 1970: every source is newer.
+    f.set_modified(std::time::SystemTime::UNIX_EPOCH).unwrap();
+    drop(f);
+    assert!(!newer_sources(&old).is_empty());
+    assert_eq!(
+        newer_sources(&dir.join("missing")),
+        vec![dir.join("missing")]
+    );
+    // The test binary itself was built after every source it was compiled from.
+    let me = std::env::current_exe().unwrap();
+    let fresh: Vec<_> = newer_sources(&me)
+        .into_iter()
+        .filter(|p| p.starts_with(root().join("experiment")))
+        .collect();
+    assert!(fresh.is_empty(), "{fresh:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The `gradwire` executable of this build: `GRADWIRE_BIN`, else built next to this test
 /// (target/<profile>/gradwire).
 fn gradwire_exe() -> PathBuf {
     static EXE: OnceLock<PathBuf> = OnceLock::new();
     EXE.get_or_init(|| {
         if let Some(p) = std::env::var_os("GRADWIRE_BIN") {
-            return PathBuf::from(p);
+            let p = PathBuf::from(p);
+            let newer = newer_sources(&p);
+            assert!(
+                newer.is_empty(),
+                "GRADWIRE_BIN={} is older than the sources it would test ({:?} changed since \
+                 it was built): rebuild it or unset GRADWIRE_BIN",
+                p.display(),
+                &newer[..newer.len().min(3)]
+            );
+            return p;
         }
         // target/<profile>/deps/wan_short-<hash>
         let me = std::env::current_exe().unwrap();
