@@ -379,6 +379,45 @@ pub fn decode_chunk(b: &[u8]) -> Result<(Tensor, u64, Vec<u8>), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any chunk the encoder writes decodes to what was encoded, and decoding is
+        /// canonical: a flow that decodes re-encodes to exactly its own bytes.
+        #[test]
+        fn chunks_round_trip_and_decoding_is_canonical(
+            code in 0u8..4,
+            elems in 0usize..300,
+            meta in proptest::collection::vec(any::<u8>(), 0..64),
+            ns in any::<u64>(),
+            seed in any::<u64>(),
+        ) {
+            let dtype = DType::from_code(code).unwrap();
+            let mut data = Tensor::zeros(dtype, elems);
+            data.fill_pattern(seed);
+            let t = encode_chunk(&meta, &data, Duration::from_nanos(ns)).unwrap();
+            let (back, got_ns, got_meta) = decode_chunk(t.as_bytes()).unwrap();
+            prop_assert_eq!(back.dtype(), dtype);
+            prop_assert_eq!(got_ns, ns);
+            prop_assert_eq!(&got_meta, &meta);
+            prop_assert!(back.as_bytes() == data.as_bytes());
+            let again = encode_chunk(&got_meta, &back, Duration::from_nanos(got_ns)).unwrap();
+            prop_assert!(again.as_bytes() == t.as_bytes());
+        }
+
+        /// Arbitrary bytes never panic the decoder, and what it accepts is exactly as long
+        /// as its header says and re-encodes to the same bytes.
+        #[test]
+        fn arbitrary_bytes_never_panic_and_accepted_flows_are_canonical(
+            b in proptest::collection::vec(any::<u8>(), 0..256),
+        ) {
+            if let Ok((data, ns, meta)) = decode_chunk(&b) {
+                prop_assert_eq!(b.len(), HEAD + meta.len() + data.len_bytes());
+                let again = encode_chunk(&meta, &data, Duration::from_nanos(ns)).unwrap();
+                prop_assert!(again.as_bytes() == b.as_slice());
+            }
+        }
+    }
 
     #[test]
     fn chunks_round_trip_and_bad_headers_are_refused() {
