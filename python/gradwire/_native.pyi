@@ -43,6 +43,10 @@ class ReduceReport:
     def block_delivered(self) -> List[float]:
         """For each block, the fraction of ranks summed in it."""
     @property
+    def block_contributors(self) -> List[List[int]]:
+        """For each block, the ranks summed in it, ascending (with ``op="average"`` the block
+        is their average). Listed on each access; not in ``to_dict()``."""
+    @property
     def elapsed_s(self) -> float: ...
     @property
     def bytes_sent(self) -> int: ...

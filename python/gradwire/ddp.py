@@ -22,7 +22,9 @@ world when some are missing, DLCP Appendix A). A lossy slice is rotated by a dif
 every iteration (``spread_loss``): the transport meets a bound by leaving out the tail of each
 transfer, which would otherwise be the same elements every time. Each parameter's delivered
 fraction is read from the report's per-block figures over its own element range, and lands
-in ``state.log`` and the ``on_report`` callback.
+in ``state.log`` and the ``on_report`` callback. With ``keep_contributors=True`` the state
+also keeps, for the latest iteration, which ranks are averaged in each run of each parameter's
+elements (``state.contributors``, rotation undone): the record to check a lossy result by.
 
 Layers: by default a parameter's layer is the position of the module that owns it among the
 modules with trainable parameters, in registration order (the forward order of a
@@ -48,7 +50,7 @@ import torch.distributed as dist
 
 import gradwire
 
-__all__ = ["GradwireState", "LossRecord", "ParamInfo", "allreduce_hook"]
+__all__ = ["ContributorRun", "GradwireState", "LossRecord", "ParamInfo", "allreduce_hook"]
 
 # gradwire-qos: data priorities 0..=6 (queue 7 is control). Parameters whose layers fall in
 # the same priority get the same DSCP, so they may share one all-reduce.
@@ -67,6 +69,15 @@ class LossRecord(NamedTuple):
     iteration: int
     name: str
     delivered_fraction: float
+
+
+class ContributorRun(NamedTuple):
+    """Elements ``start:end`` of a parameter's flattened gradient are the average of the
+    gradients of ``ranks`` (ascending), as this rank's all-reduce report names them."""
+
+    start: int
+    end: int
+    ranks: tuple[int, ...]
 
 
 class ParamInfo(NamedTuple):
@@ -184,6 +195,10 @@ class GradwireState:
             (default 7, gradwire-qos's data priorities: one class per DSCP). Fewer classes mean
             fewer, larger all-reduces; a group is tagged with the DSCP of its front-most layer.
         log_size: records ``state.log`` keeps (the newest).
+        keep_contributors: keep ``state.contributors``, ``{name: [ContributorRun, ...]}`` of
+            the latest iteration (``state.contributors_iteration``): which ranks each element
+            of each parameter averages, from the report's per-block sets with the rotation
+            undone (costs a list per block; for tests and diagnosis).
         process_group: the group whose ranks take part (default: the world).
 
     The constructor is a collective: every rank of the group must build its state.
@@ -208,6 +223,7 @@ class GradwireState:
         priority_classes: int = _DATA_PRIORITIES,
         spread_loss: bool = True,
         log_size: int | None = _DEFAULT_LOG_SIZE,
+        keep_contributors: bool = False,
         process_group=None,
     ) -> None:
         module = _module_of(ddp)
@@ -282,6 +298,9 @@ class GradwireState:
         self.spread_loss = bool(spread_loss)
         self.on_report = on_report
         self.log: collections.deque[LossRecord] = collections.deque(maxlen=log_size)
+        self.keep_contributors = bool(keep_contributors)
+        self.contributors: dict[str, list[ContributorRun]] = {}
+        self.contributors_iteration: int | None = None
         self.iteration = 0
         self.allreduce_calls = 0
         self.allreduce_seconds = 0.0
@@ -417,9 +436,17 @@ class GradwireState:
                     view.copy_(torch.roll(work, -shift))
                 self.allreduce_calls += 1
                 self.allreduce_seconds += report.elapsed_s
+                sets = report.block_contributors if self.keep_contributors else None
+                if sets is not None and self.contributors_iteration != self.iteration:
+                    self.contributors = {}
+                    self.contributors_iteration = self.iteration
                 for info, start, end in g.params:
                     frac = _rotated_delivered(report, start - g.start, end - g.start, shift, n)
                     records.append(LossRecord(self.iteration, info.name, frac))
+                    if sets is not None:
+                        self.contributors[info.name] = _rotated_runs(
+                            sets, report.block_elems, start - g.start, end - g.start, shift, n
+                        )
             self.log.extend(records)
             iteration = self.iteration
             if bucket.is_last():
@@ -508,6 +535,28 @@ def _rotated_delivered(report, start: int, end: int, shift: int, n: int) -> floa
     if second:
         total += _range_delivered(report, 0, b) * second
     return total / (first + second)
+
+
+def _rotated_runs(
+    sets: list[list[int]], be: int, start: int, end: int, shift: int, n: int
+) -> list[ContributorRun]:
+    """Elements [start, end) of a group all-reduced rolled by `shift` (element i sat at
+    (i + shift) mod n, in block ((i + shift) mod n) // be) as runs of one contributor set,
+    counted from `start`."""
+    runs: list[ContributorRun] = []
+    i = start
+    while i < end:
+        p = (i + shift) % n
+        b = p // be
+        # To the end of this block, or of the rotated copy (where it wraps to element 0).
+        stop = min(end, i + min((b + 1) * be, n) - p)
+        ranks = tuple(sets[b])
+        if runs and runs[-1].ranks == ranks:
+            runs[-1] = runs[-1]._replace(end=stop - start)
+        else:
+            runs.append(ContributorRun(i - start, stop - start, ranks))
+        i = stop
+    return runs
 
 
 def _range_delivered(report, start: int, end: int) -> float:

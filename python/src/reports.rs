@@ -1,5 +1,6 @@
 //! The transfer reports as Python objects: read-only attributes, `to_dict()` and `__repr__`.
 
+use gradwire_session::Contributors;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -16,18 +17,29 @@ fn list_repr(values: &[f64]) -> String {
 }
 
 /// The outcome of an all-reduce (`Session.all_reduce`).
-#[pyclass(module = "gradwire._native", frozen, get_all)]
+#[pyclass(module = "gradwire._native", frozen)]
 #[derive(Debug, Clone)]
 pub(crate) struct ReduceReport {
+    #[pyo3(get)]
     elems: usize,
+    #[pyo3(get)]
     blocks: usize,
+    #[pyo3(get)]
     block_elems: usize,
+    #[pyo3(get)]
     complete_blocks: usize,
+    #[pyo3(get)]
     delivered_fraction: f64,
+    #[pyo3(get)]
     rank_delivered: Vec<f64>,
+    #[pyo3(get)]
     block_delivered: Vec<f64>,
+    #[pyo3(get)]
     elapsed_s: f64,
+    #[pyo3(get)]
     bytes_sent: u64,
+    /// Kept compact (a bit set per block); listed only when Python asks.
+    contributors: Contributors,
 }
 
 impl From<gradwire_session::ReduceReport> for ReduceReport {
@@ -42,12 +54,22 @@ impl From<gradwire_session::ReduceReport> for ReduceReport {
             block_delivered: r.block_delivered,
             elapsed_s: r.elapsed_s,
             bytes_sent: r.bytes_sent,
+            contributors: r.contributors,
         }
     }
 }
 
 #[pymethods]
 impl ReduceReport {
+    /// For each block, the ranks summed in it, ascending (its `block_delivered` is their
+    /// number over the world size). Not in `to_dict()`: one list per block.
+    #[getter]
+    fn block_contributors(&self) -> Vec<Vec<usize>> {
+        (0..self.contributors.blocks())
+            .map(|b| self.contributors.ranks(b))
+            .collect()
+    }
+
     /// The fields as a dict (JSON-ready).
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);

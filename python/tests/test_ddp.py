@@ -165,6 +165,7 @@ def scenario_loss(a) -> dict:
         timeout=20,
         inject_loss=a.inject,
         seed=rank + 1,
+        keep_contributors=True,
     )
     ddp.register_comm_hook(state, gwddp.allreduce_hook)
     names = [n for n, _ in model.named_parameters()]
@@ -175,6 +176,7 @@ def scenario_loss(a) -> dict:
         model.zero_grad(set_to_none=True)
         F.cross_entropy(ddp(x), y).backward()
         frac = {r.name: r.delivered_fraction for r in state.log if r.iteration == step}
+        assert state.contributors_iteration == step, (state.contributors_iteration, step)
         rec = []
         for i, (name, p) in enumerate(zip(names, model.parameters())):
             stacked = torch.stack([t[i] for t in terms])
@@ -187,6 +189,7 @@ def scenario_loss(a) -> dict:
                     "delivered": frac.get(name),
                     "equal_to_average": bool(torch.equal(p.grad, exact)),
                     "in_hull": bool(((p.grad >= stacked.min(0).values) & (p.grad <= stacked.max(0).values)).all()),
+                    **_check_contributors(p.grad, [t[i] for t in terms], state.contributors.get(name), world),
                 }
             )
         steps.append(rec)
@@ -197,6 +200,48 @@ def scenario_loss(a) -> dict:
                 dist.broadcast(g, 0)
                 p -= 0.05 * g
     return {"world": world, "steps": steps, "bound": a.bound, "inject": a.inject}
+
+
+def _check_contributors(grad: torch.Tensor, terms: list[torch.Tensor], runs, world: int) -> dict:
+    """Every element of `grad` against the average of the ranks' gradients (`terms`) over the
+    contributors the hook's record (`runs`, from the all-reduce report) names for it: exactly
+    that rank's gradient for one contributor; otherwise their average to within the rounding
+    of a float32 sum in any order and one division (u * sum of the |terms| summed)."""
+    out = {"runs_cover": False, "mismatches": [], "by_count": {}, "frac_from_runs": None}
+    if runs is None:
+        out["mismatches"].append("no contributor record")
+        return out
+    g = grad.detach().flatten()
+    flat = [t.flatten() for t in terms]
+    out["runs_cover"] = (
+        bool(runs) and runs[0].start == 0 and runs[-1].end == g.numel()
+        and all(x.end == y.start for x, y in zip(runs, runs[1:]))
+        and all(r.start < r.end for r in runs)
+    )
+    by_count: dict[int, int] = {}
+    for run in runs:
+        sl = slice(run.start, run.end)
+        k = len(run.ranks)
+        by_count[k] = by_count.get(k, 0) + run.end - run.start
+        if k == 0 or any(not 0 <= r < world for r in run.ranks):
+            out["mismatches"].append(f"{run}: not a set of ranks of the job")
+            continue
+        got = g[sl]
+        if k == 1:
+            want = flat[run.ranks[0]][sl]
+            ok = torch.equal(got, want)
+            err = float((got - want).abs().max())
+        else:
+            sel = torch.stack([flat[r][sl].double() for r in run.ranks])
+            want = sel.sum(0) / k
+            tol = U * sel.abs().sum(0)
+            ok = bool(((got.double() - want).abs() <= tol).all())
+            err = float((got.double() - want).abs().max())
+        if not ok:
+            out["mismatches"].append(f"{run}: max |result - average of its contributors| = {err}")
+    out["by_count"] = {str(k): n for k, n in sorted(by_count.items())}
+    out["frac_from_runs"] = sum(k * n for k, n in by_count.items()) / (world * g.numel())
+    return out
 
 
 def scenario_dead(a) -> dict:
@@ -315,9 +360,12 @@ def test_p0_matches_gloo_within_rounding_on_4_ranks(job):
     print(f"4 ranks: {exact} of {sum(len(s) for o in outs for s in o['steps'])} step gradients bit-identical")
 
 
+LOSS_ARGS = ("--bound", "0.1", "--inject", "0.05", "--steps", "8")  # 2 ranks, the first layer lossy
+
+
 def test_injected_loss_reports_fractions_consistent_with_the_bound(job):
-    world, bound, inject, steps = 2, 0.1, 0.05, 8
-    outs = _run_ok(job, "loss", world, 180, "--bound", str(bound), "--inject", str(inject), "--steps", str(steps))
+    world, bound = 2, 0.1
+    outs = _run_ok(job, "loss", world, 180, *LOSS_ARGS)
     lossy_seen = []
     # Each block crosses 2(W-1) transfers; each delivers at least 1 - p of its blocks, and a
     # lost block keeps at least this rank's own contribution.
@@ -341,6 +389,31 @@ def test_injected_loss_reports_fractions_consistent_with_the_bound(job):
             assert weighted >= floor, (weighted, floor, lossy)
     # The injected loss is within the bound, so not all of it is sent again: it shows.
     assert min(lossy_seen) < 1.0, lossy_seen
+
+
+def test_injected_loss_averages_each_element_over_its_reported_contributors(job):
+    """Every element of every parameter, lossy or not, is the average of the gradients of
+    the ranks the all-reduce report names for its block (``keep_contributors``, rotation
+    undone): one rank's gradient exactly where only one arrived, never divided by the
+    world."""
+    world = 2
+    outs = _run_ok(job, "loss", world, 180, *LOSS_ARGS)
+    by_count: dict[str, int] = {}  # elements checked, by their number of contributors
+    for rank, out in enumerate(outs):
+        for n, step in enumerate(out["steps"]):
+            for p in step:
+                where = f"rank {rank}, step {n}, {p['name']}"
+                assert p["runs_cover"], f"{where}: the contributor record does not cover it: {p}"
+                assert not p["mismatches"], f"{where}: {p['mismatches'][:5]}"
+                # The recorded fraction is the same report, read per block.
+                assert p["delivered"] == pytest.approx(p["frac_from_runs"], rel=1e-9), (where, p)
+                if p["bound"] == 0:
+                    assert p["by_count"] == {str(world): p["numel"]}, (where, p)
+                for k, count in p["by_count"].items():
+                    by_count[k] = by_count.get(k, 0) + count
+    # Both cases were checked: elements of one rank's gradient alone, and full averages.
+    assert set(by_count) == {"1", "2"}, by_count
+    print(f"elements checked by number of contributors: {by_count}")
 
 
 def _check_survivors(results, victim: int, timeout: float) -> None:
@@ -609,3 +682,29 @@ def test_rotated_delivered_fractions_match_element_by_element():
         want = sum(report.block_delivered[((i + shift) % n) // be] for i in range(a, b)) / (b - a)
         got = gwddp._rotated_delivered(report, a, b, shift, n)
         assert got == pytest.approx(want, rel=1e-12), (n, be, shift, a, b)
+
+
+def test_rotated_contributor_runs_match_element_by_element():
+    """A rotated all-reduce's per-block contributor sets mapped back to a parameter's
+    elements as runs, against looking each element up."""
+    import random
+
+    import gradwire.ddp as gwddp
+
+    rng = random.Random(11)
+    sets_pool = [[0], [1], [0, 1], [2], [0, 2], [1, 2], [0, 1, 2]]
+    for _ in range(300):
+        n = rng.randint(1, 3000)
+        be = rng.randint(1, 400)
+        blocks = -(-n // be)
+        sets = [rng.choice(sets_pool) for _ in range(blocks)]
+        shift = gwddp._rotation(rng.randint(0, 10_000), rng.randint(0, 5), n)
+        a = rng.randint(0, n - 1)
+        b = rng.randint(a + 1, n)
+        runs = gwddp._rotated_runs(sets, be, a, b, shift, n)
+        got = [r.ranks for r in runs for _ in range(r.start, r.end)]
+        want = [tuple(sets[((i + shift) % n) // be]) for i in range(a, b)]
+        assert got == want, (n, be, shift, a, b)
+        # Runs in order, each a maximal stretch of one set.
+        assert runs[0].start == 0 and runs[-1].end == b - a
+        assert all(x.end == y.start and x.ranks != y.ranks for x, y in zip(runs, runs[1:]))

@@ -33,7 +33,7 @@ use gradwire_collective::link::{Links, NetLinkConfig, PendingLinks};
 pub use gradwire::datapath::fault::FaultConfig;
 pub use gradwire::flow::{SegmentInfo, Tag};
 pub use gradwire::tensor::DType;
-pub use gradwire_collective::aggregate::ReduceOp;
+pub use gradwire_collective::aggregate::{Contributors, ReduceOp};
 pub use gradwire_collective::comm::MAX_P2P_TENSOR;
 pub use gradwire_collective::link::MAX_ENDPOINT_LEN;
 
@@ -288,6 +288,9 @@ pub struct ReduceReport {
     pub elapsed_s: f64,
     /// Payload bytes this rank sent.
     pub bytes_sent: u64,
+    /// Which ranks are summed in each block of the result (`block_delivered` counts them).
+    #[serde(skip)]
+    pub contributors: Contributors,
 }
 
 /// What a broadcast delivered here.
@@ -419,6 +422,7 @@ impl Session {
             block_delivered,
             elapsed_s: r.elapsed.as_secs_f64(),
             bytes_sent: r.bytes_sent,
+            contributors: r.contributors,
         })
     }
 
