@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -150,3 +152,141 @@ def needs_root() -> None:
         if os.environ.get("GRADWIRE_REQUIRE_PRIV") == "1":
             pytest.fail("needs root (GRADWIRE_REQUIRE_PRIV=1 forbids skipping)")
         pytest.skip("SKIPPED: needs root")
+
+
+# -- Rust helper programs ----------------------------------------------------------------------
+
+CARGO_BUILD_TIMEOUT = 900.0  # seconds: a cold build of the workspace's crates on 2 cores
+
+
+def _cargo() -> str:
+    found = shutil.which("cargo")
+    if found:
+        return found
+    for d in (Path.home() / ".cargo" / "bin", Path("/root/.cargo/bin"), Path("/usr/local/cargo/bin")):
+        if (d / "cargo").is_file():
+            return str(d / "cargo")
+    # The package itself is built with cargo (maturin): a missing cargo is a broken setup.
+    pytest.fail("cargo not found (PATH, ~/.cargo/bin): it builds the Rust helper programs")
+
+
+def cargo_example(package: str, example: str) -> Path:
+    """Builds example `example` of workspace crate `package` (cargo's own up-to-date check:
+    seconds when nothing changed) and returns its executable. Bounded by
+    CARGO_BUILD_TIMEOUT; cargo and its compilers are killed if it runs out."""
+    cmd = [_cargo(), "build", "--locked", "-p", package, "--example", example,
+           "--message-format=json-render-diagnostics"]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("CARGO_TARGET_DIR", str(REPO / "target"))
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=CARGO_BUILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        pytest.fail(f"{' '.join(cmd)}: not done in {CARGO_BUILD_TIMEOUT:.0f} s")
+    finally:
+        _kill_group(proc)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-5000:]}")
+    for line in out.splitlines():
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        target = msg.get("target") or {}
+        if msg.get("reason") == "compiler-artifact" and target.get("name") == example and msg.get("executable"):
+            return Path(msg["executable"])
+    pytest.fail(f"{' '.join(cmd)}: cargo named no executable for {example}:\n{out[-3000:]}")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kills `proc`'s process group (it was started in its own session) unless it has been
+    reaped, then reaps it."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+class LineChild:
+    """A helper program speaking one line at a time on stdin/stdout, in its own session.
+    Leaving the `with` block closes its stdin (its signal to finish), gives it a few seconds,
+    then kills it; it is reaped on every path."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.log = open(log, "w+")
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+            start_new_session=True,
+        )  # fmt: skip
+        self._buf = b""
+
+    def __enter__(self) -> "LineChild":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish(timeout=10.0)
+
+    def finish(self, timeout: float) -> int | None:
+        """Closes stdin and waits up to `timeout` seconds for the exit code (None: it had to be
+        killed). Reaped either way."""
+        try:
+            if self.proc.stdin and not self.proc.stdin.closed:
+                try:
+                    self.proc.stdin.close()
+                except BrokenPipeError:
+                    pass
+            try:
+                return self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return None
+        finally:
+            _kill_group(self.proc)
+            for f in (self.proc.stdout,):
+                if f:
+                    f.close()
+            self.log.close()
+
+    def stderr(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+
+    def write_line(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def read_line(self, timeout: float) -> str:
+        """The child's next line, waiting at most `timeout` seconds (fails the test if it
+        exits or stays silent)."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buf:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    pytest.fail(f"no line from {self.proc.args[0]} in {timeout} s; stderr:\n{self.stderr()}")
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    pytest.fail(
+                        f"{self.proc.args[0]} closed its output (exit {self.proc.poll()}); "
+                        f"stderr:\n{self.stderr()}"
+                    )
+                self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode()
+
+
+@pytest.fixture(scope="session")
+def forged_peer_exe() -> Path:
+    """capi/examples/forged_peer.rs (capi/tests/common/forge.rs as a program): a rank 1 that
+    answers rank 0's first all-reduce with contributor sets of the test's choosing."""
+    return cargo_example("gradwire-capi", "forged_peer")

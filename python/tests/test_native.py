@@ -895,6 +895,43 @@ def test_exception_classes() -> None:
     assert gradwire.__version__ == gradwire._native.__version__
 
 
+@pytest.mark.parametrize(
+    "mask, what",
+    [(0b01, "repeats a contribution already summed here"), (1 << 5, "contributor set of block 0 is invalid")],
+)
+def test_forged_aggregation_data_is_a_data_error_naming_the_peer(
+    forged_peer_exe: Any, tmp_path: Any, mask: int, what: str
+) -> None:
+    """A forged rank 1 (capi/examples/forged_peer.rs: real links, hand-made flows) answers
+    rank 0's first all-reduce with a contributor set claiming rank 0's own contribution
+    (counted twice if accepted) or a rank outside the job: rank 0 raises DataError naming it."""
+    from conftest import LineChild
+
+    ep = gradwire.Endpoint(0, 2, IP, loss_bound=0.1, timeout=TIMEOUT)  # sets travel only then
+    argv = [str(forged_peer_exe), "--mask", f"{mask:x}", "--bound", "0.1", "--elems", "8"]
+    with LineChild(argv, tmp_path / "forged.log") as peer:
+        kind, _, theirs = peer.read_line(JOIN).partition(" ")
+        assert kind == "endpoint", kind
+        peer.write_line(ep.address.hex())
+        s = run_ranks([lambda: ep.connect([ep.address, bytes.fromhex(theirs)])])[0]
+        try:
+            # The forged flows are accepted only inside this all-reduce.
+            x = np.full(8, 2.0, dtype=np.float32)
+            with pytest.raises(gradwire.GradwireError) as err:
+                run_ranks([lambda: s.all_reduce(x)])
+            assert peer.read_line(JOIN) == "forged"
+            e = err.value
+            assert type(e) is gradwire.DataError, f"{type(e).__name__}: {e}"
+            assert (e.kind, e.code, e.peer) == ("data", 5, 1), (e.kind, e.code, e.peer, str(e))
+            assert "rank 1 sent invalid aggregation data" in str(e) and what in str(e), str(e)
+            # It stopped part-way: the session says so rather than running on.
+            with pytest.raises(gradwire.UnusableError):
+                s.barrier()
+        finally:
+            close_bounded([s])
+        assert peer.finish(timeout=JOIN) == 0, peer.stderr()
+
+
 # --- packaging: the stubs and the wheel ------------------------------------------------------
 
 

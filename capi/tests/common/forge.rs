@@ -9,6 +9,9 @@
 //! `gradwire_collective::comm` (`flow_tensor`, `SETS_BIT`; private there): if they drift the
 //! victim never matches these flows and fails with a peer error instead of a data error, so
 //! a test built on this fails rather than passing on nothing.
+//!
+//! Shared by the C API tests (`tests/common`) and `examples/forged_peer.rs`, the same forged
+//! rank as a program for the Python package's test.
 #![allow(dead_code)]
 
 use std::net::IpAddr;
@@ -64,7 +67,7 @@ impl ForgedRank {
         mask: u64,
     ) -> Links {
         let mut links = self.pending.finish(table).expect("forged rank: connect");
-        let bound = LossBound::from_fraction(bound).unwrap();
+        let bound = LossBound::from_fraction(bound).expect("forged rank: loss bound");
         let prio = fixed_priority(Tag { dscp: 0, ect: true });
         let cfg = TransferConfig::default();
         let tensor = flow_tensor(KIND_REDUCE, 0, 1);
