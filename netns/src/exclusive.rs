@@ -2,8 +2,11 @@
 //!
 //! The fabric forwards on one core (about 185 k frames/s here). Two fabrics on a 2-core
 //! machine each fall behind their clock, and a run that fell behind is no result: its test
-//! either fails by luck or checks nothing. Every test, benchmark and experiment that runs a
-//! fabric or times traffic through namespaces holds [`FabricLock`] for its whole run.
+//! either fails by luck or checks nothing. Every test that runs a fabric or times traffic
+//! through namespaces holds [`FabricLock`] for its whole run. The experiments and `gradwire
+//! testbed up` do not take it: tests run them as child processes while holding it (a second
+//! `flock` from the child would wait on its parent forever), and a person running one by hand
+//! keeps the machine to it, as docs/results.md says.
 //!
 //! The lock is `flock(2)` on [`FABRIC_LOCK_PATH`]: the kernel drops it when the holder exits,
 //! however it exits, so a killed test never leaves it held. Python's tests take the same file
