@@ -6,12 +6,12 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gradwire_netstorm::consistency::Reply;
 use gradwire_netstorm::wire::{frame_len, Message, TopologyRequest, WireError, HEADER_LEN};
 
-use crate::error::WanError;
+use crate::error::{TimedOut, WanError};
 
 /// Write one NetStorm frame.
 pub fn write_frame(s: &mut TcpStream, m: &Message) -> std::io::Result<()> {
@@ -38,19 +38,29 @@ pub fn read_frame(s: &mut TcpStream) -> std::io::Result<Message> {
 pub struct SchedulerClient {
     stream: TcpStream,
     addr: SocketAddr,
+    /// The read timeout: the longest wait for an answer (the node's round timeout).
+    timeout: Duration,
 }
 
 impl SchedulerClient {
     /// Connect, retrying until `timeout` (the scheduler may still be starting).
     pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<Self, WanError> {
-        let deadline = std::time::Instant::now() + timeout;
+        let started = Instant::now();
+        let deadline = started + timeout;
         let stream = loop {
             match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
                 Ok(s) => break s,
-                Err(e) if std::time::Instant::now() >= deadline => {
+                Err(e) if Instant::now() >= deadline => {
                     return Err(WanError::Scheduler {
                         addr,
-                        error: format!("connect: {e} (is the scheduler running?)"),
+                        error: format!(
+                            "no connection within {timeout:?}, the round timeout (last: {e}; \
+                             is the scheduler running?)"
+                        ),
+                        timed_out: Some(TimedOut {
+                            timeout,
+                            waited: started.elapsed(),
+                        }),
                     })
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(50)),
@@ -59,16 +69,22 @@ impl SchedulerClient {
         let io = |e: std::io::Error| WanError::Scheduler {
             addr,
             error: e.to_string(),
+            timed_out: None,
         };
-        stream.set_read_timeout(Some(timeout)).map_err(io)?;
+        stream.set_read_timeout(Some(timeout / 4)).map_err(io)?;
         stream.set_nodelay(true).map_err(io)?;
-        Ok(SchedulerClient { stream, addr })
+        Ok(SchedulerClient {
+            stream,
+            addr,
+            timeout,
+        })
     }
 
     fn err(&self, error: String) -> WanError {
         WanError::Scheduler {
             addr: self.addr,
             error,
+            timed_out: None,
         }
     }
 
@@ -81,8 +97,30 @@ impl SchedulerClient {
     pub fn request(&mut self, req: TopologyRequest) -> Result<Reply, WanError> {
         let round = req.round;
         self.send(&Message::TopologyRequest(req))?;
-        let answer = read_frame(&mut self.stream)
-            .map_err(|e| self.err(format!("waiting for round {round}'s policy: {e}")))?;
+        let asked = Instant::now();
+        let answer = read_frame(&mut self.stream).map_err(|e| {
+            let waited = asked.elapsed();
+            // The read timeout is the round timeout: say so, not "os error 11".
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) {
+                WanError::Scheduler {
+                    addr: self.addr,
+                    error: format!(
+                        "waiting for round {round}'s policy: no answer within {:?}, the round \
+                         timeout (waited {waited:.1?})",
+                        self.timeout
+                    ),
+                    timed_out: Some(TimedOut {
+                        timeout: self.timeout,
+                        waited,
+                    }),
+                }
+            } else {
+                self.err(format!("waiting for round {round}'s policy: {e}"))
+            }
+        })?;
         match answer {
             Message::PolicyUpdate(u) => Ok(Reply::Update(u)),
             Message::PolicyConfirm(c) => Ok(Reply::Confirm(c)),

@@ -23,7 +23,9 @@ pub enum WanError {
     /// A round did not finish in time: a node stopped answering, or the network is slower
     /// than the timeout allows.
     #[error(
-        "node {rank}: round {round} did not finish within {timeout:?} ({pending} chunks still missing; links closed by nodes {closed:?}): a node stopped answering, or raise the timeout"
+        "node {rank}: round {round} did not finish within {timeout:?}, the round timeout \
+         (waited {waited:.1?}; {pending} chunks still missing; links closed by nodes \
+         {closed:?}): a node stopped answering, or raise the timeout"
     )]
     RoundTimeout {
         /// This node.
@@ -34,6 +36,8 @@ pub enum WanError {
         pending: usize,
         /// The timeout.
         timeout: Duration,
+        /// How long the node waited, by its own clock (at least `timeout`).
+        waited: Duration,
         /// Nodes whose links to this one closed (finished early, or dead).
         closed: Vec<usize>,
     },
@@ -41,13 +45,16 @@ pub enum WanError {
     /// a child in its tree, a second copy, the wrong version).
     #[error("protocol: {0}")]
     Protocol(String),
-    /// The scheduler connection failed.
+    /// The scheduler connection failed, or the scheduler did not answer within the round
+    /// timeout (`timed_out`; the message says so).
     #[error("scheduler at {addr}: {error}")]
     Scheduler {
         /// Its address.
         addr: SocketAddr,
         /// What happened.
         error: String,
+        /// The configured wait that ran out, when that is what happened.
+        timed_out: Option<TimedOut>,
     },
     /// Links could not be set up.
     #[error(transparent)]
@@ -66,11 +73,102 @@ pub enum WanError {
     Internal(String),
 }
 
+/// A configured wait that ran out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimedOut {
+    /// The configured timeout.
+    pub timeout: Duration,
+    /// How long the node waited, by its own clock (at least `timeout`).
+    pub waited: Duration,
+}
+
+impl WanError {
+    /// The nodes this error names as a possible cause, ascending: the peer of a failed link,
+    /// and the nodes whose links had closed before (one of them may be a dead node whose
+    /// death failed the peer); for a round that timed out, the nodes whose links closed.
+    /// Tests and reports read this instead of parsing the message.
+    pub fn blamed(&self) -> Vec<usize> {
+        let mut out = match self {
+            WanError::Peer { peer, closed, .. } => {
+                let mut v = closed.clone();
+                v.push(*peer);
+                v
+            }
+            WanError::RoundTimeout { closed, .. } => closed.clone(),
+            _ => Vec::new(),
+        };
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// The configured wait that ran out, when the error is a timeout (a round, or the
+    /// scheduler's answer).
+    pub fn timed_out(&self) -> Option<TimedOut> {
+        match self {
+            WanError::RoundTimeout {
+                timeout, waited, ..
+            } => Some(TimedOut {
+                timeout: *timeout,
+                waited: *waited,
+            }),
+            WanError::Scheduler { timed_out, .. } => *timed_out,
+            _ => None,
+        }
+    }
+}
+
 /// " (links closed before by nodes [..])", or nothing when none had.
 fn closed_before(closed: &[usize]) -> String {
     if closed.is_empty() {
         String::new()
     } else {
         format!(" (links closed before by nodes {closed:?})")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blamed_and_timed_out_are_the_errors_data() {
+        let e = WanError::Peer {
+            rank: 0,
+            peer: 12,
+            error: "closed".into(),
+            closed: vec![2, 12],
+        };
+        assert_eq!(e.blamed(), vec![2, 12]);
+        assert_eq!(e.timed_out(), None);
+        assert_eq!(
+            e.to_string(),
+            "node 0: link with node 12: closed (links closed before by nodes [2, 12])"
+        );
+        let e = WanError::RoundTimeout {
+            rank: 1,
+            round: 2,
+            pending: 3,
+            timeout: Duration::from_secs(8),
+            waited: Duration::from_millis(8_012),
+            closed: vec![20, 0],
+        };
+        assert_eq!(e.blamed(), vec![0, 20]);
+        let t = e.timed_out().unwrap();
+        assert_eq!(
+            (t.timeout, t.waited),
+            (Duration::from_secs(8), Duration::from_millis(8_012))
+        );
+        let m = e.to_string();
+        assert!(
+            m.contains("did not finish within 8s, the round timeout (waited 8.0s;"),
+            "{m}"
+        );
+        let e = WanError::Scheduler {
+            addr: "127.0.0.1:9".parse().unwrap(),
+            error: "closed".into(),
+            timed_out: None,
+        };
+        assert!(e.blamed().is_empty() && e.timed_out().is_none());
     }
 }

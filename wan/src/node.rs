@@ -217,7 +217,7 @@ impl Node {
             .collect();
         let outs = self.state.contribute(own).map_err(proto)?;
         let mut done = self.perform(outs, &aux, &mut results)?;
-        let deadline = started + self.cfg.round_timeout;
+        let deadline = started + self.cfg.round_timeout / 4;
         while !done {
             let left = deadline.saturating_duration_since(Instant::now());
             let ev = match self.events.recv_timeout(left) {
@@ -228,6 +228,7 @@ impl Node {
                         round,
                         pending: results.iter().filter(|r| r.is_none()).count(),
                         timeout: self.cfg.round_timeout,
+                        waited: started.elapsed(),
                         closed: self.closed.clone(),
                     })
                 }

@@ -1,13 +1,19 @@
 //! A node's side of the scheduler connection: a node whose scheduler closes the connection,
 //! goes silent, or stops between rounds fails with an error that names the scheduler (its
-//! address), within the node's round timeout, never a hang. The scheduler is a bare TCP
+//! address), never a hang; a silent scheduler fails it by the round timeout, which the error
+//! names and the node waited in full (by its own clock). The scheduler is a bare TCP
 //! listener that reads the node's topology request and then misbehaves, or the real one
-//! stopped between two rounds.
+//! stopped between two rounds. Each node runs under a hang guard of 60 s, 30 times the
+//! round timeout: only a node that never gives up trips it, however loaded the machine.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::mpsc;
 use std::time::Duration;
+
+use common::bounded;
 
 use gradwire::transport::TransferConfig;
 use gradwire_collective::link::{Links, MemLinkConfig};
@@ -44,20 +50,6 @@ fn config(rank: usize) -> NodeConfig {
 /// In-memory links between two nodes, both ways.
 fn links() -> Vec<Links> {
     Links::in_memory(2, &[(0, 1), (1, 0)], &MemLinkConfig::default()).unwrap()
-}
-
-/// `f` on its own thread, failing the test if it has not returned within `limit`: a hang
-/// guard far beyond the round timeout, not a timing.
-fn bounded<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(t) => t,
-        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("the node's thread panicked"),
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("the node hung for {limit:?}"),
-    }
 }
 
 /// The error names the scheduler at `addr`, as a scheduler error.
@@ -115,6 +107,8 @@ fn a_node_whose_scheduler_closes_the_connection_fails_naming_it() {
     let (addr, h) = fake_scheduler(drop);
     let e = one_round(addr);
     assert_names_scheduler(&e, addr, "the scheduler closed the connection");
+    // A closed connection is no timeout: the node did not wait for one.
+    assert_eq!(e.timed_out(), None, "{e}");
     h.join().unwrap();
 }
 
@@ -132,6 +126,23 @@ fn a_node_whose_scheduler_goes_silent_fails_naming_it_within_the_round_timeout()
     assert!(
         e.to_string().contains("round 0"),
         "the error does not say which round's policy it waited for: {e}"
+    );
+    // The configured round timeout is what fired, the message says so, and the node waited
+    // it in full by its own clock (a lower bound: no load makes a wait shorter).
+    let t = e
+        .timed_out()
+        .unwrap_or_else(|| panic!("the node did not report a timeout: {e}"));
+    assert_eq!(t.timeout, ROUND_TIMEOUT, "{e}");
+    assert!(
+        t.waited >= ROUND_TIMEOUT,
+        "it gave up after {:?}: {e}",
+        t.waited
+    );
+    assert!(
+        e.to_string().contains(&format!(
+            "no answer within {ROUND_TIMEOUT:?}, the round timeout"
+        )),
+        "the error does not say which timeout fired: {e}"
     );
     done_tx.send(()).unwrap();
     h.join().unwrap();
