@@ -261,6 +261,20 @@ fn flow_tensor(kind: u32, step: usize, chunk: usize) -> u32 {
     (kind << 27) | (((step & 0x7ff) as u32) << 16) | (chunk & 0xffff) as u32
 }
 
+/// The flow ids of a ring all-reduce's reduce-scatter, for tests that forge a peer from the
+/// wire (not an API: flow ids are internal to the communicator's links). A forged peer built
+/// on these follows any change here instead of silently missing the victim's flows.
+#[doc(hidden)]
+pub mod flow_ids {
+    /// Set on the contributor-set flow that follows a chunk.
+    pub const SETS_BIT: u32 = super::SETS_BIT;
+
+    /// The flow id of reduce-scatter step `step`'s transfer of chunk `chunk`.
+    pub fn reduce_scatter(step: usize, chunk: usize) -> u32 {
+        super::flow_tensor(super::KIND_REDUCE, step, chunk)
+    }
+}
+
 /// Options of one point-to-point transfer ([`Communicator::send`], [`Communicator::recv`]):
 /// both ends give the same tensor id.
 #[derive(Debug, Clone, Default, PartialEq)]

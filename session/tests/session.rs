@@ -360,7 +360,8 @@ fn loss_above_the_bound_is_cut_to_the_bound_per_transfer() {
     // fails here. (The point-to-point receive may still end complete: a retransmission pass
     // that arrives whole is all placed, bound met or not.)
     assert!(
-        out.iter().any(|(_, rep, _)| rep.complete_blocks < rep.blocks),
+        out.iter()
+            .any(|(_, rep, _)| rep.complete_blocks < rep.blocks),
         "every all-reduce flow was retransmitted to completion, not cut to the bound: {:?}",
         out.iter().map(|(_, rep, _)| rep).collect::<Vec<_>>()
     );
@@ -628,10 +629,11 @@ fn forged_contributor_sets_are_a_data_error_naming_the_peer() {
     use gradwire::transport::{MissingFill, RecvOptions, SendOptions, TransferConfig};
     use gradwire_collective::link::{Links, NetLinkConfig};
 
-    // The ring's flow ids (comm.rs): kind 1 = reduce-scatter, step 0, the chunk; bit 31 on
-    // the contributor-set flow that follows a chunk.
-    let flow = |chunk: u32| (1u32 << 27) | chunk;
-    const SETS: u32 = 1 << 31;
+    use gradwire_collective::comm::flow_ids::{self, SETS_BIT as SETS};
+
+    // The ring's flow ids: reduce-scatter step 0, the chunk; `SETS` on the contributor-set
+    // flow that follows a chunk.
+    let flow = |chunk: usize| flow_ids::reduce_scatter(0, chunk);
     let (job, elems, bound) = (5u32, 4_000usize, 0.05);
     let p = LossBound::from_fraction(bound).unwrap();
     // Rank 1's sets word per block (world 2: one u64 each): rank 0, the receiver itself; rank 2,

@@ -5,10 +5,8 @@
 //!
 //! The victim all-reduces one block with a loss bound above 0 (contributor sets travel only
 //! then): in a ring of 2 its reduce-scatter step 0 sends its empty chunk 0 and receives chunk
-//! 1, that one block, from rank 1, values first and then the sets. The flow ids below copy
-//! `gradwire_collective::comm` (`flow_tensor`, `SETS_BIT`; private there): if they drift the
-//! victim never matches these flows and fails with a peer error instead of a data error, so
-//! a test built on this fails rather than passing on nothing.
+//! 1, that one block, from rank 1, values first and then the sets. The flow ids come from
+//! `gradwire_collective::comm::flow_ids`, the communicator's own, so they cannot drift.
 //!
 //! Shared by the C API tests (`tests/common`) and `examples/forged_peer.rs`, the same forged
 //! rank as a program for the Python package's test.
@@ -21,17 +19,8 @@ use gradwire::flow::{fixed_priority, Tag};
 use gradwire::message::{LossBound, Stage};
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::{SendOptions, TransferConfig};
+use gradwire_collective::comm::flow_ids;
 use gradwire_collective::link::{Links, NetLinkConfig, PendingLinks};
-
-/// `comm::KIND_REDUCE`.
-const KIND_REDUCE: u32 = 1;
-/// `comm::SETS_BIT`.
-const SETS_BIT: u32 = 1 << 31;
-
-/// `comm::flow_tensor`.
-fn flow_tensor(kind: u32, step: usize, chunk: usize) -> u32 {
-    (kind << 27) | (((step & 0x7ff) as u32) << 16) | (chunk & 0xffff) as u32
-}
 
 /// Rank 1's sockets, bound: give `endpoint()` to rank 0, then [`ForgedRank::connect`].
 pub struct ForgedRank {
@@ -70,7 +59,7 @@ impl ForgedRank {
         let bound = LossBound::from_fraction(bound).expect("forged rank: loss bound");
         let prio = fixed_priority(Tag { dscp: 0, ect: true });
         let cfg = TransferConfig::default();
-        let tensor = flow_tensor(KIND_REDUCE, 0, 1);
+        let tensor = flow_ids::reduce_scatter(0, 1);
         let opts = |tensor, loss_bound| SendOptions {
             job: self.job,
             tensor,
@@ -94,7 +83,7 @@ impl ForgedRank {
         sets.as_bytes_mut().copy_from_slice(&mask.to_le_bytes());
         out.send(
             &sets,
-            &opts(tensor | SETS_BIT, LossBound::RELIABLE),
+            &opts(tensor | flow_ids::SETS_BIT, LossBound::RELIABLE),
             &prio,
             &cfg,
         )
