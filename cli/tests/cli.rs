@@ -1,5 +1,5 @@
 //! The `gradwire` binary end to end: demo on both datapaths, send/recv between two
-//! processes on 127.0.0.1, and clear errors for bad input.
+//! processes on a loopback address, and clear errors for bad input.
 
 #![allow(clippy::unwrap_used)]
 
@@ -7,29 +7,32 @@ mod common;
 
 use common::{gradwire, ChildGuard};
 
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// Whether some socket listens on TCP `port` of this network namespace (the kernel's own
-/// table, `/proc/net/tcp`; state `0A` is LISTEN). Looking does not connect, so the listener's
-/// single `accept` is left for the real peer.
-fn tcp_listening(port: u16) -> bool {
+/// Whether some socket listens on TCP `addr` of this network namespace (the kernel's own
+/// table, `/proc/net/tcp`: the local address as hex of the address in memory order, then
+/// the port; state `0A` is LISTEN). Looking does not connect, so the listener's single
+/// `accept` is left for the real peer.
+fn tcp_listening(addr: SocketAddrV4) -> bool {
+    let want = format!(
+        "{:08X}:{:04X}",
+        u32::from_ne_bytes(addr.ip().octets()),
+        addr.port()
+    );
     let table = std::fs::read_to_string("/proc/net/tcp").unwrap();
     table.lines().skip(1).any(|line| {
         let f: Vec<&str> = line.split_whitespace().collect();
-        let local_port = f
-            .get(1)
-            .and_then(|a| a.rsplit_once(':'))
-            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
-        local_port == Some(port) && f.get(3) == Some(&"0A")
+        f.get(1) == Some(&want.as_str()) && f.get(3) == Some(&"0A")
     })
 }
 
-/// Waits until `child` listens on `port`, at most 20 s; fails at once with the child's
+/// Waits until `child` listens on `addr`, at most 20 s; fails at once with the child's
 /// output if it exits first.
-fn wait_listening(child: &mut ChildGuard, port: u16) {
+fn wait_listening(child: &mut ChildGuard, addr: SocketAddrV4) {
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !tcp_listening(port) {
+    while !tcp_listening(addr) {
         if let Some(status) = child.child().try_wait().unwrap() {
             let out = child.0.take().unwrap().wait_with_output().unwrap();
             panic!(
@@ -39,16 +42,19 @@ fn wait_listening(child: &mut ChildGuard, port: u16) {
         }
         assert!(
             Instant::now() < deadline,
-            "receiver never listened on {port}"
+            "receiver never listened on {addr}"
         );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago.
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
+/// Where a test's receiver listens (TCP `port`, UDP data on `port + 1`): a loopback address
+/// of this process alone (its id in the low 22 bits of 127.64.0.0/10) and a fixed port per
+/// test, below the ephemeral range, so nothing else listens or connects from there. Nothing
+/// is found free and bound again later: parallel tests and other runs cannot take it.
+fn own_addr(port: u16) -> SocketAddrV4 {
+    let pid = std::process::id() & 0x3f_ffff;
+    SocketAddrV4::new(Ipv4Addr::from(0x7f40_0000 | pid), port)
 }
 
 fn json(out: &Output) -> serde_json::Value {
@@ -123,8 +129,8 @@ fn demo_table_and_f16_reliable() {
 
 #[test]
 fn send_and_recv_between_two_processes() {
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
+    let addr = own_addr(7_101);
+    let listen = addr.to_string();
     let common = [
         "--size",
         "8MiB",
@@ -146,7 +152,7 @@ fn send_and_recv_between_two_processes() {
     );
     // One send, once the receiver listens (it prints nothing before that in --json mode, so
     // the kernel's socket table says when).
-    wait_listening(&mut recv, port);
+    wait_listening(&mut recv, addr);
     let send = gradwire(&[&["send", "--to", &listen][..], &common[..]].concat());
     // A failed send fails here, and the guard ends the receiver.
     let s = json(&send);
@@ -181,12 +187,12 @@ fn bad_input_gets_a_clear_error() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("mtu"));
 
-    // Nobody listens on this port: a clear connection error, quickly.
-    let port = free_port();
+    // Nobody listens there: a clear connection error, quickly.
+    let addr = own_addr(7_103);
     let out = gradwire(&[
         "send",
         "--to",
-        &format!("127.0.0.1:{port}"),
+        &addr.to_string(),
         "--size",
         "4KiB",
         "--count",
@@ -195,7 +201,7 @@ fn bad_input_gets_a_clear_error() {
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("control channel to 127.0.0.1") && err.contains("refused"),
+        err.contains(&format!("control channel to {addr}")) && err.contains("refused"),
         "{err}"
     );
 
@@ -203,7 +209,7 @@ fn bad_input_gets_a_clear_error() {
     let out = gradwire(&[
         "recv",
         "--listen",
-        &format!("127.0.0.1:{port}"),
+        &addr.to_string(),
         "--accept-timeout",
         "0.3",
     ]);
@@ -319,8 +325,8 @@ fn authenticated_send_and_recv_refuse_a_sender_without_the_secret() {
     for (p, mode) in [(&key, 0o600), (&wrong, 0o600), (&open, 0o644)] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
     }
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
+    let addr = own_addr(7_105);
+    let listen = addr.to_string();
     let common = [
         "--size",
         "1MiB",
@@ -339,7 +345,7 @@ fn authenticated_send_and_recv_refuse_a_sender_without_the_secret() {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped()),
     );
-    wait_listening(&mut recv, port);
+    wait_listening(&mut recv, addr);
     let send = |extra: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_gradwire"))
             .env_remove("GRADWIRE_JOB_SECRET")

@@ -123,10 +123,6 @@ fn a_host_name_that_does_not_resolve_is_named() {
 
 #[test]
 fn send_to_localhost_reaches_a_receiver_on_127_0_0_1() {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
     let common = [
         "--size",
         "64KiB",
@@ -137,28 +133,53 @@ fn send_to_localhost_reaches_a_receiver_on_127_0_0_1() {
         "--timeout",
         "20",
     ];
-    let mut recv = ChildGuard(Some(
-        Command::new(env!("CARGO_BIN_EXE_gradwire"))
-            .args(["recv", "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--accept-timeout", "60"])
-            .args(common)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    ));
-    // The receiver says it waits once its control socket listens.
-    let (tx, rx) = mpsc::channel();
-    let err = recv.child().stderr.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(err).lines().map_while(Result::ok) {
-            if line.contains("waiting for a sender") {
-                let _ = tx.send(());
+    // `localhost` is 127.0.0.1, shared with everything else on this host, and the receiver
+    // binds its port itself (nothing can hold it for it): a port found taken (control or the
+    // data port after it) is retried with another, the whole start again.
+    let base = 20_000 + (std::process::id() % 6_000) as u16 * 2;
+    let mut taken = Vec::new();
+    let (mut recv, port) = loop {
+        assert!(taken.len() < 8, "every port tried was in use: {taken:?}");
+        let port = base + 2 * taken.len() as u16;
+        let mut recv = ChildGuard(Some(
+            Command::new(env!("CARGO_BIN_EXE_gradwire"))
+                .args(["recv", "--listen", &format!("127.0.0.1:{port}")])
+                .args(["--accept-timeout", "60"])
+                .args(common)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        ));
+        // The receiver says it waits once its control socket listens; its other lines (a
+        // failure) are kept until its stderr ends.
+        let (tx, rx) = mpsc::channel();
+        let err = recv.child().stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
             }
+        });
+        let mut said = Vec::new();
+        let listening = loop {
+            match rx.recv_timeout(Duration::from_secs(60)) {
+                Ok(line) if line.contains("waiting for a sender") => break true,
+                Ok(line) => said.push(line),
+                Err(mpsc::RecvTimeoutError::Disconnected) => break false,
+                Err(mpsc::RecvTimeoutError::Timeout) => panic!("receiver never listened"),
+            }
+        };
+        if listening {
+            break (recv, port);
         }
-    });
-    rx.recv_timeout(Duration::from_secs(60))
-        .expect("receiver never listened");
+        let status = recv.0.take().unwrap().wait().unwrap();
+        let said = said.join("\n");
+        assert!(
+            said.contains("Address already in use"),
+            "receiver exited ({status}) before listening: {said}"
+        );
+        taken.push(port);
+    };
 
     let to = format!("localhost:{port}");
     let o = gradwire(&[&["send", "--to", &to, "--json"][..], &common[..]].concat());
