@@ -1520,10 +1520,14 @@ mod tests {
         );
     }
 
-    /// A port that was free a moment ago.
-    fn free_port() -> SocketAddr {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap()
+    /// A master address where nothing listens unless this test put it there: a loopback
+    /// address of this process alone (its id in the low 22 bits of 127.64.0.0/10) and a port
+    /// per test (`test`), below the ephemeral range, so nothing else listens or connects from
+    /// there. Rank 0 binds it itself: nothing is found free and bound again later, which
+    /// parallel tests could race.
+    fn own_master(test: u16) -> SocketAddr {
+        let pid = std::process::id() & 0x3f_ffff;
+        SocketAddr::from((std::net::Ipv4Addr::from(0x7f40_0000 | pid), 7_200 + test))
     }
 
     fn cfg(secs: u64) -> RendezvousConfig {
@@ -1552,7 +1556,7 @@ mod tests {
 
     #[test]
     fn four_ranks_get_the_same_table() {
-        let master = free_port();
+        let master = own_master(1);
         // Rank 0 last, so the others retry until it listens.
         let mut handles: Vec<_> = (1..4)
             .map(|r| spawn_rank(master, 42, r, 4, payload_of(r), cfg(30)))
@@ -1599,7 +1603,7 @@ mod tests {
 
     #[test]
     fn wrong_job_or_world_is_refused_and_the_right_rank_still_joins() {
-        let master = free_port();
+        let master = own_master(2);
         let r0 = spawn_rank(master, 42, 0, 3, payload_of(0), cfg(30));
         let r1 = spawn_rank(master, 42, 1, 3, payload_of(1), cfg(30));
         match exchange(master, 99, 2, 3, b"impostor", &cfg(30)) {
@@ -1626,7 +1630,7 @@ mod tests {
 
     #[test]
     fn a_missing_rank_times_out_by_name() {
-        let master = free_port();
+        let master = own_master(3);
         let r0 = spawn_rank(master, 42, 0, 3, payload_of(0), cfg(1));
         // Rank 1 waits longer than rank 0, so it hears rank 0's verdict.
         let r1 = spawn_rank(master, 42, 1, 3, payload_of(1), cfg(30));
@@ -1647,7 +1651,7 @@ mod tests {
 
     #[test]
     fn rank_0_absent_is_unreachable() {
-        let master = free_port();
+        let master = own_master(4);
         let c = RendezvousConfig {
             timeout: Duration::from_millis(300),
             max_payload: MAXP,
@@ -1693,7 +1697,7 @@ mod tests {
 
     #[test]
     fn garbage_and_silent_connections_do_not_stop_the_rendezvous() {
-        let master = free_port();
+        let master = own_master(5);
         let r0 = spawn_rank(master, 42, 0, 2, payload_of(0), cfg(30));
 
         let mut silent = connect_raw(master);
@@ -1725,8 +1729,8 @@ mod tests {
     #[test]
     fn a_fake_rank_0_answer_is_checked() {
         // A listener that answers every join with a table of the wrong job.
-        let master = free_port();
-        let l = TcpListener::bind(master).unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let master = l.local_addr().unwrap();
         let fake = thread::spawn(move || {
             let (mut s, _) = l.accept().unwrap();
             let mut f = vec![0; HEADER_LEN];
