@@ -5,6 +5,7 @@ use std::error::Error;
 use std::path::Path;
 
 use gradwire_collective::tree::Strategy;
+use gradwire_experiment::csv_field;
 use gradwire_experiment::mlnet::{
     run_mlnet, run_priority, MlnetConfig, MlnetReport, PriorityConfig, PriorityMode, PriorityReport,
 };
@@ -91,15 +92,6 @@ pub fn mlnet(a: &MlnetArgs) -> Res {
         );
     }
     Ok(())
-}
-
-/// `s` as one CSV field: quoted when it holds a comma, a quote or a line break.
-fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
-    } else {
-        s.to_owned()
-    }
 }
 
 /// `DIR/NAME.json` (the report), `DIR/NAME.csv` and `DIR/NAME.png` (drawn by `plot`).

@@ -46,8 +46,8 @@ mod tcp_host;
 
 pub use flows::{run, Variant, VariantKind, VARIANT_GRAMMAR};
 pub use report::{
-    bootstrap, print_table, quantile, write_flows_csv, Bootstrap, BucketStats, Estimate, Excluded,
-    ExperimentReport, FctSummary, FlowFailure, FlowRecord, Ratio, SizeBucket, Statistic,
+    bootstrap, csv_field, print_table, quantile, write_flows_csv, Bootstrap, BucketStats, Estimate,
+    Excluded, ExperimentReport, FctSummary, FlowFailure, FlowRecord, Ratio, SizeBucket, Statistic,
     TcpSettings, VariantResult, CSV_COLUMNS,
 };
 pub use workload::{TensorSpec, Workload};

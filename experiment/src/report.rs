@@ -775,7 +775,7 @@ pub const CSV_COLUMNS: [&str; 14] = [
 ];
 
 /// A CSV field: quoted (with doubled quotes) when it holds a comma, quote or line break.
-fn csv_field(s: &str) -> String {
+pub fn csv_field(s: &str) -> String {
     if s.contains([',', '"', '\n', '\r']) {
         format!("\"{}\"", s.replace('"', "\"\""))
     } else {
