@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use gradwire::ctrl_channel::{ChannelError, CtrlChannel, TcpCtrl};
@@ -45,14 +46,25 @@ fn a_links_listener_refuses_an_address_not_in_the_table() {
         None,
     )
     .unwrap();
-    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+    // The stranger is checked while every rank's links (and whatever rank 1 accepted) are
+    // alive: each rank reports its links made, then waits for the check before using them.
+    // Dropping them would close a connection kept by mistake and hide it.
+    let (made_tx, made_rx) = mpsc::channel::<usize>();
+    let go: Vec<_> = (0..2).map(|_| mpsc::channel::<()>()).collect();
+    let (go_tx, go_rx): (Vec<_>, Vec<_>) = go.into_iter().unzip();
+    let sums: Vec<Option<Vec<f32>>> = std::thread::scope(|s| {
         let hs: Vec<_> = pending
             .into_iter()
-            .map(|p| {
+            .zip(go_rx)
+            .map(|(p, go)| {
                 let table = table.clone();
+                let made = made_tx.clone();
                 s.spawn(move || {
                     let links = p.finish(&table).unwrap();
                     let r = links.rank();
+                    made.send(r).unwrap();
+                    // The check failed (its sender is gone): stop here.
+                    go.recv().ok()?;
                     let ccfg = CommConfig {
                         op_timeout: Duration::from_secs(5),
                         ..CommConfig::default()
@@ -61,23 +73,45 @@ fn a_links_listener_refuses_an_address_not_in_the_table() {
                     let mut t = Tensor::from_f32(&[r as f32 + 1.0; 300]);
                     comm.all_reduce(&mut t, &AllReduceOptions::default())
                         .unwrap();
-                    t.as_f32().unwrap().to_vec()
+                    Some(t.as_f32().unwrap().to_vec())
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    assert!(sums.iter().all(|v| v.iter().all(|&x| x == 3.0)), "{sums:?}");
-    // Rank 1 dropped the stranger's connection when it accepted it (a refused stranger is
-    // closed, not kept as the link).
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        match stranger.recv(Duration::from_millis(200)) {
-            Err(ChannelError::Closed { .. } | ChannelError::Io { .. }) => break,
-            Ok(None) if Instant::now() < deadline => continue,
-            other => panic!("the stranger's connection is still open: {other:?}"),
+        drop(made_tx);
+        for _ in 0..2 {
+            // A rank that failed panicked and dropped its sender: the join below reports it.
+            if made_rx.recv_timeout(Duration::from_secs(10)).is_err() {
+                break;
+            }
         }
-    }
+        // Rank 1 dropped the stranger's connection when it accepted it (a refused stranger is
+        // closed, not kept as the link): end of stream or a reset while its links live.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let closed = loop {
+            match stranger.recv(Duration::from_millis(200)) {
+                Err(ChannelError::Closed { .. } | ChannelError::Io { .. }) => break Ok(()),
+                Ok(None) if Instant::now() < deadline => continue,
+                other => break Err(format!("{other:?}")),
+            }
+        };
+        if closed.is_ok() {
+            for g in &go_tx {
+                let _ = g.send(());
+            }
+        }
+        // On failure the ranks' go senders drop here, so they return without the all-reduce.
+        drop(go_tx);
+        let sums = hs.into_iter().map(|h| h.join().unwrap()).collect();
+        if let Err(other) = closed {
+            panic!("the stranger's connection is still open while rank 1's links live: {other}");
+        }
+        sums
+    });
+    assert!(
+        sums.iter()
+            .all(|v| v.as_ref().is_some_and(|v| v.iter().all(|&x| x == 3.0))),
+        "{sums:?}"
+    );
 }
 
 /// Ranks whose transfers use different MTUs cut tensors into different blocks: the
