@@ -71,7 +71,7 @@ impl SchedulerClient {
             error: e.to_string(),
             timed_out: None,
         };
-        stream.set_read_timeout(Some(timeout / 4)).map_err(io)?;
+        stream.set_read_timeout(Some(timeout)).map_err(io)?;
         stream.set_nodelay(true).map_err(io)?;
         Ok(SchedulerClient {
             stream,

@@ -217,7 +217,7 @@ impl Node {
             .collect();
         let outs = self.state.contribute(own).map_err(proto)?;
         let mut done = self.perform(outs, &aux, &mut results)?;
-        let deadline = started + self.cfg.round_timeout / 4;
+        let deadline = started + self.cfg.round_timeout;
         while !done {
             let left = deadline.saturating_duration_since(Instant::now());
             let ev = match self.events.recv_timeout(left) {
