@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import tomllib
 from pathlib import Path
 
@@ -167,6 +166,13 @@ def test_the_document_lists_excluded_runs_with_reasons():
 # End to end.
 
 
+def rust_temp_dir() -> str:
+    """Rust's `std::env::temp_dir()` on Unix, where FabricLock puts its fallback: TMPDIR as
+    set (even empty), else /tmp. Python's `tempfile.gettempdir()` differs (it skips a
+    TMPDIR it cannot write and tries other variables), so the two could lock different files."""
+    return os.environ.get("TMPDIR", "/tmp")
+
+
 @contextlib.contextmanager
 def fabric_lock():
     """The lock every fabric run holds (FabricLock's file; the kernel drops it if we die).
@@ -174,12 +180,25 @@ def fabric_lock():
     try:
         fd = os.open(FABRIC_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     except (PermissionError, FileNotFoundError):
-        fd = os.open(Path(tempfile.gettempdir()) / "gradwire-fabric.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(Path(rust_temp_dir()) / "gradwire-fabric.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
+
+
+# What the gradwire binary is built from: Rust sources, build scripts (ebpf/build.rs compiles
+# the BPF programs), manifests, and the BPF programs' C sources and headers.
+SOURCES = (
+    "*/src/**/*.rs",
+    "*/build.rs",
+    "*/Cargo.toml",
+    "Cargo.toml",
+    "Cargo.lock",
+    "ebpf/src/bpf/*.c",
+    "ebpf/src/bpf/*.h",
+)
 
 
 def newer_sources(binary: Path) -> list:
@@ -190,7 +209,7 @@ def newer_sources(binary: Path) -> list:
     except OSError:
         return [str(binary)]
     newer = []
-    for pattern in ("*/src/**/*.rs", "*/Cargo.toml", "Cargo.toml", "Cargo.lock", "ebpf/**/*.c"):
+    for pattern in SOURCES:
         for f in REPO.glob(pattern):
             if "target" not in f.parts and f.stat().st_mtime > built:
                 newer.append(str(f.relative_to(REPO)))
@@ -205,6 +224,10 @@ def test_a_stale_gradwire_bin_is_refused(tmp_path, monkeypatch):
     with pytest.raises(AssertionError, match="older than the sources"):
         gradwire_binary()
     assert newer_sources(tmp_path / "missing") == [str(tmp_path / "missing")]
+    # What is compiled in besides the Rust sources counts too.
+    stale = newer_sources(old)
+    for f in ("ebpf/build.rs", "ebpf/src/bpf/gradwire.h", "ebpf/src/bpf/gradwire.bpf.c"):
+        assert f in stale, f"{f} not checked: {stale[:5]}"
 
 
 def gradwire_binary() -> str:
