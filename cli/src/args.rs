@@ -165,7 +165,8 @@ pub struct WanNodeArgs {
     pub period_us: u64,
     #[command(flatten)]
     pub netstorm: NetStormArgs,
-    /// Print one JSON report (the per-round lines go to stderr).
+    /// Print one JSON report (the per-round lines go to stderr); on failure, the error with
+    /// the nodes it blames and the timeout that fired, if one did.
     #[arg(long)]
     pub json: bool,
 }
@@ -319,7 +320,10 @@ pub enum ExperimentCommand {
     Priority(PriorityArgs),
     /// NetStorm on the emulated WAN: every strategy (star, bkt, mst, fapt, mr-fapt,
     /// mr-fapt+aware, mr-fapt+aware+aux) on a static and a dynamic network, one `gradwire wan
-    /// node` process per site. Writes wan.json, wan.csv, wan.png and wan-rates.png.
+    /// node` process per site, each run repeated (--repeats, default 2) and a run whose fabric
+    /// fell behind its clock retried (--max-attempts, default 3); settings whose frame budget
+    /// is above what the fabric forwards on one core are refused before anything runs. Writes
+    /// wan.json, wan.csv, wan.png and wan-rates.png.
     Wan(WanExperimentArgs),
 }
 

@@ -93,14 +93,23 @@ pub fn node(a: &WanNodeArgs) -> Res {
         netstorm: netstorm_config(NetStormConfig::default(), &a.netstorm),
     };
     let (rank, most) = (a.rank, a.iterations);
-    let out = run_node(&spec, |round, ms| {
+    let out = match run_node(&spec, |round, ms| {
         let line = format!("node {rank}{ROUND_MARK}{}/{most}: {ms:.1} ms", round + 1);
         if a.json {
             eprintln!("{line}");
         } else {
             println!("{line}");
         }
-    })?;
+    }) {
+        Ok(out) => out,
+        Err(e) => {
+            // The error's causes as data (the nodes it blames, the timeout that fired).
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&e.failure(rank))?);
+            }
+            return Err(e.into());
+        }
+    };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {

@@ -28,7 +28,9 @@
 //! master port + 1) or elsewhere, N rounds, then a final barrier (a second rendezvous at
 //! master port + 2) so that no node closes its links while another still needs them. Every
 //! wait is bounded by `--timeout`; a node that does not come, a dead peer, a scheduler that
-//! does not answer end the node with an error naming it.
+//! does not answer end the node with an error naming it, a timeout's error naming the
+//! configured wait that fired. With `--json`, a failed node also prints a [`NodeFailure`] on
+//! stdout: the nodes its error blames and the timeout that fired, as data.
 //!
 //! **The experiment** ([`run_wan`], `gradwire experiment wan`): for each network and
 //! strategy, a fresh set of namespaces and a fresh fabric ([`run_strategy`]); one `gradwire wan
@@ -38,8 +40,9 @@
 //! network is the topology file as written (its links' rate schedules run from the fabric's
 //! start); the *static* one has every rate fixed at its value at the start
 //! ([`network_topology`], the one place the two differ). Each run lasts
-//! [`WanConfig::duration`] (the schedule's period by default, so every strategy sees the same
-//! rates over the same time) or `iterations` rounds, whichever comes first.
+//! [`WanConfig::duration`] (40 s from the fabric's start by default: wan9's first two rates,
+//! the same for every strategy; `None` means the schedule's span, [`schedule_span`]) or
+//! `iterations` rounds, whichever comes first.
 //!
 //! **Figures.** A round's synchronization time is the slowest node's (`NodeReport::sync_ms`,
 //! from its PUSH to its last result chunk); a run's `sync_ms_mean` is their mean. A run is
@@ -73,8 +76,9 @@ use std::time::{Duration, Instant, SystemTime};
 use gradwire::flow::SenderConfig;
 use gradwire::rate::RateMode;
 use gradwire::transport::TransferConfig;
+use gradwire_collective::error::CollectiveError;
 use gradwire_collective::link::{Links, NetLinkConfig};
-use gradwire_collective::rendezvous::{self, RendezvousConfig};
+use gradwire_collective::rendezvous::{self, RendezvousConfig, RendezvousError};
 use gradwire_fabric::netns::FabricNet;
 use gradwire_fabric::run::{spawn, FabricConfig, FabricHandle};
 use gradwire_fabric::topology::{Peer, ScheduledLink, Topology};
@@ -811,6 +815,8 @@ pub enum NodeError {
         master: SocketAddr,
         /// What the collective layer said (it names the missing ranks).
         error: String,
+        /// The ranks that never joined, when the rendezvous timed out.
+        missing: Vec<usize>,
     },
     /// The runtime failed (a dead peer, a round that did not finish, the scheduler).
     #[error("node {rank}, round {round}: {}", unprefixed(*rank, error))]
@@ -852,7 +858,73 @@ pub enum NodeError {
         addr: SocketAddr,
         /// What the rendezvous said (it names the missing ranks).
         error: String,
+        /// The ranks that never joined, when it timed out.
+        missing: Vec<usize>,
     },
+}
+
+impl NodeError {
+    /// The nodes this error names as a possible cause, ascending: the runtime's
+    /// ([`WanError::blamed`]), the node serving a lost scheduler, the ranks that never joined
+    /// a rendezvous. What `gradwire wan node --json` reports as data on failure.
+    pub fn blamed(&self) -> Vec<usize> {
+        let mut out = match self {
+            NodeError::Runtime { error, .. } => error.blamed(),
+            NodeError::SchedulerLost { host, error, .. } => {
+                let mut v = error.blamed();
+                v.push(*host);
+                v
+            }
+            NodeError::Connect { missing, .. } | NodeError::Barrier { missing, .. } => {
+                missing.clone()
+            }
+            _ => Vec::new(),
+        };
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// The failure as `gradwire wan node --json` prints it on stdout.
+    pub fn failure(&self, rank: usize) -> NodeFailure {
+        let timed_out = match self {
+            NodeError::Runtime { error, .. } | NodeError::SchedulerLost { error, .. } => {
+                error.timed_out()
+            }
+            _ => None,
+        };
+        NodeFailure {
+            rank,
+            error: self.to_string(),
+            blamed: self.blamed(),
+            timeout_s: timed_out.map(|t| t.timeout.as_secs_f64()),
+            waited_s: timed_out.map(|t| t.waited.as_secs_f64()),
+        }
+    }
+}
+
+/// What `gradwire wan node --json` prints on stdout when it fails (the error goes to stderr
+/// too): the error with its causes as data, so that nobody parses the message.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct NodeFailure {
+    /// This node.
+    pub rank: usize,
+    /// The error's message.
+    pub error: String,
+    /// The nodes it names as a possible cause ([`NodeError::blamed`]), ascending.
+    pub blamed: Vec<usize>,
+    /// The configured timeout that fired (a round's, or the scheduler's answer), seconds.
+    pub timeout_s: Option<f64>,
+    /// How long the node waited before it gave up, by its own clock, seconds.
+    pub waited_s: Option<f64>,
+}
+
+/// The ranks a rendezvous reports as never joined (empty for any other failure).
+fn never_joined(e: &RendezvousError) -> Vec<usize> {
+    match e {
+        RendezvousError::Timeout { missing, .. } => missing.clone(),
+        _ => Vec::new(),
+    }
 }
 
 /// `error`'s message without a leading `node {rank}: ` (the runtime's errors name the node;
@@ -916,6 +988,10 @@ pub fn run_node(
         others: spec.world - 1,
         master: spec.master,
         error: e.to_string(),
+        missing: match &e {
+            CollectiveError::Rendezvous(r) => never_joined(r),
+            _ => Vec::new(),
+        },
     })?;
     let cfg = NodeConfig {
         rank,
@@ -999,6 +1075,7 @@ pub fn run_node(
         rank,
         addr: bar,
         error: e.to_string(),
+        missing: never_joined(&e),
     })?;
     let report = node.shutdown();
     let scheduler = match served {
@@ -1196,6 +1273,8 @@ pub struct NodeRun {
     pub output: Option<NodeOutput>,
     /// Why it failed (its last error line, or how it ended).
     pub error: Option<String>,
+    /// Its failure report, when it failed and wrote one (`gradwire wan node --json`).
+    pub failure: Option<NodeFailure>,
     /// Seconds from the start of the processes to its end.
     pub ended_s: f64,
     /// The last lines it wrote to stderr besides its per-round lines (warnings, the error).
@@ -1565,6 +1644,7 @@ pub fn run_strategy(
                     rank,
                     output: Some(out),
                     error: None,
+                    failure: None,
                     ended_s,
                     stderr_tail: tail,
                 },
@@ -1572,6 +1652,7 @@ pub fn run_strategy(
                     rank,
                     output: None,
                     error: Some(format!("exited 0 but its report is not valid JSON: {e}")),
+                    failure: None,
                     ended_s,
                     stderr_tail: tail,
                 },
@@ -1580,6 +1661,7 @@ pub fn run_strategy(
                 rank,
                 output: None,
                 error: Some(error_line(&stderr).unwrap_or_else(|| format!("ended: {s}"))),
+                failure: serde_json::from_str(&stdout).ok(),
                 ended_s,
                 stderr_tail: tail,
             },
@@ -1587,6 +1669,7 @@ pub fn run_strategy(
                 rank,
                 output: None,
                 error: Some("stopped by the experiment".into()),
+                failure: None,
                 ended_s,
                 stderr_tail: tail,
             },
@@ -2410,6 +2493,7 @@ delay = "1ms"
                     }),
                 }),
                 error: None,
+                failure: None,
                 ended_s: 5.0,
                 stderr_tail: vec![],
             })
@@ -2458,6 +2542,51 @@ delay = "1ms"
         // The fabric fell behind: verified, not valid.
         let r = summarize(Strategy::Fapt, Network::Static, outcome(2, &[5.0], false));
         assert!(r.verified && !r.valid);
+    }
+
+    #[test]
+    fn a_failure_report_carries_the_blamed_nodes_and_the_timeout_as_data() {
+        let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let lost = NodeError::SchedulerLost {
+            rank: 2,
+            round: 4,
+            host: 0,
+            error: WanError::Scheduler {
+                addr,
+                error: "waiting for round 4's policy: no answer within 8s".into(),
+                timed_out: Some(gradwire_wan::error::TimedOut {
+                    timeout: Duration::from_secs(8),
+                    waited: Duration::from_millis(8_100),
+                }),
+            },
+        };
+        let f = lost.failure(2);
+        assert_eq!(f.blamed, vec![0]);
+        assert_eq!((f.timeout_s, f.waited_s), (Some(8.0), Some(8.1)));
+        assert_eq!(f.error, lost.to_string());
+        let peer = NodeError::Runtime {
+            rank: 1,
+            round: 2,
+            error: WanError::Peer {
+                rank: 1,
+                peer: 3,
+                error: "closed".into(),
+                closed: vec![2],
+            },
+        };
+        assert_eq!(peer.failure(1).blamed, vec![2, 3]);
+        assert_eq!(peer.failure(1).timeout_s, None);
+        let connect = NodeError::Connect {
+            rank: 0,
+            others: 2,
+            master: addr,
+            error: "rank(s) [1, 2] never joined".into(),
+            missing: vec![1, 2],
+        };
+        assert_eq!(connect.failure(0).blamed, vec![1, 2]);
+        let back: NodeFailure =
+            serde_json::from_str(&serde_json::to_string(&connect.failure(0)).unwrap()).unwrap();
+        assert_eq!(back, connect.failure(0));
     }
 
     #[test]
