@@ -1,14 +1,18 @@
 //! `gradwire wan node` on loopback (no root): three nodes, one process each, synchronize a
 //! small model with every strategy, each node checking every element of every round, and
 //! `+aux` sends and relays chunks on auxiliary paths; a node that never comes and a node
-//! that dies mid-run end the others with errors naming it (a round timeout being the
-//! configured one); a topology that is not a WAN of sites is refused with its reason.
-//! Every child is killed by its guard if a test fails half-way, and every wait is bounded
-//! by a deadline far beyond what the run takes (a hang guard, never a timing).
+//! that dies mid-run end the others with errors naming it, read from the failure report a
+//! node prints with `--json` (the nodes it blames and the timeout that fired, as data: no
+//! message is parsed); a timeout that fired is the configured one, and the node waited it
+//! in full by its own clock; a topology that is not a WAN of sites is refused with its
+//! reason. Every child is killed by its guard if a test fails half-way, and every wait is
+//! bounded by a hang guard far beyond what the run takes (at least 5x the longest timeout
+//! a node is given: only a hang trips it, never a slow machine).
 //!
-//! The nodes bind the rendezvous, scheduler and barrier ports themselves, so a port found
-//! free may be taken before they bind it: a run whose node reports the port in use
-//! (EADDRINUSE) is run again on new ports.
+//! Each job has a loopback address of its own (127.x.y.z, unique per job and process), so
+//! no node can ever meet another job's, whatever the other tests run meanwhile; a port
+//! on it can only be taken by a wildcard listener, and a run whose node reports its port in
+//! use (EADDRINUSE) is run again on another address and port.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -17,10 +21,13 @@ mod common;
 use common::{ChildGuard, TempDir};
 
 use std::io::{BufRead, BufReader};
-use std::net::{SocketAddr, TcpListener};
+use std::net::{Ipv4Addr, SocketAddr};
 use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+use gradwire_experiment::wan::NodeFailure;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gradwire");
 const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
@@ -73,20 +80,20 @@ const STRATEGIES: [&str; 7] = [
     "mr-fapt+aware+aux",
 ];
 
-/// A rendezvous port whose next two (scheduler, final barrier) are free too, when looked.
-fn free_ports() -> u16 {
-    for _ in 0..200 {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let p = l.local_addr().unwrap().port();
-        if p < 65_000 && (1..=2).all(|k| TcpListener::bind(("127.0.0.1", p + k)).is_ok()) {
-            return p;
-        }
-    }
-    panic!("no three consecutive free ports on 127.0.0.1");
+/// A loopback address for the next job: 127.(80 + job).(pid / 254 % 256).(1 + pid % 254),
+/// so that jobs of this process differ in the second byte and processes (pids less than
+/// 65 024 apart) in the last two. Other tests use 127.0.0.1 and 127.61-127.64.
+fn job_ip() -> Ipv4Addr {
+    static NEXT: AtomicU8 = AtomicU8::new(0);
+    let k = NEXT.fetch_add(1, Ordering::Relaxed);
+    assert!(k < 100, "more than 100 jobs in one test process");
+    let pid = std::process::id();
+    Ipv4Addr::new(127, 80 + k, (pid / 254 % 256) as u8, (1 + pid % 254) as u8)
 }
 
 struct Job {
     dir: TempDir,
+    ip: Ipv4Addr,
     master: SocketAddr,
 }
 
@@ -95,8 +102,11 @@ impl Job {
         let dir = TempDir::new("gw-wan", tag);
         dir.write("w3.toml", TOPO3);
         dir.write("tiny.toml", MODEL);
-        let master = SocketAddr::from(([127, 0, 0, 1], free_ports()));
-        Job { dir, master }
+        let ip = job_ip();
+        // Rendezvous, scheduler (+1) and final barrier (+2) on the job's own address; a
+        // retried job gets other ports too (a wildcard listener may hold these).
+        let master = SocketAddr::from((ip, 29_500 + 3 * u16::from(ip.octets()[1] - 80)));
+        Job { dir, ip, master }
     }
 
     /// `gradwire wan node` for `rank` of `world` with `extra` arguments; rank 0 serves the
@@ -112,7 +122,8 @@ impl Job {
         let mut c = Command::new(BIN);
         c.args(["wan", "node", "--rank", &rank.to_string()])
             .args(["--world", &world.to_string()])
-            .args(["--master", &self.master.to_string(), "--host", "127.0.0.1"])
+            .args(["--master", &self.master.to_string()])
+            .args(["--host", &self.ip.to_string()])
             .args(["--strategy", strategy, "--json"])
             .args(["--model", self.dir.0.join("tiny.toml").to_str().unwrap()])
             .args(["--scale", "1", "--rate", "1Gbit", "--chunk-size", "5000"])
@@ -171,74 +182,39 @@ fn port_taken(stderr: &str) -> bool {
 /// How many runs a test makes before a port race is a failure.
 const ATTEMPTS: usize = 5;
 
-/// The number at the start of `s` (all its leading digits).
-fn number(s: &str) -> Option<usize> {
-    let end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    s[..end].parse().ok()
+/// The failure report a failed node printed on stdout (`--json`).
+fn failure(o: &Output) -> NodeFailure {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| {
+        panic!(
+            "no failure report on stdout ({e}): {}\nstderr: {}",
+            text(&o.stdout),
+            text(&o.stderr)
+        )
+    })
 }
 
-/// The list `[a, b, ...]` at the start of `s`, every element a number.
-fn list(s: &str) -> Vec<usize> {
-    let body = s
-        .strip_prefix('[')
-        .and_then(|r| r.split_once(']'))
-        .map(|(b, _)| b)
-        .unwrap_or_else(|| panic!("not a list: {s}"));
-    if body.trim().is_empty() {
-        return Vec::new();
+/// A timeout that fired is `timeout`, the message says so, and the node waited it in full by
+/// its own clock (a lower bound: load only makes a wait longer).
+fn assert_timeout_is(f: &NodeFailure, timeout: f64) {
+    if let Some(t) = f.timeout_s {
+        assert_eq!(t, timeout, "node {}: {}", f.rank, f.error);
+        let waited = f.waited_s.expect("a timeout without the time waited");
+        assert!(
+            waited >= timeout,
+            "node {} gave up after {waited} s: {}",
+            f.rank,
+            f.error
+        );
+        assert!(
+            f.error.contains(&format!(
+                "within {:?}, the round timeout",
+                Duration::from_secs_f64(timeout)
+            )),
+            "node {}: the error does not say which timeout fired: {}",
+            f.rank,
+            f.error
+        );
     }
-    body.split(',')
-        .map(|x| {
-            x.trim()
-                .parse()
-                .unwrap_or_else(|_| panic!("not a node list: [{body}]"))
-        })
-        .collect()
-}
-
-/// The nodes an error names as the cause, parsed exactly: a broken "link with node N", the
-/// nodes whose links closed ("links closed by nodes [..]", "links closed before by nodes
-/// [..]"), the node serving a lost scheduler ("served by node N"), the ranks that "never
-/// joined". The failing node's own prefix ("node R: ...") is not a cause.
-fn blamed(e: &str) -> Vec<usize> {
-    let mut out = Vec::new();
-    for (key, is_list) in [
-        ("link with node ", false),
-        ("served by node ", false),
-        ("links closed by nodes ", true),
-        ("links closed before by nodes ", true),
-        ("rank(s) ", true),
-    ] {
-        for (at, _) in e.match_indices(key) {
-            let rest = &e[at + key.len()..];
-            if is_list {
-                out.extend(list(rest));
-            } else if let Some(n) = number(rest) {
-                out.push(n);
-            }
-        }
-    }
-    out.sort_unstable();
-    out.dedup();
-    out
-}
-
-#[test]
-fn the_error_parser_reads_node_numbers_and_lists_exactly() {
-    assert_eq!(
-        blamed("node 0, round 3: link with node 12: closed (links closed before by nodes [2])"),
-        vec![2, 12]
-    );
-    assert_eq!(
-        blamed("node 1, round 2: round 2 did not finish within 8s (3 chunks still missing; links closed by nodes [20, 0]): ..."),
-        vec![0, 20]
-    );
-    assert_eq!(blamed("rank(s) [1, 2] never joined"), vec![1, 2]);
-    // What a substring match took for node 2: another number, a longer list, the failing
-    // node's own prefix.
-    assert_eq!(blamed("links closed by nodes [21]"), vec![21]);
-    assert!(!blamed("node 2, round 1: link with node 0: closed").contains(&2));
-    assert!(!blamed("node 1: link with node 23: closed").contains(&2));
 }
 
 #[test]
@@ -320,8 +296,11 @@ fn a_node_that_never_comes_is_named_when_the_rendezvous_times_out() {
             && err.contains("never joined"),
         "{err}"
     );
-    let at = err.find("rank(s) ").expect("no ranks named") + "rank(s) ".len();
-    assert_eq!(list(&err[at..]), vec![1, 2], "{err}");
+    // The report names exactly the ranks that never came, as data.
+    let f = failure(&out);
+    assert_eq!(f.rank, 0);
+    assert_eq!(f.blamed, vec![1, 2], "{}", f.error);
+    assert!(err.contains(&f.error), "{err} vs {}", f.error);
 }
 
 #[test]
@@ -425,46 +404,38 @@ fn a_node_that_dies_mid_run_fails_the_others_naming_it() {
         }
     };
     children[2].child().kill().unwrap();
-    // Each survivor fails; a hang guard far beyond the 8 s timeout bounds the wait (the
-    // guards kill everything when it fails).
-    let statuses: Vec<_> = wait_all(children.drain(..2).collect(), Duration::from_secs(180))
-        .into_iter()
-        .map(|o| o.status)
-        .collect();
-    for (r, s) in statuses.iter().enumerate() {
-        assert!(!s.success(), "node {r} succeeded although node 2 died");
+    // Each survivor fails; a hang guard of 180 s, 22x the 8 s timeout, bounds the wait (the
+    // guards kill everything when it fails). That each ended by the timeout, not the guard,
+    // is what its report says: a closed link, or the 8 s timeout fired.
+    let outs = wait_all(children.drain(..2).collect(), Duration::from_secs(180));
+    for (r, o) in outs.iter().enumerate() {
+        assert!(
+            !o.status.success(),
+            "node {r} succeeded although node 2 died"
+        );
     }
-    let errors: Vec<String> = readers
-        .into_iter()
-        .take(2)
-        .map(|h| {
-            let lines = h.join().unwrap();
-            lines
-                .iter()
-                .rev()
-                .find(|l| l.contains("error:"))
-                .cloned()
-                .unwrap_or_default()
-        })
-        .collect();
-    for (r, e) in errors.iter().enumerate() {
-        eprintln!("node {r}'s error: {e}");
-        // A round that timed out did so after the configured timeout.
-        if e.contains("did not finish within") {
-            assert!(e.contains("did not finish within 8s"), "node {r}: {e}");
-        }
+    // The readers end with the pipes; the survivors' last lines say how they ended.
+    for (r, h) in readers.into_iter().enumerate().take(2) {
+        let lines = h.join().unwrap();
+        eprintln!("node {r}'s last line: {:?}", lines.last());
+    }
+    let failures: Vec<NodeFailure> = outs.iter().map(failure).collect();
+    for (r, f) in failures.iter().enumerate() {
+        eprintln!("node {r}'s failure: {f:?}");
+        assert_eq!(f.rank, r);
+        assert_timeout_is(f, 8.0);
     }
     // Each error names node 2, or the survivor whose failure caused it (its links closed
     // as it exited), whose own error names node 2: the cause is always traceable. Exit
-    // order is not failure order, so the chain is followed by what the errors say.
-    let blames: Vec<Vec<usize>> = errors.iter().map(|e| blamed(e)).collect();
+    // order is not failure order, so the chain is followed by what the reports say.
     for r in 0..2 {
         let other = 1 - r;
+        let (mine, theirs) = (&failures[r], &failures[other]);
         assert!(
-            blames[r].contains(&2) || (blames[r].contains(&other) && blames[other].contains(&2)),
-            "node {r}'s error leads to node 2 through no chain of errors: {} (node {other}: {})",
-            errors[r],
-            errors[other]
+            mine.blamed.contains(&2)
+                || (mine.blamed.contains(&other) && theirs.blamed.contains(&2)),
+            "node {r}'s error leads to node 2 through no chain of errors: {mine:?} (node \
+             {other}: {theirs:?})"
         );
     }
 }
