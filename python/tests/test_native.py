@@ -5,6 +5,7 @@ with a deadline, so a broken build fails instead of hanging."""
 
 from __future__ import annotations
 
+import dis
 import json
 import multiprocessing
 import os
@@ -804,6 +805,23 @@ def test_use_after_close_raises_unusable() -> None:
 # --- threads -----------------------------------------------------------------------------
 
 
+def _last_call(fn: Callable[..., Any]) -> int:
+    """The bytecode offset of the last call `fn` makes."""
+    calls = ("CALL", "CALL_KW", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_METHOD")
+    return [i.offset for i in dis.get_instructions(fn) if i.opname in calls][-1]
+
+
+def _inside_last_call(fn: Callable[..., Any], ident: int) -> bool:
+    """Whether thread `ident` is stopped inside the last call `fn` makes: its innermost
+    frame is `fn`'s, at that call. The caller holds the GIL to look, so a thread stopped
+    there is in native code that released the GIL (or the call already returned, which a
+    call still waiting for its peer cannot have)."""
+    frame = sys._current_frames().get(ident)
+    return (
+        frame is not None and frame.f_code is fn.__code__ and frame.f_lasti == _last_call(fn)
+    )
+
+
 def test_a_second_thread_waits_and_the_gil_is_released() -> None:
     s0, s1 = connect(2)
     try:
@@ -811,20 +829,30 @@ def test_a_second_thread_waits_and_the_gil_is_released() -> None:
         y0 = np.full(10_000, 10.0, dtype=np.float32)
         x1 = np.full(10_000, 100.0, dtype=np.float32)
         y1 = np.full(10_000, 1000.0, dtype=np.float32)
+        idents: dict = {}
 
-        # Rank 1 is a Python thread too: it can call in (and rank 0's calls can complete)
-        # only because rank 0's waiting calls released the GIL; holding it would deadlock
-        # them until the timeout (PeerError).
+        def first() -> None:
+            idents[first] = threading.get_ident()
+            s0.all_reduce(x0)
+
+        def second() -> None:
+            idents[second] = threading.get_ident()
+            s0.all_reduce(y0)
+
+        # Rank 1 is a Python thread too. It calls in only once both of rank 0's calls are
+        # inside the binding with the GIL released, as it sees them: one holds the session
+        # and waits for rank 1, the other waits for the session. A call holding the GIL while
+        # it waits would keep rank 1 from looking at all, until that call failed (PeerError).
         def rank1() -> None:
-            time.sleep(0.5)  # rank 0's two calls are most likely both waiting by then
+            calls = (first, second)
+            deadline = time.monotonic() + TIMEOUT
+            while not all(f in idents and _inside_last_call(f, idents[f]) for f in calls):
+                assert time.monotonic() < deadline, "rank 0's two calls never both waited"
+                time.sleep(0.001)  # polling what the threads are doing, not waiting for luck
             s1.all_reduce(x1)
             s1.all_reduce(y1)
 
-        def second() -> None:
-            time.sleep(0.1)
-            s0.all_reduce(y0)
-
-        run_ranks([lambda: s0.all_reduce(x0), second, rank1])
+        run_ranks([first, second, rank1])
         # Both of rank 0's calls ran, one after the other, each paired with one of rank 1's:
         # x0 with x1 and y0 with y1, or (if the second thread got the session first) y0 with
         # x1 and x0 with y1.
