@@ -26,7 +26,9 @@ pub enum SessionError {
 pub enum ErrorKind {
     /// Bad configuration, buffer length, dtype, rank out of range, loss bound out of range.
     InvalidArgument = 1,
-    /// Sockets, addresses, the rendezvous or the endpoint table, authentication.
+    /// Sockets, addresses, the rendezvous or the endpoint table, authentication (a peer that
+    /// refuses a link's handshake: the job secrets, or whether the job is authenticated,
+    /// differ; [`SessionError::peer`] names it).
     Setup = 2,
     /// A peer died, timed out or broke the protocol ([`SessionError::peer`] names it).
     Peer = 3,
