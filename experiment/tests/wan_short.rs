@@ -82,7 +82,12 @@ fn newer_sources(exe: &Path) -> Vec<PathBuf> {
                 if !name.starts_with('.') && name != "target" {
                     dirs.push(path);
                 }
-            } else if (name.ends_with(".rs") || name == "Cargo.toml" || name == "Cargo.lock")
+            } else if (name.ends_with(".rs")
+                || name == "Cargo.toml"
+                || name == "Cargo.lock"
+                // The XDP programs ebpf/build.rs compiles into the binary.
+                || (path.starts_with(root().join("ebpf"))
+                    && (name.ends_with(".c") || name.ends_with(".h"))))
                 && e.metadata()
                     .and_then(|m| m.modified())
                     .is_ok_and(|t| t > built)
@@ -103,7 +108,16 @@ fn a_stale_gradwire_bin_is_refused() {
     // Built in 1970: every source is newer.
     f.set_modified(std::time::SystemTime::UNIX_EPOCH).unwrap();
     drop(f);
-    assert!(!newer_sources(&old).is_empty());
+    let newer = newer_sources(&old);
+    for f in ["ebpf/build.rs", "ebpf/Cargo.toml", "Cargo.lock"] {
+        assert!(newer.iter().any(|p| p.ends_with(f)), "{f} not checked");
+    }
+    assert!(
+        newer
+            .iter()
+            .any(|p| p.starts_with(root().join("ebpf")) && p.extension().is_some_and(|e| e == "c")),
+        "the BPF C sources are not checked"
+    );
     assert_eq!(
         newer_sources(&dir.join("missing")),
         vec![dir.join("missing")]
