@@ -1191,25 +1191,7 @@ mod tests {
             1.0,
             Some("sender of job 1: write, \"broken\" pipe"),
         ));
-        let report = ExperimentReport {
-            regime: "current".into(),
-            topology: "t".into(),
-            model: "m".into(),
-            scale: 1.0,
-            iterations: 1,
-            workers: 1,
-            servers: 1,
-            bytes_per_worker: 0,
-            tensors_per_worker: 0,
-            link_rate_bps: 0,
-            tcp_rto_min_ms: None,
-            bootstrap: Bootstrap::default(),
-            data_packets_source: DATA_PACKETS_SOURCE,
-            results: vec![v],
-            ratios: Vec::new(),
-            ratios_vs_dctcp: Vec::new(),
-            excluded: Vec::new(),
-        };
+        let report = report_of(vec![v]);
         let mut out = Vec::new();
         write_flows_csv(&report, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();

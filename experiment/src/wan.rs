@@ -2631,15 +2631,7 @@ delay = "1ms"
 
     /// The dynamic network's runs of the targets' strategies, `ms` each (star 1000 ms).
     fn dynamic(ms: [f64; 7], valid: [bool; 7]) -> Vec<WanResult> {
-        let s = [
-            Strategy::Star,
-            Strategy::Bkt,
-            Strategy::Mst,
-            Strategy::Fapt,
-            Strategy::MrFapt,
-            Strategy::MrFaptAware,
-            Strategy::MrFaptAwareAux,
-        ];
+        let s = Strategy::ALL;
         (0..7)
             .map(|i| run(s[i], Network::Dynamic, ms[i], valid[i], 0))
             .collect()
