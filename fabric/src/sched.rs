@@ -1015,7 +1015,11 @@ mod tests {
             let (mut deps, mut next) = (Vec::new(), 0);
             for (id, &(t, m)) in arr.iter().enumerate() {
                 while let Some(&(at, r)) = changes.get(next).filter(|c| c.0 <= t) {
-                    deps.extend(std::iter::from_fn(|| p.poll(at)));
+                    // Up to just before the change: a packet due to start exactly at `at`
+                    // goes at the new rate (set_rate's contract, and the fabric's order:
+                    // `apply_schedule` before any poll at that time). Polling at `at` first
+                    // would start it at the old one.
+                    deps.extend(std::iter::from_fn(|| p.poll(at.saturating_sub(1))));
                     p.set_rate(at, r).unwrap();
                     next += 1;
                 }
@@ -1024,7 +1028,7 @@ mod tests {
                 check_invariants(&p);
             }
             for &(at, r) in &changes[next..] {
-                deps.extend(std::iter::from_fn(|| p.poll(at)));
+                deps.extend(std::iter::from_fn(|| p.poll(at.saturating_sub(1))));
                 p.set_rate(at, r).unwrap();
             }
             while let Some(t) = p.next_event_ns() {
