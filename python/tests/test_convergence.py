@@ -247,7 +247,8 @@ def gradwire_binary() -> str:
         cwd=REPO, capture_output=True, text=True, timeout=1800,
     )
     assert build.returncode == 0, build.stderr[-4000:]
-    return str(REPO / "target" / "release" / "gradwire")
+    # Where cargo put it: CARGO_TARGET_DIR when set (relative to the workspace, as cargo reads it).
+    return str(REPO / os.environ.get("CARGO_TARGET_DIR", "target") / "release" / "gradwire")
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

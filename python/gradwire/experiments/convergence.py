@@ -15,7 +15,8 @@ met. Accuracy is judged on the worst rank: with a loss bound the ranks' models c
 
 Writes DIR/convergence.json, DIR/convergence.csv, DIR/convergence.png and the workers' logs
 under DIR/logs/. The gradwire binary comes from GRADWIRE_BIN, the repository's
-target/release/gradwire (``cargo build --release -p gradwire-cli``) or PATH.
+target/release/gradwire (``cargo build --release -p gradwire-cli``; under $CARGO_TARGET_DIR
+when that is set) or PATH.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def find_topology(given: str | None) -> Path:
 
 def find_binary(given: str | None, topology: Path) -> Path:
     cands = [given, os.environ.get("GRADWIRE_BIN")]
-    cands.append(str(topology.parent.parent / "target" / "release" / "gradwire"))
+    target = os.environ.get("CARGO_TARGET_DIR", "target")  # cargo's own default
+    cands.append(str(topology.parent.parent / target / "release" / "gradwire"))
     cands.append(shutil.which("gradwire"))
     for c in cands:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
