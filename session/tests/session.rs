@@ -262,6 +262,20 @@ fn check_recv(rr: &RecvSummary, values: &[f32], sent: &[f32], p: LossBound) {
     }
 }
 
+/// Averages `elems` ones with loss bound `bound` and checks the result: an average over
+/// whoever contributed to a block of all-ones is one, whatever was lost.
+fn average_ones(s: &mut Session, elems: usize, bound: f64) -> ReduceReport {
+    let mut b = f32_bytes(&vec![1.0; elems]);
+    let o = ReduceOptions {
+        op: ReduceOp::Average,
+        loss_bound: Some(bound),
+        ..ReduceOptions::default()
+    };
+    let rep = s.all_reduce(DType::F32, &mut b, &o).unwrap();
+    assert!(f32s(&b).iter().all(|&x| x == 1.0));
+    rep
+}
+
 #[test]
 fn loss_within_the_bound_is_reported_per_block() {
     let bound = 0.05;
@@ -273,18 +287,7 @@ fn loss_within_the_bound_is_reported_per_block() {
             c.inject_loss = 0.03;
             c.seed = 7;
         },
-        |s| {
-            let mut b = f32_bytes(&vec![1.0; elems]);
-            let o = ReduceOptions {
-                op: ReduceOp::Average,
-                loss_bound: Some(bound),
-                ..ReduceOptions::default()
-            };
-            let rep = s.all_reduce(DType::F32, &mut b, &o).unwrap();
-            // An average over whoever contributed to a block of all-ones is one.
-            assert!(f32s(&b).iter().all(|&x| x == 1.0));
-            (s.rank(), rep)
-        },
+        |s| (s.rank(), average_ones(s, elems, bound)),
     );
     for (r, rep) in &reports {
         // This run's loss (3 % injected, below the bound) costs little; the promise itself is
@@ -317,14 +320,7 @@ fn loss_above_the_bound_is_cut_to_the_bound_per_transfer() {
             c.seed = 11;
         },
         |s| {
-            let mut b = f32_bytes(&vec![1.0; elems]);
-            let o = ReduceOptions {
-                op: ReduceOp::Average,
-                loss_bound: Some(bound),
-                ..ReduceOptions::default()
-            };
-            let rep = s.all_reduce(DType::F32, &mut b, &o).unwrap();
-            assert!(f32s(&b).iter().all(|&x| x == 1.0));
+            let rep = average_ones(s, elems, bound);
             let opts = P2pOptions {
                 tensor: 3,
                 loss_bound: Some(bound),
