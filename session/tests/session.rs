@@ -38,17 +38,13 @@ fn with_sessions<T: Send + 'static>(
             Endpoint::bind(c).unwrap()
         })
         .collect();
-    let table: Vec<Vec<u8>> = endpoints.iter().map(|e| e.address().to_vec()).collect();
+    let sessions = connect_all(endpoints);
     std::thread::scope(|s| {
-        let hs: Vec<_> = endpoints
+        let hs: Vec<_> = sessions
             .into_iter()
-            .map(|e| {
-                let table = table.clone();
+            .map(|session| {
                 let f = &f;
-                s.spawn(move || {
-                    let mut session = e.connect(&table).unwrap();
-                    f(&mut session)
-                })
+                s.spawn(move || f(&mut session.unwrap()))
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -550,7 +546,7 @@ fn ranks_on_different_addresses_of_one_host_connect_from_their_own() {
     assert!(sums.iter().all(|v| v.iter().all(|&x| x == 3.0)));
 }
 
-/// Both ranks' `connect` over `endpoints`, each in a thread of its own.
+/// Every rank's `connect` over `endpoints`, each in a thread of its own.
 fn connect_all(endpoints: Vec<Endpoint>) -> Vec<Result<Session, SessionError>> {
     let table: Vec<Vec<u8>> = endpoints.iter().map(|e| e.address().to_vec()).collect();
     std::thread::scope(|s| {
