@@ -366,18 +366,7 @@ unsafe extern "C" fn failing_allgather(
 /// One all-reduce on every rank of a set-up session, checked exactly.
 fn check_all_reduce(r: u32, world: u32, s: &Session) {
     let mut g: Vec<f32> = (0..1000).map(|e| input(r, e)).collect();
-    // SAFETY: a live session and a buffer of 1000 f32.
-    ok(unsafe {
-        gw_all_reduce(
-            s.0,
-            g.as_mut_ptr().cast(),
-            g.len(),
-            GW_DTYPE_F32,
-            GW_OP_SUM,
-            ptr::null(),
-            ptr::null_mut(),
-        )
-    });
+    ok(s.sum_f32(&mut g));
     assert!(g.iter().enumerate().all(|(e, &x)| x == f32_sum(world, e)));
 }
 
@@ -844,18 +833,7 @@ fn a_second_thread_on_a_busy_session_gets_gw_err_busy() {
             let m = fails(unsafe { gw_barrier(s.0) }, GW_ERR_BUSY);
             assert!(m.contains("one thread at a time"), "{m}");
             let mut x = [0.0f32; 4];
-            // SAFETY: as above, and a buffer of 4 f32.
-            let rc = unsafe {
-                gw_all_reduce(
-                    s.0,
-                    x.as_mut_ptr().cast(),
-                    4,
-                    GW_DTYPE_F32,
-                    GW_OP_SUM,
-                    ptr::null(),
-                    ptr::null_mut(),
-                )
-            };
+            let rc = s.sum_f32(&mut x);
             fails(rc, GW_ERR_BUSY);
             // Rank and world do not need the session's lock.
             let mut rank = 9;
@@ -933,18 +911,7 @@ fn a_peer_gone_mid_job_fails_the_operation_with_its_rank() {
         meet0.sync();
         let mut x = vec![1.0f32; 50_000];
         let t = Instant::now();
-        // SAFETY: a live session and a buffer of x.len() f32.
-        let rc = unsafe {
-            gw_all_reduce(
-                s.0,
-                x.as_mut_ptr().cast(),
-                x.len(),
-                GW_DTYPE_F32,
-                GW_OP_SUM,
-                ptr::null(),
-                ptr::null_mut(),
-            )
-        };
+        let rc = s.sum_f32(&mut x);
         assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
         let msg = fails(rc, GW_ERR_PEER);
         assert_eq!(gw_last_error_peer(), 1, "{msg}");
@@ -1586,18 +1553,7 @@ fn forged_aggregation_data_from_a_peer_is_gw_err_data_naming_it() {
             unsafe { gw_endpoint_free(ep) };
             let s = Session(s);
             let mut x = [2.0f32; 8];
-            // SAFETY: a live session and a buffer of 8 f32.
-            let rc = unsafe {
-                gw_all_reduce(
-                    s.0,
-                    x.as_mut_ptr().cast(),
-                    x.len(),
-                    GW_DTYPE_F32,
-                    GW_OP_SUM,
-                    ptr::null(),
-                    ptr::null_mut(),
-                )
-            };
+            let rc = s.sum_f32(&mut x);
             let m = fails(rc, GW_ERR_DATA);
             assert!(m.contains(what), "mask {mask:#b}: {m}");
             assert_eq!(gw_last_error_peer(), 1, "{m}");

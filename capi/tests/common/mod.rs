@@ -93,6 +93,22 @@ unsafe impl Send for Session {}
 unsafe impl Sync for Session {}
 
 impl Session {
+    /// `gw_all_reduce` of `x` (f32, sum, default options, no report): its return code.
+    pub fn sum_f32(&self, x: &mut [f32]) -> std::ffi::c_int {
+        // SAFETY: a live session (owned by self) and a buffer of x.len() f32.
+        unsafe {
+            gw_all_reduce(
+                self.0,
+                x.as_mut_ptr().cast(),
+                x.len(),
+                GW_DTYPE_F32,
+                GW_OP_SUM,
+                ptr::null(),
+                ptr::null_mut(),
+            )
+        }
+    }
+
     pub fn rendezvous(cfg: &gw_config, master: &CStr) -> Session {
         let mut s = ptr::null_mut();
         // SAFETY: valid config, C string and out-pointer.
