@@ -1,0 +1,1 @@
+//! Kernel UDP with segmentation offload (written next).
