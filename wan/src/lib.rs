@@ -11,7 +11,7 @@
 //!   consistency module's versions and per-round pins).
 //! - [`node`]: the node loop around the consistency module's node state machine.
 //!
-//! The protocol itself (rounds, caching, relays, pinning) is the scheduler crate's
+//! The protocol itself (rounds, caching, relays, pinning) is the netstorm crate's
 //! model-checked [`gradwire_netstorm::consistency`]; this crate does the I/O.
 #![deny(unsafe_code)]
 

@@ -2,7 +2,7 @@
 //! the round's policy before each PUSH, pushes, aggregates, forwards and pulls chunks over
 //! its chunk channels, relays auxiliary chunks, and reports the links it measured.
 //!
-//! The protocol is the model-checked state machine of the scheduler crate
+//! The protocol is the model-checked state machine of the netstorm crate
 //! ([`NodeState`]); this loop moves its outputs onto the channels and the channels' chunks
 //! into it, and makes the one decision the state machine leaves to the runtime: whether a
 //! PUSH goes on its primary edge or, when that edge is busy, on an auxiliary path (§VI-A).
