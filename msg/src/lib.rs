@@ -1,9 +1,14 @@
 //! gradwire's message layer (see docs/design.md, "The message layer").
 //!
 //! - [`wire`]: the layer's frames (data segments and control), codecs with no I/O.
+//! - [`mem`]: registered buffers, the memory messages are sent from and placed into.
 //! - [`core`]: the state machines of one endpoint (every peer, every message), driven by
 //!   datagrams and timers, with no I/O and no clock of their own (tested on a virtual clock).
 //! - [`io`]: the datagram sockets (kernel UDP with GSO/GRO and `sendmmsg`/`recvmmsg`).
 #![deny(unsafe_code)]
 
+pub mod core;
 pub mod io;
+pub mod mem;
+pub mod reduce;
+pub mod wire;

@@ -1,0 +1,678 @@
+//! The state machines of one endpoint, with no I/O and no clock of their own (quinn-proto's
+//! shape): datagrams in ([`Core::handle_datagram`]), timers in ([`Core::handle_timeout`]),
+//! datagrams out ([`Core::poll_transmit`]) and events out ([`Core::poll_event`]). Time is
+//! an argument, so tests run on a virtual clock.
+//!
+//! A message is a range of a registered buffer sent from one rank to another, numbered on
+//! its channel (sender -> receiver) by the layer: both sides reserve numbers in the same
+//! order ([`Core::reserve_sends`], [`Core::reserve_recvs`]), as every rank starts the same
+//! operations in the same order. There is no handshake: the sender starts at once, within
+//! its peer's congestion window; the receiver answers at the end of every pass (a segment
+//! flagged LAST) with DONE or a NACK bitmap of what is missing, and with progress ACKs on
+//! the way. A sender that hears nothing for a retransmission timeout (SRTT + 4 RTTVAR, a
+//! 1 ms floor) asks with POLL, backing off; a peer silent for `peer_timeout` fails the
+//! message naming it. Every control frame is idempotent.
+//!
+//! Data for a message the receiver has not posted yet is kept, bounded in bytes, and placed
+//! when it is posted (a peer a step ahead is the normal case, not an error).
+
+mod recv;
+mod rtt;
+mod send;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use gradwire_proto::tensor::DType;
+
+use crate::mem::{BufId, Buffers, Region};
+use crate::wire::{self, Ctrl, CtrlOp, DataHeader};
+
+pub use recv::RecvReport;
+use recv::{RecvMsg, Unexpected};
+pub use rtt::{Rtt, Window};
+use send::SendMsg;
+
+/// How an endpoint's core behaves.
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    /// Job id: datagrams of another job are refused.
+    pub job: u32,
+    /// This rank.
+    pub rank: u16,
+    /// Ranks in the job.
+    pub world: u16,
+    /// Payload bytes per data segment (a multiple of 8, so every dtype's elements and every
+    /// block line up across messages).
+    pub seg_payload: usize,
+    /// RTO before the first RTT sample.
+    pub rto_initial: Duration,
+    /// Floor of the RTO.
+    pub rto_min: Duration,
+    /// Ceiling of the RTO and of the POLL back-off.
+    pub rto_max: Duration,
+    /// A peer that says nothing about a message for this long fails it, named.
+    pub peer_timeout: Duration,
+    /// Initial congestion window, segments (the unscheduled first window).
+    pub init_cwnd: u32,
+    /// Largest congestion window, segments.
+    pub max_cwnd: u32,
+    /// A receiver acknowledges progress every this many segments.
+    pub ack_every: u32,
+    /// Bytes of data kept for messages not posted yet, over all peers.
+    pub unexpected_limit: usize,
+    /// How far ahead of the receiver's reservations an unposted message may be numbered.
+    pub unexpected_window: u32,
+    /// TOS byte of control frames (DSCP << 2).
+    pub ctrl_tos: u8,
+    /// Segments per bundle (the GSO limit of the socket).
+    pub max_bundle: usize,
+}
+
+impl CoreConfig {
+    /// Rank `rank` of `world` in `job`, defaults elsewhere: 1432-byte segments (a 1500-byte
+    /// MTU over IPv4), RTO 5 ms initially and within [1 ms, 200 ms], 30 s peer timeout, a
+    /// 128-segment first window.
+    pub fn new(job: u32, rank: u16, world: u16) -> CoreConfig {
+        CoreConfig {
+            job,
+            rank,
+            world,
+            seg_payload: 1432,
+            rto_initial: Duration::from_millis(5),
+            rto_min: Duration::from_millis(1),
+            rto_max: Duration::from_millis(200),
+            peer_timeout: Duration::from_secs(30),
+            init_cwnd: 128,
+            max_cwnd: 16384,
+            ack_every: 32,
+            unexpected_limit: 64 << 20,
+            unexpected_window: 1 << 16,
+            ctrl_tos: gradwire_qos::CONTROL_DSCP << 2,
+            max_bundle: 64,
+        }
+    }
+
+    /// Payload bytes per segment for a path MTU over IPv4 (`ipv6`: IPv6): what is left after
+    /// the IP, UDP and data headers, rounded down to 8 bytes.
+    pub fn seg_payload_for_mtu(mtu: usize, ipv6: bool) -> usize {
+        let ip = if ipv6 { 40 } else { 20 };
+        (mtu.saturating_sub(ip + 8 + wire::DATA_HEADER_LEN) / 8 * 8).max(8)
+    }
+}
+
+/// What a receive does with arriving bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// Copy them into the buffer.
+    Copy,
+    /// Add them into the buffer element-wise (a reduce-scatter step).
+    Sum(DType),
+}
+
+/// Options of a posted send.
+#[derive(Debug, Clone, Default)]
+pub struct SendOpts {
+    /// TOS byte of the data (DSCP << 2 | ECN).
+    pub tos: u8,
+    /// DNN layer (carried in every segment).
+    pub layer: u16,
+    /// One word per segment for the receiver (a contributor set); empty: zeros.
+    pub meta: Vec<u64>,
+}
+
+/// Options of a posted receive.
+#[derive(Debug, Clone)]
+pub struct RecvOpts {
+    /// Copy or reduce.
+    pub place: Place,
+    /// DLCP's loss bound: the message may end with at most this fraction of its segments
+    /// missing, once the sender has sent every segment once.
+    pub loss_bound: f64,
+    /// The message ends at this instant with what arrived (a time bound).
+    pub deadline: Option<Instant>,
+    /// Keep each segment's meta word for the report.
+    pub keep_meta: bool,
+}
+
+impl Default for RecvOpts {
+    fn default() -> Self {
+        RecvOpts {
+            place: Place::Copy,
+            loss_bound: 0.0,
+            deadline: None,
+            keep_meta: false,
+        }
+    }
+}
+
+/// What ended a receive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Every segment arrived.
+    Complete,
+    /// Enough arrived under the loss bound after the sender's first pass.
+    Bound,
+    /// The deadline passed.
+    Deadline,
+}
+
+/// Why a message failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MsgError {
+    /// The peer said nothing about the message for the peer timeout.
+    #[error("rank {peer} said nothing about message {msg} for {waited:?}: it is dead, hung or unreachable")]
+    PeerSilent {
+        /// The peer.
+        peer: u16,
+        /// The message.
+        msg: u32,
+        /// How long it was silent.
+        waited: Duration,
+    },
+    /// The sender gave the message up.
+    #[error("rank {peer} aborted message {msg}")]
+    Aborted {
+        /// The peer.
+        peer: u16,
+        /// The message.
+        msg: u32,
+    },
+}
+
+/// Something the core tells its driver.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A send finished: the receiver has it (with `missing` segments left out under its bound).
+    Sent {
+        /// Receiver.
+        peer: u16,
+        /// Message.
+        msg: u32,
+        /// Segments the receiver did without.
+        missing: u32,
+    },
+    /// A receive finished.
+    Received {
+        /// Sender.
+        peer: u16,
+        /// Message.
+        msg: u32,
+        /// What arrived.
+        report: RecvReport,
+    },
+    /// A message failed.
+    Failed {
+        /// The peer.
+        peer: u16,
+        /// Message.
+        msg: u32,
+        /// `true`: a send; `false`: a receive.
+        send: bool,
+        /// Why.
+        error: MsgError,
+    },
+}
+
+/// Why a post was refused (a caller's mistake, never the network's).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PostError {
+    /// No such peer.
+    #[error("rank {0} is not in the job (or is this rank)")]
+    Peer(u16),
+    /// No such buffer or range.
+    #[error("the buffer range {0:?} is not registered")]
+    Range(Range<usize>),
+    /// The message number is in use.
+    #[error("message {msg} to or from rank {peer} is already posted")]
+    Busy {
+        /// Peer.
+        peer: u16,
+        /// Message.
+        msg: u32,
+    },
+    /// Too long for one message.
+    #[error("a message of {0} bytes is longer than the 4 GiB a message can hold")]
+    TooLong(usize),
+    /// Meta words do not match the segments.
+    #[error("{got} meta words for a message of {want} segments")]
+    Meta {
+        /// Given.
+        got: usize,
+        /// Segments.
+        want: usize,
+    },
+    /// A loss bound outside [0, 1).
+    #[error("loss bound {0} is not in [0, 1)")]
+    Bound(f64),
+}
+
+/// Counters of an endpoint (monotonic).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Data segments sent, first transmissions.
+    pub data_sent: u64,
+    /// Data segments resent.
+    pub data_resent: u64,
+    /// Control frames sent.
+    pub ctrl_sent: u64,
+    /// Data segments placed.
+    pub data_placed: u64,
+    /// Duplicate data segments (already placed).
+    pub data_duplicate: u64,
+    /// Control frames received and acted on.
+    pub ctrl_received: u64,
+    /// Datagrams refused: malformed, another job, wrong ranks, out of range, wrong shape.
+    pub refused: u64,
+    /// Segments kept for messages not posted yet.
+    pub unexpected_kept: u64,
+    /// Segments dropped because the unexpected store was full or too far ahead.
+    pub unexpected_dropped: u64,
+    /// POLLs sent on a timer.
+    pub polls: u64,
+    /// NACK frames sent.
+    pub nacks: u64,
+}
+
+/// A run of data segments to one peer for one GSO send.
+#[derive(Debug, Clone)]
+pub struct Bundle {
+    /// Destination rank.
+    pub peer: u16,
+    /// TOS byte.
+    pub tos: u8,
+    /// Bytes of every datagram but the last.
+    pub segment_size: usize,
+    /// Its segments in [`TxBatch::headers`] / [`TxBatch::payloads`].
+    pub segs: Range<usize>,
+}
+
+/// A control frame to send.
+#[derive(Debug, Clone)]
+pub struct CtrlTx {
+    /// Destination rank.
+    pub peer: u16,
+    /// TOS byte.
+    pub tos: u8,
+    /// The frame.
+    pub bytes: Vec<u8>,
+}
+
+/// Datagrams the core wants sent. A driver sends a whole batch before it hands the core
+/// anything else: payloads name registered memory that stays valid until then.
+#[derive(Debug, Default)]
+pub struct TxBatch {
+    /// Data bundles.
+    pub bundles: Vec<Bundle>,
+    /// Segment headers.
+    pub headers: Vec<[u8; wire::DATA_HEADER_LEN]>,
+    /// Segment payloads: buffer and range.
+    pub payloads: Vec<(BufId, Range<usize>)>,
+    /// Control frames.
+    pub ctrl: Vec<CtrlTx>,
+}
+
+impl TxBatch {
+    /// Empties the batch, keeping its allocations.
+    pub fn clear(&mut self) {
+        self.bundles.clear();
+        self.headers.clear();
+        self.payloads.clear();
+        self.ctrl.clear();
+    }
+
+    /// Whether there is nothing to send.
+    pub fn is_empty(&self) -> bool {
+        self.bundles.is_empty() && self.ctrl.is_empty()
+    }
+}
+
+/// Per-peer state.
+#[derive(Debug)]
+struct Peer {
+    rtt: Rtt,
+    win: Window,
+    sends: BTreeMap<u32, SendMsg>,
+    recvs: HashMap<u32, RecvMsg>,
+    unexpected: HashMap<u32, Unexpected>,
+    send_next: u32,
+    recv_next: u32,
+    /// Every receive numbered below this is finished; `done` holds finished ones above it.
+    done_below: u32,
+    done: BTreeSet<u32>,
+}
+
+impl Peer {
+    fn is_done(&self, msg: u32) -> bool {
+        msg < self.done_below || self.done.contains(&msg)
+    }
+
+    fn mark_done(&mut self, msg: u32) {
+        if msg >= self.done_below {
+            self.done.insert(msg);
+        }
+        while self.done.remove(&self.done_below) {
+            self.done_below += 1;
+        }
+    }
+
+    /// First-pass segments sent and not yet seen by the receiver.
+    fn in_flight(&self) -> u32 {
+        self.sends.values().map(SendMsg::in_flight).sum()
+    }
+}
+
+/// The state of one endpoint.
+#[derive(Debug)]
+pub struct Core {
+    cfg: CoreConfig,
+    peers: Vec<Peer>,
+    buffers: Buffers,
+    events: VecDeque<Event>,
+    ctrl: VecDeque<CtrlTx>,
+    stats: Stats,
+    unexpected_bytes: usize,
+    /// Round-robin start of the next transmit poll.
+    rr: usize,
+}
+
+impl Core {
+    /// A core with no messages.
+    pub fn new(cfg: CoreConfig) -> Core {
+        let peers = (0..cfg.world)
+            .map(|_| Peer {
+                rtt: Rtt::new(cfg.rto_initial, cfg.rto_min, cfg.rto_max),
+                win: Window::new(cfg.init_cwnd, cfg.max_cwnd),
+                sends: BTreeMap::new(),
+                recvs: HashMap::new(),
+                unexpected: HashMap::new(),
+                send_next: 0,
+                recv_next: 0,
+                done_below: 0,
+                done: BTreeSet::new(),
+            })
+            .collect();
+        Core {
+            cfg,
+            peers,
+            buffers: Buffers::default(),
+            events: VecDeque::new(),
+            ctrl: VecDeque::new(),
+            stats: Stats::default(),
+            unexpected_bytes: 0,
+            rr: 0,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CoreConfig {
+        &self.cfg
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// The registered buffers (a driver resolves [`TxBatch::payloads`] here).
+    pub fn buffers(&self) -> &Buffers {
+        &self.buffers
+    }
+
+    /// Registers memory for messages.
+    pub fn register(&mut self, region: Region) -> BufId {
+        self.buffers.insert(region)
+    }
+
+    /// Unregisters a buffer, cancelling every message still on it first.
+    pub fn unregister(&mut self, id: BufId) -> Option<Region> {
+        for p in &mut self.peers {
+            p.sends.retain(|_, s| s.buf != id);
+            let gone: Vec<u32> = p
+                .recvs
+                .iter()
+                .filter(|(_, r)| r.buf == id)
+                .map(|(m, _)| *m)
+                .collect();
+            for m in gone {
+                p.recvs.remove(&m);
+                p.mark_done(m);
+            }
+        }
+        self.buffers.remove(id)
+    }
+
+    /// A buffer's bytes (the owner reads results here).
+    pub fn buffer(&self, id: BufId) -> Option<&[u8]> {
+        self.buffers.whole(id)
+    }
+
+    /// A buffer's bytes, mutably. Writing a range a posted send covers changes what is sent.
+    pub fn buffer_mut(&mut self, id: BufId) -> Option<&mut [u8]> {
+        self.buffers.whole_mut(id)
+    }
+
+    fn peer_index(&self, peer: u16) -> Result<usize, PostError> {
+        if peer == self.cfg.rank || peer >= self.cfg.world {
+            return Err(PostError::Peer(peer));
+        }
+        Ok(usize::from(peer))
+    }
+
+    /// Reserves `n` consecutive message numbers for sends to `peer`; returns the first.
+    pub fn reserve_sends(&mut self, peer: u16, n: u32) -> Result<u32, PostError> {
+        let i = self.peer_index(peer)?;
+        let p = &mut self.peers[i];
+        let base = p.send_next;
+        p.send_next = p.send_next.wrapping_add(n);
+        Ok(base)
+    }
+
+    /// Reserves `n` consecutive message numbers for receives from `peer`; returns the first.
+    pub fn reserve_recvs(&mut self, peer: u16, n: u32) -> Result<u32, PostError> {
+        let i = self.peer_index(peer)?;
+        let p = &mut self.peers[i];
+        let base = p.recv_next;
+        p.recv_next = p.recv_next.wrapping_add(n);
+        Ok(base)
+    }
+
+    /// Marks a reserved receive number as never used (so the bookkeeping of finished
+    /// numbers moves past it).
+    pub fn skip_recv(&mut self, peer: u16, msg: u32) -> Result<(), PostError> {
+        let i = self.peer_index(peer)?;
+        let p = &mut self.peers[i];
+        if let Some(u) = p.unexpected.remove(&msg) {
+            self.unexpected_bytes -= u.bytes;
+        }
+        p.mark_done(msg);
+        Ok(())
+    }
+
+    fn segments(&self, len: usize) -> usize {
+        len.div_ceil(self.cfg.seg_payload).max(1)
+    }
+
+    /// Posts a send of `range` of buffer `buf` to `peer` as message `msg`; it starts at the
+    /// next [`Core::poll_transmit`].
+    pub fn post_send(
+        &mut self,
+        now: Instant,
+        peer: u16,
+        msg: u32,
+        buf: BufId,
+        range: Range<usize>,
+        opts: SendOpts,
+    ) -> Result<(), PostError> {
+        let i = self.peer_index(peer)?;
+        if self.buffers.get(buf, range.clone()).is_none() {
+            return Err(PostError::Range(range));
+        }
+        let total = u32::try_from(range.len()).map_err(|_| PostError::TooLong(range.len()))?;
+        let nsegs = self.segments(range.len());
+        if !opts.meta.is_empty() && opts.meta.len() != nsegs {
+            return Err(PostError::Meta {
+                got: opts.meta.len(),
+                want: nsegs,
+            });
+        }
+        let p = &mut self.peers[i];
+        if p.sends.contains_key(&msg) {
+            return Err(PostError::Busy { peer, msg });
+        }
+        p.sends.insert(
+            msg,
+            SendMsg::new(now, buf, range.start, total, nsegs as u32, opts),
+        );
+        Ok(())
+    }
+
+    /// Posts a receive of message `msg` from `peer` into `range` of buffer `buf` (the
+    /// message must have exactly that length). Data that arrived early is placed now.
+    pub fn post_recv(
+        &mut self,
+        now: Instant,
+        peer: u16,
+        msg: u32,
+        buf: BufId,
+        range: Range<usize>,
+        opts: RecvOpts,
+    ) -> Result<(), PostError> {
+        let i = self.peer_index(peer)?;
+        if self.buffers.get(buf, range.clone()).is_none() {
+            return Err(PostError::Range(range));
+        }
+        if !(0.0..1.0).contains(&opts.loss_bound) {
+            return Err(PostError::Bound(opts.loss_bound));
+        }
+        let total = u32::try_from(range.len()).map_err(|_| PostError::TooLong(range.len()))?;
+        let nsegs = self.segments(range.len()) as u32;
+        {
+            let p = &self.peers[i];
+            if p.recvs.contains_key(&msg) || p.is_done(msg) {
+                return Err(PostError::Busy { peer, msg });
+            }
+        }
+        let r = RecvMsg::new(now, buf, range.start, total, nsegs, opts);
+        self.peers[i].recvs.insert(msg, r);
+        if let Some(u) = self.peers[i].unexpected.remove(&msg) {
+            self.unexpected_bytes -= u.bytes;
+            for seg in u.segs {
+                self.place(now, i, msg, &seg.header, &seg.payload, seg.tos);
+            }
+            if let Some(pass) = u.pass_end {
+                self.end_of_pass(now, i, msg, pass);
+            }
+        }
+        Ok(())
+    }
+
+    /// Cancels a send (nothing more is sent; the receiver is not told).
+    pub fn cancel_send(&mut self, peer: u16, msg: u32) {
+        if let Ok(i) = self.peer_index(peer) {
+            self.peers[i].sends.remove(&msg);
+        }
+    }
+
+    /// Cancels a receive (later data for it is refused as finished).
+    pub fn cancel_recv(&mut self, peer: u16, msg: u32) {
+        if let Ok(i) = self.peer_index(peer) {
+            let p = &mut self.peers[i];
+            p.recvs.remove(&msg);
+            p.mark_done(msg);
+        }
+    }
+
+    /// The next event, if any.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Smoothed RTT to a peer (`None` before a sample).
+    pub fn srtt(&self, peer: u16) -> Option<Duration> {
+        self.peers.get(usize::from(peer))?.rtt.srtt()
+    }
+
+    /// Whether any send has segments it may send now.
+    pub fn wants_transmit(&self) -> bool {
+        !self.ctrl.is_empty()
+            || self.peers.iter().any(|p| {
+                let room = p.win.segments().saturating_sub(p.in_flight());
+                p.sends.values().any(|s| s.can_send(room))
+            })
+    }
+
+    fn ctrl_frame(&mut self, peer: usize, c: Ctrl, bitmap: &[u8]) {
+        let mut bytes = vec![0u8; wire::CTRL_HEADER_LEN + bitmap.len()];
+        if c.emit(bitmap, &mut bytes).is_ok() {
+            self.stats.ctrl_sent += 1;
+            self.ctrl.push_back(CtrlTx {
+                peer: peer as u16,
+                tos: self.cfg.ctrl_tos,
+                bytes,
+            });
+        }
+    }
+
+    fn ctrl_to(&self, peer: usize, op: CtrlOp, msg: u32, pass: u8) -> Ctrl {
+        Ctrl {
+            op,
+            pass,
+            job: self.cfg.job,
+            src: self.cfg.rank,
+            dst: peer as u16,
+            msg,
+            a: 0,
+            b: 0,
+            c: 0,
+        }
+    }
+
+    /// A datagram from rank `from` (the driver has matched its source address to the rank),
+    /// with the TOS byte it arrived with. Anything malformed, of another job, for another
+    /// rank, claiming another sender or outside its message is refused and counted.
+    pub fn handle_datagram(&mut self, now: Instant, from: u16, tos: u8, d: &[u8]) {
+        let Ok(i) = self.peer_index(from) else {
+            self.stats.refused += 1;
+            return;
+        };
+        match wire::kind(d) {
+            Ok(wire::KIND_DATA) => match DataHeader::parse(d) {
+                Ok((h, payload))
+                    if h.job == self.cfg.job && h.dst == self.cfg.rank && h.src == from =>
+                {
+                    self.on_data(now, i, &h, payload, tos)
+                }
+                _ => self.stats.refused += 1,
+            },
+            Ok(wire::KIND_CTRL) => match Ctrl::parse(d) {
+                Ok((c, bitmap))
+                    if c.job == self.cfg.job && c.dst == self.cfg.rank && c.src == from =>
+                {
+                    self.stats.ctrl_received += 1;
+                    self.on_ctrl(now, i, &c, bitmap)
+                }
+                _ => self.stats.refused += 1,
+            },
+            _ => self.stats.refused += 1,
+        }
+    }
+
+    /// The earliest instant a timer fires.
+    pub fn next_timeout(&self) -> Option<Instant> {
+        self.peers
+            .iter()
+            .flat_map(|p| {
+                p.sends.values().filter_map(|s| s.timer).chain(
+                    p.recvs
+                        .values()
+                        .map(|r| r.next_timer(self.cfg.peer_timeout)),
+                )
+            })
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests;

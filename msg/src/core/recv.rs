@@ -1,0 +1,402 @@
+//! The receiving half: placement by offset (copy or reduce), the bitmap, DLCP's bound and
+//! the time bound, ACK/NACK/DONE, and data kept for messages not posted yet.
+
+use std::time::{Duration, Instant};
+
+use super::{Core, CtrlOp, Ended, Event, MsgError, Place, RecvOpts};
+use crate::mem::BufId;
+use crate::reduce::add_into;
+use crate::wire::{flags, Ctrl, DataHeader, MAX_BITMAP};
+
+/// What a finished receive got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecvReport {
+    /// Segments of the message.
+    pub segments: u32,
+    /// Segments that never arrived (their bytes are as they were before the receive).
+    pub missing: u32,
+    /// What ended it.
+    pub ended: Ended,
+    /// Which segments arrived (bit i of word i/64); `None` when all did.
+    pub arrived: Option<Vec<u64>>,
+    /// Each segment's meta word (0 where missing), when the receive asked to keep them.
+    pub meta: Vec<u64>,
+}
+
+impl RecvReport {
+    /// Whether segment `seg` arrived.
+    pub fn has(&self, seg: usize) -> bool {
+        match &self.arrived {
+            None => seg < self.segments as usize,
+            Some(w) => w.get(seg / 64).is_some_and(|x| x & (1 << (seg % 64)) != 0),
+        }
+    }
+}
+
+/// A posted receive.
+#[derive(Debug)]
+pub(super) struct RecvMsg {
+    pub(super) buf: BufId,
+    start: usize,
+    total: u32,
+    nsegs: u32,
+    opts: RecvOpts,
+    need: u32,
+    got: Vec<u64>,
+    count: u32,
+    ce: u32,
+    highest: u32,
+    meta: Vec<u64>,
+    since_ack: u32,
+    /// The highest pass the sender said it finished.
+    pass_end: Option<u8>,
+    heard: Instant,
+}
+
+impl RecvMsg {
+    pub(super) fn new(
+        now: Instant,
+        buf: BufId,
+        start: usize,
+        total: u32,
+        nsegs: u32,
+        opts: RecvOpts,
+    ) -> RecvMsg {
+        let lose = (opts.loss_bound * f64::from(nsegs)).floor() as u32;
+        RecvMsg {
+            buf,
+            start,
+            total,
+            nsegs,
+            need: nsegs - lose.min(nsegs),
+            got: vec![0; (nsegs as usize).div_ceil(64)],
+            count: 0,
+            ce: 0,
+            highest: 0,
+            meta: if opts.keep_meta {
+                vec![0; nsegs as usize]
+            } else {
+                Vec::new()
+            },
+            since_ack: 0,
+            pass_end: None,
+            heard: now,
+            opts,
+        }
+    }
+
+    pub(super) fn next_timer(&self, peer_timeout: Duration) -> Instant {
+        let idle = self.heard + peer_timeout;
+        match self.opts.deadline {
+            Some(d) => d.min(idle),
+            None => idle,
+        }
+    }
+
+    fn has(&self, seg: u32) -> bool {
+        self.got[seg as usize / 64] & (1 << (seg % 64)) != 0
+    }
+
+    /// Missing segments from the first one, as a NACK bitmap of at most MAX_BITMAP bytes.
+    fn missing_bitmap(&self) -> Option<(u32, Vec<u8>, u32)> {
+        let first = (0..self.nsegs).find(|&s| !self.has(s))?;
+        let bits = (self.nsegs - first).min(MAX_BITMAP as u32 * 8);
+        let mut map = vec![0u8; (bits as usize).div_ceil(8)];
+        for b in 0..bits {
+            if !self.has(first + b) {
+                map[(b / 8) as usize] |= 1 << (b % 8);
+            }
+        }
+        Some((first, map, bits))
+    }
+}
+
+/// A segment kept for a message not posted yet.
+#[derive(Debug)]
+pub(super) struct KeptSeg {
+    pub(super) header: DataHeader,
+    pub(super) payload: Vec<u8>,
+    pub(super) tos: u8,
+}
+
+/// Data kept for a message not posted yet.
+#[derive(Debug, Default)]
+pub(super) struct Unexpected {
+    pub(super) segs: Vec<KeptSeg>,
+    pub(super) bytes: usize,
+    pub(super) pass_end: Option<u8>,
+    seen: std::collections::HashSet<u64>,
+}
+
+impl Core {
+    pub(super) fn on_data(
+        &mut self,
+        now: Instant,
+        i: usize,
+        h: &DataHeader,
+        payload: &[u8],
+        tos: u8,
+    ) {
+        let p = &mut self.peers[i];
+        if p.recvs.contains_key(&h.msg) {
+            self.place(now, i, h.msg, h, payload, tos);
+            if h.flags & flags::LAST != 0 {
+                self.end_of_pass(now, i, h.msg, h.pass);
+            }
+            return;
+        }
+        if p.is_done(h.msg) {
+            self.stats.data_duplicate += 1;
+            // The sender missed our DONE: say it again when it ends a pass.
+            if h.flags & flags::LAST != 0 {
+                let mut c = self.ctrl_to(i, CtrlOp::Done, h.msg, h.pass);
+                c.a = h.total;
+                self.ctrl_frame(i, c, &[]);
+            }
+            return;
+        }
+        let ahead = h.msg.wrapping_sub(p.recv_next);
+        let behind_reserved =
+            h.msg.wrapping_sub(p.done_below) < p.recv_next.wrapping_sub(p.done_below);
+        if !behind_reserved && ahead >= self.cfg.unexpected_window {
+            self.stats.unexpected_dropped += 1;
+            return;
+        }
+        if self.unexpected_bytes + payload.len() > self.cfg.unexpected_limit {
+            self.stats.unexpected_dropped += 1;
+            return;
+        }
+        let u = p.unexpected.entry(h.msg).or_default();
+        if h.flags & flags::LAST != 0 {
+            u.pass_end = Some(u.pass_end.map_or(h.pass, |q| q.max(h.pass)));
+        }
+        if !u.seen.insert(h.offset) {
+            self.stats.data_duplicate += 1;
+            return;
+        }
+        u.bytes += payload.len();
+        u.segs.push(KeptSeg {
+            header: *h,
+            payload: payload.to_vec(),
+            tos,
+        });
+        self.unexpected_bytes += payload.len();
+        self.stats.unexpected_kept += 1;
+    }
+
+    /// Places one segment of posted receive `msg` (checked against its shape), then ends the
+    /// receive if it is complete or, after a finished pass, within its bound.
+    pub(super) fn place(
+        &mut self,
+        now: Instant,
+        i: usize,
+        msg: u32,
+        h: &DataHeader,
+        payload: &[u8],
+        tos: u8,
+    ) {
+        let seg_payload = self.cfg.seg_payload;
+        let ack_every = self.cfg.ack_every;
+        let Some(r) = self.peers[i].recvs.get_mut(&msg) else {
+            return;
+        };
+        let seg = (h.offset / seg_payload as u64) as u32;
+        let want_len = (r.total as usize)
+            .saturating_sub(seg as usize * seg_payload)
+            .min(seg_payload);
+        if h.total != r.total
+            || h.offset % seg_payload as u64 != 0
+            || seg >= r.nsegs
+            || usize::from(h.length) != want_len
+        {
+            self.stats.refused += 1;
+            return;
+        }
+        r.heard = now;
+        if r.has(seg) {
+            self.stats.data_duplicate += 1;
+            return;
+        }
+        let at = r.start + h.offset as usize;
+        let Some(dst) = self.buffers.get_mut(r.buf, at..at + payload.len()) else {
+            self.stats.refused += 1;
+            return;
+        };
+        match r.opts.place {
+            Place::Copy => dst.copy_from_slice(payload),
+            Place::Sum(dtype) => {
+                if !add_into(dtype, dst, payload) {
+                    self.stats.refused += 1;
+                    return;
+                }
+            }
+        }
+        self.stats.data_placed += 1;
+        r.got[seg as usize / 64] |= 1 << (seg % 64);
+        r.count += 1;
+        r.highest = r.highest.max(seg + 1);
+        if tos & 3 == 3 {
+            r.ce += 1;
+        }
+        if let Some(m) = r.meta.get_mut(seg as usize) {
+            *m = h.meta;
+        }
+        r.since_ack += 1;
+        let complete = r.count == r.nsegs;
+        let bound = r.pass_end.is_some() && r.count >= r.need;
+        let ack = r.since_ack >= ack_every;
+        if complete {
+            self.finish(i, msg, Ended::Complete);
+        } else if bound {
+            self.finish(i, msg, Ended::Bound);
+        } else if ack {
+            self.send_ack(i, msg);
+        }
+    }
+
+    fn send_ack(&mut self, i: usize, msg: u32) {
+        let Some(r) = self.peers[i].recvs.get_mut(&msg) else {
+            return;
+        };
+        r.since_ack = 0;
+        let (a, b, c) = (r.count, r.ce, r.highest);
+        let mut f = self.ctrl_to(i, CtrlOp::Ack, msg, 0);
+        f.a = a;
+        f.b = b;
+        f.c = c;
+        self.ctrl_frame(i, f, &[]);
+    }
+
+    /// The sender finished pass `pass`: end the receive within its bound, or ask for what
+    /// is missing.
+    pub(super) fn end_of_pass(&mut self, _now: Instant, i: usize, msg: u32, pass: u8) {
+        let Some(r) = self.peers[i].recvs.get_mut(&msg) else {
+            return;
+        };
+        r.pass_end = Some(r.pass_end.map_or(pass, |q| q.max(pass)));
+        if r.count == r.nsegs {
+            return self.finish(i, msg, Ended::Complete);
+        }
+        if r.count >= r.need {
+            return self.finish(i, msg, Ended::Bound);
+        }
+        if let Some((first, map, bits)) = r.missing_bitmap() {
+            let mut c = self.ctrl_to(i, CtrlOp::Nack, msg, pass);
+            c.a = first;
+            c.b = bits;
+            self.stats.nacks += 1;
+            self.ctrl_frame(i, c, &map);
+        }
+    }
+
+    /// Ends receive `msg`: DONE to the sender, the report to the driver.
+    pub(super) fn finish(&mut self, i: usize, msg: u32, ended: Ended) {
+        let p = &mut self.peers[i];
+        let Some(r) = p.recvs.remove(&msg) else {
+            return;
+        };
+        p.mark_done(msg);
+        let missing = r.nsegs - r.count;
+        let mut c = self.ctrl_to(i, CtrlOp::Done, msg, r.pass_end.unwrap_or(0));
+        c.a = r.count;
+        c.b = r.ce;
+        c.c = missing;
+        self.ctrl_frame(i, c, &[]);
+        self.events.push_back(Event::Received {
+            peer: i as u16,
+            msg,
+            report: RecvReport {
+                segments: r.nsegs,
+                missing,
+                ended,
+                arrived: if missing == 0 { None } else { Some(r.got) },
+                meta: r.meta,
+            },
+        });
+    }
+
+    /// A control frame about one of our receives (POLL, ABORT).
+    pub(super) fn on_recv_ctrl(&mut self, now: Instant, i: usize, c: &Ctrl) {
+        let p = &mut self.peers[i];
+        if let Some(r) = p.recvs.get_mut(&c.msg) {
+            r.heard = now;
+            match c.op {
+                CtrlOp::Poll if c.c != 0 => self.end_of_pass(now, i, c.msg, c.pass),
+                CtrlOp::Poll => self.send_ack(i, c.msg),
+                CtrlOp::Abort => {
+                    p.recvs.remove(&c.msg);
+                    p.mark_done(c.msg);
+                    self.events.push_back(Event::Failed {
+                        peer: i as u16,
+                        msg: c.msg,
+                        send: false,
+                        error: MsgError::Aborted {
+                            peer: i as u16,
+                            msg: c.msg,
+                        },
+                    });
+                }
+                _ => {}
+            }
+            return;
+        }
+        if c.op != CtrlOp::Poll {
+            return;
+        }
+        if p.is_done(c.msg) {
+            let f = self.ctrl_to(i, CtrlOp::Done, c.msg, c.pass);
+            self.ctrl_frame(i, f, &[]);
+        } else {
+            // Not posted yet: say we are alive and what we hold, so the sender keeps waiting.
+            let held = p.unexpected.get(&c.msg).map_or(0, |u| u.segs.len() as u32);
+            let mut f = self.ctrl_to(i, CtrlOp::Ack, c.msg, c.pass);
+            f.a = held;
+            f.c = held;
+            self.ctrl_frame(i, f, &[]);
+        }
+    }
+
+    pub(super) fn on_ctrl(&mut self, now: Instant, i: usize, c: &Ctrl, bitmap: &[u8]) {
+        match c.op {
+            CtrlOp::Ack | CtrlOp::Done | CtrlOp::Nack => self.on_send_ctrl(now, i, c, bitmap),
+            CtrlOp::Poll | CtrlOp::Abort => self.on_recv_ctrl(now, i, c),
+        }
+    }
+
+    /// Fires the timers due at `now`: POLLs and failures of sends, deadlines and failures of
+    /// receives.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.send_timers(now);
+        let peer_timeout = self.cfg.peer_timeout;
+        for i in 0..self.peers.len() {
+            let mut due = Vec::new();
+            for (&msg, r) in &self.peers[i].recvs {
+                if r.opts.deadline.is_some_and(|d| d <= now) {
+                    due.push((msg, None));
+                } else if now.saturating_duration_since(r.heard) >= peer_timeout {
+                    due.push((msg, Some(now.saturating_duration_since(r.heard))));
+                }
+            }
+            for (msg, silent) in due {
+                match silent {
+                    None => self.finish(i, msg, Ended::Deadline),
+                    Some(waited) => {
+                        let p = &mut self.peers[i];
+                        p.recvs.remove(&msg);
+                        p.mark_done(msg);
+                        self.events.push_back(Event::Failed {
+                            peer: i as u16,
+                            msg,
+                            send: false,
+                            error: MsgError::PeerSilent {
+                                peer: i as u16,
+                                msg,
+                                waited,
+                            },
+                        });
+                    }
+                }
+            }
+        }
+    }
+}

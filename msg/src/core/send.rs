@@ -1,0 +1,340 @@
+//! The sending half: segments out within the peer's window, passes of retransmissions on
+//! NACKs, POLL on a timer.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::{Bundle, Core, CtrlOp, Event, MsgError, SendOpts, TxBatch};
+use crate::mem::BufId;
+use crate::wire::{self, flags, Ctrl, DataHeader};
+
+/// A message being sent.
+#[derive(Debug)]
+pub(super) struct SendMsg {
+    pub(super) buf: BufId,
+    start: usize,
+    total: u32,
+    nsegs: u32,
+    opts: SendOpts,
+    /// Next segment of the first pass.
+    next: u32,
+    pass: u8,
+    /// Segments to resend in this pass, and which are queued or sent in it.
+    resend: VecDeque<u32>,
+    queued: Vec<u64>,
+    /// The LAST segment (or a POLL) of `pass` went out.
+    finished_pass: bool,
+    /// The receiver's count of distinct segments and one past the highest it has seen.
+    acked: u32,
+    highest: u32,
+    ce: u32,
+    /// When the LAST segment or POLL of this pass went out, and POLLs unanswered.
+    last_tx: Option<Instant>,
+    polls: u32,
+    pub(super) timer: Option<Instant>,
+    heard: Instant,
+}
+
+impl SendMsg {
+    pub(super) fn new(
+        now: Instant,
+        buf: BufId,
+        start: usize,
+        total: u32,
+        nsegs: u32,
+        opts: SendOpts,
+    ) -> SendMsg {
+        SendMsg {
+            buf,
+            start,
+            total,
+            nsegs,
+            opts,
+            next: 0,
+            pass: 0,
+            resend: VecDeque::new(),
+            queued: Vec::new(),
+            finished_pass: false,
+            acked: 0,
+            highest: 0,
+            ce: 0,
+            last_tx: None,
+            polls: 0,
+            timer: None,
+            heard: now,
+        }
+    }
+
+    /// First-pass segments sent beyond what the receiver has seen.
+    pub(super) fn in_flight(&self) -> u32 {
+        if self.pass == 0 {
+            self.next.saturating_sub(self.highest)
+        } else {
+            0
+        }
+    }
+
+    /// Whether the message has segments it may send with `room` in the window.
+    pub(super) fn can_send(&self, room: u32) -> bool {
+        !self.resend.is_empty() || (self.pass == 0 && self.next < self.nsegs && room > 0)
+    }
+
+    fn seg_range(&self, seg: u32, seg_payload: usize) -> (usize, usize) {
+        let off = seg as usize * seg_payload;
+        let len = (self.total as usize).saturating_sub(off).min(seg_payload);
+        (off, len)
+    }
+
+    fn is_queued(&self, seg: u32) -> bool {
+        self.queued
+            .get(seg as usize / 64)
+            .is_some_and(|w| w & (1 << (seg % 64)) != 0)
+    }
+
+    fn set_queued(&mut self, seg: u32) {
+        let w = seg as usize / 64;
+        if self.queued.len() <= w {
+            self.queued.resize(w + 1, 0);
+        }
+        self.queued[w] |= 1 << (seg % 64);
+    }
+}
+
+impl Core {
+    /// Fills `out` with what may be sent now: control frames, then data bundles round-robin
+    /// over peers (retransmissions first, then first-pass segments within the window).
+    pub fn poll_transmit(&mut self, now: Instant, out: &mut TxBatch, max_bundles: usize) {
+        out.clear();
+        out.ctrl.extend(self.ctrl.drain(..));
+        let world = self.peers.len();
+        let seg_payload = self.cfg.seg_payload;
+        let max_bundle = self.cfg.max_bundle.max(1);
+        for k in 0..world {
+            if out.bundles.len() >= max_bundles {
+                break;
+            }
+            let i = (self.rr + k) % world;
+            let p = &mut self.peers[i];
+            let mut room = p.win.segments().saturating_sub(p.in_flight());
+            let rto = p.rtt.rto();
+            for (&msg, s) in p.sends.iter_mut() {
+                while out.bundles.len() < max_bundles && s.can_send(room) {
+                    let first = out.headers.len();
+                    let retransmit = !s.resend.is_empty();
+                    let mut last_seg_len = None;
+                    while out.headers.len() - first < max_bundle && last_seg_len.is_none() {
+                        let (seg, is_last) = if retransmit {
+                            let Some(seg) = s.resend.pop_front() else {
+                                break;
+                            };
+                            (seg, s.resend.is_empty())
+                        } else {
+                            if room == 0 || s.next >= s.nsegs {
+                                break;
+                            }
+                            let seg = s.next;
+                            s.next += 1;
+                            room -= 1;
+                            (seg, s.next == s.nsegs)
+                        };
+                        let (off, len) = s.seg_range(seg, seg_payload);
+                        let mut fl = if retransmit { flags::RETRANSMIT } else { 0 };
+                        if is_last {
+                            fl |= flags::LAST;
+                        }
+                        if s.opts.tos & 3 != 0 {
+                            fl |= flags::IMPORTANT;
+                        }
+                        let h = DataHeader {
+                            flags: fl,
+                            pass: s.pass,
+                            job: self.cfg.job,
+                            src: self.cfg.rank,
+                            dst: i as u16,
+                            msg,
+                            offset: off as u64,
+                            total: s.total,
+                            length: len as u16,
+                            layer: s.opts.layer,
+                            meta: s.opts.meta.get(seg as usize).copied().unwrap_or(0),
+                        };
+                        let mut hb = [0u8; wire::DATA_HEADER_LEN];
+                        h.emit(&mut hb);
+                        out.headers.push(hb);
+                        out.payloads
+                            .push((s.buf, s.start + off..s.start + off + len));
+                        if retransmit {
+                            self.stats.data_resent += 1;
+                        } else {
+                            self.stats.data_sent += 1;
+                        }
+                        // A short segment must end a GSO bundle.
+                        if len < seg_payload || is_last {
+                            last_seg_len = Some(len);
+                        }
+                        if is_last {
+                            s.finished_pass = true;
+                            s.last_tx = Some(now);
+                            s.polls = 0;
+                            s.timer = Some(now + rto);
+                        }
+                    }
+                    let n = out.headers.len() - first;
+                    if n == 0 {
+                        break;
+                    }
+                    out.bundles.push(Bundle {
+                        peer: i as u16,
+                        tos: s.opts.tos,
+                        segment_size: if n == 1 {
+                            wire::DATA_HEADER_LEN + last_seg_len.unwrap_or(seg_payload)
+                        } else {
+                            wire::DATA_HEADER_LEN + seg_payload
+                        },
+                        segs: first..first + n,
+                    });
+                }
+                // Blocked by the window with the pass unfinished: make sure a lost ACK is
+                // asked about rather than waited for.
+                if s.pass == 0 && s.next < s.nsegs && room == 0 && s.timer.is_none() {
+                    s.timer = Some(now + rto);
+                }
+            }
+        }
+        self.rr = (self.rr + 1) % world.max(1);
+    }
+
+    /// A control frame about one of our sends (ACK, DONE, NACK).
+    pub(super) fn on_send_ctrl(&mut self, now: Instant, i: usize, c: &Ctrl, bitmap: &[u8]) {
+        let p = &mut self.peers[i];
+        let Some(s) = p.sends.get_mut(&c.msg) else {
+            return; // finished or cancelled: control frames are idempotent
+        };
+        s.heard = now;
+        match c.op {
+            CtrlOp::Ack => {
+                if c.a > s.acked {
+                    let marked = c.b.saturating_sub(s.ce);
+                    p.win.on_ack(c.a - s.acked, marked);
+                    s.acked = c.a.min(s.nsegs);
+                    s.ce = s.ce.max(c.b);
+                }
+                s.highest = s.highest.max(c.c.min(s.nsegs));
+                s.polls = 0;
+                if !s.finished_pass {
+                    s.timer = None;
+                }
+            }
+            CtrlOp::Done => {
+                if c.pass == s.pass && s.polls == 0 {
+                    if let Some(t) = s.last_tx {
+                        p.rtt.sample(now.saturating_duration_since(t));
+                    }
+                }
+                if s.pass == 0 && c.c > 0 {
+                    p.win.on_pass_loss(c.c, s.nsegs);
+                }
+                p.sends.remove(&c.msg);
+                self.events.push_back(Event::Sent {
+                    peer: i as u16,
+                    msg: c.msg,
+                    missing: c.c,
+                });
+            }
+            CtrlOp::Nack => {
+                let fresh = c.pass == s.pass && s.finished_pass;
+                let same_answer = c.pass.wrapping_add(1) == s.pass;
+                if !fresh && !same_answer {
+                    return;
+                }
+                if fresh {
+                    if s.polls == 0 {
+                        if let Some(t) = s.last_tx {
+                            p.rtt.sample(now.saturating_duration_since(t));
+                        }
+                    }
+                    let missing: u32 = bitmap.iter().map(|b| b.count_ones()).sum();
+                    if s.pass == 0 {
+                        p.win.on_pass_loss(missing, s.nsegs);
+                    }
+                    s.pass = s.pass.wrapping_add(1);
+                    s.finished_pass = false;
+                    s.queued.clear();
+                    s.polls = 0;
+                    s.timer = None;
+                    s.highest = s.nsegs;
+                }
+                for bit in 0..c.b.min(bitmap.len() as u32 * 8) {
+                    if bitmap[(bit / 8) as usize] & (1 << (bit % 8)) == 0 {
+                        continue;
+                    }
+                    let seg = c.a.saturating_add(bit);
+                    if seg < s.nsegs && !s.is_queued(seg) {
+                        s.set_queued(seg);
+                        s.resend.push_back(seg);
+                    }
+                }
+                if fresh && s.resend.is_empty() {
+                    // Nothing named: ask again after a timeout rather than spin.
+                    s.finished_pass = true;
+                    s.timer = Some(now + p.rtt.rto());
+                }
+            }
+            CtrlOp::Poll | CtrlOp::Abort => {}
+        }
+    }
+
+    /// Timers of sends: POLL with exponential back-off, failure after the peer timeout.
+    pub(super) fn send_timers(&mut self, now: Instant) {
+        let peer_timeout = self.cfg.peer_timeout;
+        let rto_max = self.cfg.rto_max;
+        for i in 0..self.peers.len() {
+            let mut polls = Vec::new();
+            let mut failed = Vec::new();
+            {
+                let p = &mut self.peers[i];
+                let rto = p.rtt.rto();
+                for (&msg, s) in p.sends.iter_mut() {
+                    let Some(t) = s.timer else { continue };
+                    if t > now {
+                        continue;
+                    }
+                    let waited = now.saturating_duration_since(s.heard);
+                    if waited >= peer_timeout {
+                        failed.push((msg, waited));
+                        continue;
+                    }
+                    s.polls += 1;
+                    s.last_tx = Some(now);
+                    let backoff = rto
+                        .saturating_mul(1u32 << s.polls.min(16))
+                        .min(rto_max.max(rto));
+                    s.timer = Some(now + backoff.max(Duration::from_micros(100)));
+                    polls.push((msg, s.pass, s.finished_pass, s.next));
+                }
+                for (msg, _) in &failed {
+                    p.sends.remove(msg);
+                }
+            }
+            for (msg, pass, finished, next) in polls {
+                self.stats.polls += 1;
+                let mut c = self.ctrl_to(i, CtrlOp::Poll, msg, pass);
+                c.c = u32::from(finished);
+                c.a = next;
+                self.ctrl_frame(i, c, &[]);
+            }
+            for (msg, waited) in failed {
+                self.events.push_back(Event::Failed {
+                    peer: i as u16,
+                    msg,
+                    send: true,
+                    error: MsgError::PeerSilent {
+                        peer: i as u16,
+                        msg,
+                        waited,
+                    },
+                });
+            }
+        }
+    }
+}

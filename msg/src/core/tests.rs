@@ -1,0 +1,442 @@
+//! The core on a virtual clock: cores exchange datagrams through an in-memory network that
+//! can drop them.
+
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::mem::Region;
+
+/// Decides whether the n-th datagram (counting all) is dropped.
+type Drop = Box<dyn FnMut(u64, &[u8]) -> bool>;
+
+struct Net {
+    cores: Vec<Core>,
+    now: Instant,
+    sent: u64,
+    dropped: u64,
+    drop: Drop,
+    /// Datagrams in flight: (to, from, tos, bytes).
+    wire: Vec<(u16, u16, u8, Vec<u8>)>,
+    events: Vec<Vec<Event>>,
+}
+
+impl Net {
+    fn new(world: u16, drop: Drop) -> Net {
+        Net::with(world, drop, |_| {})
+    }
+
+    fn with(world: u16, drop: Drop, tweak: impl Fn(&mut CoreConfig)) -> Net {
+        let cores = (0..world)
+            .map(|r| {
+                let mut c = CoreConfig::new(9, r, world);
+                c.seg_payload = 64;
+                c.peer_timeout = Duration::from_secs(2);
+                tweak(&mut c);
+                Core::new(c)
+            })
+            .collect();
+        Net {
+            cores,
+            now: Instant::now(),
+            sent: 0,
+            dropped: 0,
+            drop,
+            wire: Vec::new(),
+            events: (0..world).map(|_| Vec::new()).collect(),
+        }
+    }
+
+    /// Moves every pending datagram once; returns whether anything moved.
+    fn step(&mut self) -> bool {
+        let mut batch = TxBatch::default();
+        for (r, core) in self.cores.iter_mut().enumerate() {
+            core.poll_transmit(self.now, &mut batch, 16);
+            for c in batch.ctrl.drain(..) {
+                self.wire.push((c.peer, r as u16, c.tos, c.bytes));
+            }
+            for b in &batch.bundles {
+                for s in b.segs.clone() {
+                    let (buf, range) = batch.payloads[s].clone();
+                    let mut d = batch.headers[s].to_vec();
+                    d.extend_from_slice(core.buffers().get(buf, range).expect("payload"));
+                    assert!(
+                        d.len() <= b.segment_size,
+                        "a segment longer than its bundle's size"
+                    );
+                    self.wire.push((b.peer, r as u16, b.tos, d));
+                }
+            }
+        }
+        let moved = !self.wire.is_empty();
+        for (to, from, tos, d) in std::mem::take(&mut self.wire) {
+            self.sent += 1;
+            if (self.drop)(self.sent, &d) {
+                self.dropped += 1;
+                continue;
+            }
+            self.cores[usize::from(to)].handle_datagram(self.now, from, tos, &d);
+        }
+        for (r, core) in self.cores.iter_mut().enumerate() {
+            while let Some(e) = core.poll_event() {
+                self.events[r].push(e);
+            }
+        }
+        moved
+    }
+
+    /// Runs until quiet, advancing the clock to the next timer when nothing moves, until
+    /// `limit` of virtual time passed.
+    fn run(&mut self, limit: Duration) {
+        let end = self.now + limit;
+        while self.now < end {
+            if self.step() {
+                self.now += Duration::from_micros(20);
+                continue;
+            }
+            match self.cores.iter().filter_map(Core::next_timeout).min() {
+                Some(t) if t < end => {
+                    self.now = t.max(self.now);
+                    for c in &mut self.cores {
+                        c.handle_timeout(self.now);
+                    }
+                }
+                _ => break,
+            }
+        }
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// Rank 0 sends `data` to rank 1 as message 0; returns rank 1's buffer id.
+fn one_message(net: &mut Net, data: &[u8], opts: RecvOpts) -> BufId {
+    let now = net.now;
+    let src = net.cores[0].register(Region::owned(data.to_vec()));
+    let dst = net.cores[1].register(Region::owned(vec![0; data.len()]));
+    assert_eq!(net.cores[0].reserve_sends(1, 1), Ok(0));
+    assert_eq!(net.cores[1].reserve_recvs(0, 1), Ok(0));
+    net.cores[1]
+        .post_recv(now, 0, 0, dst, 0..data.len(), opts)
+        .expect("post recv");
+    net.cores[0]
+        .post_send(now, 1, 0, src, 0..data.len(), SendOpts::default())
+        .expect("post send");
+    dst
+}
+
+fn received(net: &Net, rank: usize) -> Vec<RecvReport> {
+    net.events[rank]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Received { report, .. } => Some(report.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn sent(net: &Net, rank: usize) -> usize {
+    net.events[rank]
+        .iter()
+        .filter(|e| matches!(e, Event::Sent { .. }))
+        .count()
+}
+
+#[test]
+fn a_message_arrives_whole_with_little_control() {
+    let mut net = Net::new(2, Box::new(|_, _| false));
+    let data = pattern(64 * 1000 + 17, 3);
+    let dst = one_message(&mut net, &data, RecvOpts::default());
+    net.run(Duration::from_secs(1));
+    assert_eq!(net.cores[1].buffer(dst), Some(&data[..]));
+    let r = received(&net, 1);
+    assert_eq!(r.len(), 1);
+    assert_eq!((r[0].missing, r[0].ended), (0, Ended::Complete));
+    assert_eq!(sent(&net, 0), 1);
+    let s0 = net.cores[0].stats().clone();
+    let s1 = net.cores[1].stats().clone();
+    assert_eq!(s0.data_sent, 1001);
+    assert_eq!(s0.data_resent, 0);
+    // ACK every 32 segments and one DONE: 3 % of the data frames.
+    assert!(
+        s1.ctrl_sent * 10 < s0.data_sent,
+        "{} control frames",
+        s1.ctrl_sent
+    );
+}
+
+#[test]
+fn lost_segments_are_resent_until_nothing_is_missing() {
+    let mut net = Net::new(2, Box::new(|n, d| d[1] == wire::KIND_DATA && n % 7 == 3));
+    let data = pattern(64 * 500, 1);
+    let dst = one_message(&mut net, &data, RecvOpts::default());
+    net.run(Duration::from_secs(2));
+    assert_eq!(net.cores[1].buffer(dst), Some(&data[..]));
+    assert_eq!(received(&net, 1)[0].ended, Ended::Complete);
+    assert_eq!(sent(&net, 0), 1);
+    assert!(net.cores[0].stats().data_resent > 0);
+    assert!(net.cores[1].stats().nacks > 0);
+}
+
+#[test]
+fn a_bound_ends_the_message_with_at_most_p_missing() {
+    let mut net = Net::new(2, Box::new(|n, d| d[1] == wire::KIND_DATA && n % 20 == 0));
+    let data = pattern(64 * 1000, 5);
+    let opts = RecvOpts {
+        loss_bound: 0.1,
+        ..RecvOpts::default()
+    };
+    let dst = one_message(&mut net, &data, opts);
+    net.run(Duration::from_secs(2));
+    let r = received(&net, 1);
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].ended, Ended::Bound);
+    assert!(
+        r[0].missing > 0 && r[0].missing <= 100,
+        "missing {}",
+        r[0].missing
+    );
+    assert_eq!(
+        net.cores[0].stats().data_resent,
+        0,
+        "nothing resent under the bound"
+    );
+    let got = net.cores[1].buffer(dst).expect("buffer");
+    for seg in 0..1000 {
+        let range = seg * 64..seg * 64 + 64;
+        if r[0].has(seg) {
+            assert_eq!(got[range.clone()], data[range]);
+        } else {
+            assert!(
+                got[range].iter().all(|&b| b == 0),
+                "a missing segment was written"
+            );
+        }
+    }
+    assert_eq!(sent(&net, 0), 1);
+}
+
+#[test]
+fn lost_control_is_recovered_by_poll_on_a_millisecond_timer() {
+    // Drop every control frame for the first 5 ms of virtual time.
+    let start = Instant::now();
+    let clock = std::rc::Rc::new(std::cell::Cell::new(start));
+    let c2 = clock.clone();
+    let mut net = Net::new(
+        2,
+        Box::new(move |_, d| {
+            d[1] == wire::KIND_CTRL && c2.get() < start + Duration::from_millis(5)
+        }),
+    );
+    net.now = start;
+    let data = pattern(64 * 10, 2);
+    let dst = one_message(&mut net, &data, RecvOpts::default());
+    let end = start + Duration::from_secs(1);
+    while net.now < end && sent(&net, 0) == 0 {
+        clock.set(net.now);
+        net.run(Duration::from_millis(1));
+        if !net.step() {
+            net.now += Duration::from_millis(1);
+            for c in &mut net.cores {
+                c.handle_timeout(net.now);
+            }
+        }
+    }
+    assert_eq!(net.cores[1].buffer(dst), Some(&data[..]));
+    assert_eq!(sent(&net, 0), 1);
+    assert!(net.cores[0].stats().polls > 0);
+    assert!(
+        net.now < start + Duration::from_millis(60),
+        "recovered only after {:?}: a TCP-like 200 ms RTO",
+        net.now - start
+    );
+}
+
+#[test]
+fn data_before_the_receive_is_posted_is_kept_and_placed() {
+    let mut net = Net::new(2, Box::new(|_, _| false));
+    let data = pattern(64 * 40, 9);
+    let src = net.cores[0].register(Region::owned(data.clone()));
+    net.cores[0].reserve_sends(1, 1).expect("peer");
+    let now = net.now;
+    net.cores[0]
+        .post_send(now, 1, 0, src, 0..data.len(), SendOpts::default())
+        .expect("send");
+    net.run(Duration::from_millis(3));
+    assert!(net.cores[1].stats().unexpected_kept >= 40);
+    assert_eq!(sent(&net, 0), 0);
+    let dst = net.cores[1].register(Region::owned(vec![0; data.len()]));
+    net.cores[1].reserve_recvs(0, 1).expect("peer");
+    let now = net.now;
+    net.cores[1]
+        .post_recv(now, 0, 0, dst, 0..data.len(), RecvOpts::default())
+        .expect("recv");
+    net.run(Duration::from_secs(1));
+    assert_eq!(net.cores[1].buffer(dst), Some(&data[..]));
+    assert_eq!(sent(&net, 0), 1);
+}
+
+#[test]
+fn sum_placement_adds_each_segment_once() {
+    let mut net = Net::new(2, Box::new(|n, d| d[1] == wire::KIND_DATA && n % 5 == 0));
+    let vals: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+    let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let opts = RecvOpts {
+        place: Place::Sum(DType::F32),
+        ..RecvOpts::default()
+    };
+    let now = net.now;
+    let src = net.cores[0].register(Region::owned(bytes.clone()));
+    let dst = net.cores[1].register(Region::owned(bytes.clone()));
+    net.cores[0].reserve_sends(1, 1).expect("peer");
+    net.cores[1].reserve_recvs(0, 1).expect("peer");
+    net.cores[1]
+        .post_recv(now, 0, 0, dst, 0..bytes.len(), opts)
+        .expect("recv");
+    net.cores[0]
+        .post_send(now, 1, 0, src, 0..bytes.len(), SendOpts::default())
+        .expect("send");
+    net.run(Duration::from_secs(1));
+    let got = net.cores[1].buffer(dst).expect("buffer");
+    for (i, c) in got.chunks_exact(4).enumerate() {
+        let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        assert_eq!(v, 2.0 * i as f32, "element {i}");
+    }
+}
+
+#[test]
+fn forged_and_malformed_datagrams_are_refused_and_never_placed() {
+    let mut net = Net::with(3, Box::new(|_, _| false), |_| {});
+    let dst = net.cores[1].register(Region::owned(vec![0; 128]));
+    net.cores[1].reserve_recvs(0, 1).expect("peer");
+    let now = net.now;
+    net.cores[1]
+        .post_recv(now, 0, 0, dst, 0..128, RecvOpts::default())
+        .expect("recv");
+    let good = DataHeader {
+        flags: 0,
+        pass: 0,
+        job: 9,
+        src: 0,
+        dst: 1,
+        msg: 0,
+        offset: 0,
+        total: 128,
+        length: 64,
+        layer: 0,
+        meta: 0,
+    };
+    let frame = |h: DataHeader| {
+        let mut b = [0u8; wire::DATA_HEADER_LEN];
+        h.emit(&mut b);
+        let mut v = b.to_vec();
+        v.extend(std::iter::repeat_n(0xAB, usize::from(h.length)));
+        v
+    };
+    let core = &mut net.cores[1];
+    // Rank 2 claims to be rank 0; another job; another receiver; a misaligned offset; a
+    // wrong total; a short middle segment; garbage.
+    core.handle_datagram(now, 2, 0, &frame(good));
+    core.handle_datagram(now, 0, 0, &frame(DataHeader { job: 8, ..good }));
+    core.handle_datagram(now, 0, 0, &frame(DataHeader { dst: 2, ..good }));
+    core.handle_datagram(
+        now,
+        0,
+        0,
+        &frame(DataHeader {
+            offset: 8,
+            length: 8,
+            ..good
+        }),
+    );
+    core.handle_datagram(now, 0, 0, &frame(DataHeader { total: 192, ..good }));
+    core.handle_datagram(now, 0, 0, &frame(DataHeader { length: 32, ..good }));
+    core.handle_datagram(now, 0, 0, &[1, 3, 0, 0, 0, 0, 0, 9]);
+    core.handle_datagram(now, 7, 0, &frame(good));
+    assert_eq!(core.stats().refused, 8);
+    assert_eq!(core.stats().data_placed, 0);
+    assert!(core.buffer(dst).expect("buffer").iter().all(|&b| b == 0));
+    // Far ahead of anything reserved: dropped, not kept.
+    core.handle_datagram(
+        now,
+        0,
+        0,
+        &frame(DataHeader {
+            msg: 1 << 30,
+            ..good
+        }),
+    );
+    assert_eq!(core.stats().unexpected_dropped, 1);
+    // The genuine segment is placed once; its duplicate is counted.
+    core.handle_datagram(now, 0, 0, &frame(good));
+    core.handle_datagram(now, 0, 0, &frame(good));
+    assert_eq!(core.stats().data_placed, 1);
+    assert_eq!(core.stats().data_duplicate, 1);
+}
+
+#[test]
+fn a_silent_peer_fails_the_message_naming_it() {
+    let mut net = Net::new(2, Box::new(|_, _| true));
+    let data = pattern(64 * 4, 0);
+    one_message(&mut net, &data, RecvOpts::default());
+    net.run(Duration::from_secs(5));
+    let failed: Vec<_> = net.events[0]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Failed {
+                peer,
+                send: true,
+                error,
+                ..
+            } => Some((*peer, error.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].0, 1);
+    assert!(matches!(failed[0].1, MsgError::PeerSilent { peer: 1, .. }));
+    let recv_failed = net.events[1].iter().any(|e| {
+        matches!(
+            e,
+            Event::Failed {
+                peer: 0,
+                send: false,
+                ..
+            }
+        )
+    });
+    assert!(recv_failed, "the receiver names the silent sender too");
+}
+
+#[test]
+fn a_deadline_ends_the_receive_with_what_arrived() {
+    // Every retransmission is lost: only the deadline can end it.
+    let mut net = Net::new(
+        2,
+        Box::new(|n, d| d[1] == wire::KIND_DATA && (d[2] & 1 != 0 || n == 2)),
+    );
+    let data = pattern(64 * 10, 4);
+    let opts = RecvOpts {
+        deadline: Some(net.now + Duration::from_millis(20)),
+        ..RecvOpts::default()
+    };
+    one_message(&mut net, &data, opts);
+    net.run(Duration::from_millis(100));
+    let r = received(&net, 1);
+    assert_eq!(r.len(), 1);
+    assert_eq!(r[0].ended, Ended::Deadline);
+    assert_eq!(r[0].missing, 1);
+    assert_eq!(sent(&net, 0), 1, "the sender hears DONE");
+}
+
+#[test]
+fn empty_messages_are_tokens() {
+    let mut net = Net::new(2, Box::new(|_, _| false));
+    one_message(&mut net, &[], RecvOpts::default());
+    net.run(Duration::from_millis(10));
+    assert_eq!(received(&net, 1).len(), 1);
+    assert_eq!(sent(&net, 0), 1);
+}
