@@ -1,5 +1,6 @@
-//! `gradwire wan node` (one site of a NetStorm job) and `gradwire experiment wan` (every
-//! strategy on the emulated WAN): see `gradwire_experiment::wan`. Parse, run, print, plot.
+//! `gradwire wan node` (one site of a NetStorm job: `gradwire_wan::site`) and `gradwire
+//! experiment wan` (every strategy on the emulated WAN: `gradwire_experiment::wan`). Parse,
+//! run, print, plot.
 
 use std::error::Error;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
@@ -8,11 +9,10 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gradwire_experiment::wan::{
-    run_node, run_wan, Network, NodeOutput, NodeSpec, SchedulerRole, WanConfig, WanReport,
-    Workload, ROUND_MARK, WAN4,
-};
+use gradwire_experiment::wan::{run_wan, Network, WanConfig, WanReport, WAN4};
 use gradwire_netstorm::config::NetStormConfig;
+use gradwire_wan::site::{run_node, NodeOutput, NodeSpec, SchedulerRole, ROUND_MARK};
+use gradwire_wan::workload::Workload;
 use plotters::prelude::*;
 
 use crate::args::{NetStormArgs, WanExperimentArgs, WanNodeArgs};

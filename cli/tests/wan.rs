@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use gradwire_experiment::wan::NodeFailure;
+use gradwire_wan::site::NodeFailure;
 
 const BIN: &str = env!("CARGO_BIN_EXE_gradwire");
 const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");

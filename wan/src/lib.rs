@@ -10,6 +10,12 @@
 //! - [`scheduler`]: the scheduler (network collector, policy formulation, and the
 //!   consistency module's versions and per-round pins).
 //! - [`node`]: the node loop around the consistency module's node state machine.
+//! - [`workload`]: the synthetic model a WAN job synchronizes, with inputs whose exact
+//!   average every node checks, element by element, each round.
+//! - [`overlay`]: a WAN topology's sites and the scheduler's overlay of its inter-site links.
+//! - [`site`]: one site's node from start to finish (`gradwire wan node`): links by
+//!   rendezvous, the scheduler served or reached, verified rounds, the final barrier, and
+//!   its report or its failure as data.
 //!
 //! The protocol itself (rounds, caching, relays, pinning) is the netstorm crate's
 //! model-checked [`gradwire_netstorm::consistency`]; this crate does the I/O.
@@ -19,8 +25,11 @@ pub mod channel;
 pub mod control;
 pub mod error;
 pub mod node;
+pub mod overlay;
 pub mod plan;
 pub mod policy;
 pub mod scheduler;
+pub mod site;
+pub mod workload;
 
 pub use error::WanError;

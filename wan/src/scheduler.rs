@@ -127,7 +127,7 @@ pub struct SchedulerConfig {
 }
 
 /// A policy the scheduler formulated.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PolicyRecord {
     /// Its version.
     pub version: u32,
@@ -137,8 +137,18 @@ pub struct PolicyRecord {
     pub parents: Vec<Vec<Option<usize>>>,
 }
 
-/// What the scheduler did.
-#[derive(Debug, Clone, Default, serde::Serialize)]
+impl PolicyRecord {
+    /// Whether some tree has an edge between `a` and `b` (either way).
+    pub fn uses_link(&self, a: usize, b: usize) -> bool {
+        self.parents.iter().any(|t| {
+            t.get(a).copied().flatten() == Some(b) || t.get(b).copied().flatten() == Some(a)
+        })
+    }
+}
+
+/// What the scheduler did (a node's output carries it as written here, on the node that
+/// served it).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SchedulerReport {
     /// Policies formulated, the first included.
     pub policies: Vec<PolicyRecord>,
@@ -511,5 +521,21 @@ fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool, frame_t
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_policy_uses_the_links_of_its_trees_either_way() {
+        let p = PolicyRecord {
+            version: 1,
+            at_ms: 0.0,
+            parents: vec![vec![None, Some(0), Some(1)]],
+        };
+        assert!(p.uses_link(1, 0) && p.uses_link(0, 1) && p.uses_link(2, 1));
+        assert!(!p.uses_link(0, 2));
     }
 }

@@ -155,13 +155,6 @@ fn policy(r: &Run, version: u32) -> &PolicyRecord {
         .unwrap_or_else(|| panic!("no policy {version} in {:?}", r.policies))
 }
 
-/// Whether some tree of `p` has an edge between `a` and `b`, either way.
-fn uses_link(p: &PolicyRecord, a: usize, b: usize) -> bool {
-    p.parents
-        .iter()
-        .any(|t| t.get(a).copied().flatten() == Some(b) || t.get(b).copied().flatten() == Some(a))
-}
-
 fn want(round: u32) -> Vec<f32> {
     (0..ELEMS)
         .map(|e| (0..N).map(|r| input(r, round, e)).sum::<f32>() / N as f32)
@@ -234,12 +227,12 @@ fn a_policy_switch_between_rounds_loses_nothing() {
     // policy is a later one, and none of its trees uses 0-1 either way.
     let first = policy(&r, r.versions[0][0]);
     assert!(
-        uses_link(first, 0, 1),
+        first.uses_link(0, 1),
         "the first policy does not use 0-1, so its collapse tests nothing: {first:?}"
     );
     let last = policy(&r, r.versions[0][4]);
     assert!(
-        last.version > first.version && !uses_link(last, 0, 1),
+        last.version > first.version && !last.uses_link(0, 1),
         "the last round ran {last:?}, which does not avoid the collapsed 0-1 (first: \
          {first:?}; versions {:?})",
         r.versions
