@@ -37,6 +37,14 @@ pub enum CollectiveError {
         source: AggregateError,
     },
     /// Bad arguments or configuration.
+    /// A peer of a message-layer operation died, hung or aborted.
+    #[error("rank {peer}: {reason}")]
+    Peer {
+        /// The rank.
+        peer: usize,
+        /// What happened.
+        reason: String,
+    },
     #[error("invalid configuration: {0}")]
     Config(String),
     /// Setting up links failed (addresses, sockets).

@@ -20,9 +20,11 @@
 #![deny(unsafe_code)]
 
 pub mod aggregate;
+pub mod algo;
 pub mod clock;
 pub mod comm;
 pub mod error;
+pub mod group;
 pub mod job;
 pub mod link;
 pub mod ps;

@@ -5,10 +5,14 @@
 //! - [`core`]: the state machines of one endpoint (every peer, every message), driven by
 //!   datagrams and timers, with no I/O and no clock of their own (tested on a virtual clock).
 //! - [`io`]: the datagram sockets (kernel UDP with GSO/GRO and `sendmmsg`/`recvmmsg`).
+//! - [`op`]: operations (state machines on the progress thread) and their handles.
+//! - [`endpoint`]: one endpoint per rank: the socket, the core and the progress thread.
 #![deny(unsafe_code)]
 
 pub mod core;
+pub mod endpoint;
 pub mod io;
 pub mod mem;
+pub mod op;
 pub mod reduce;
 pub mod wire;

@@ -27,7 +27,7 @@
 //! Control frame (kind 5), 32-byte header then `bitmap_len` bytes:
 //! 0   1    version   1
 //! 1   1    kind      5
-//! 2   1    op        1 ACK, 2 DONE, 3 NACK, 4 POLL, 5 ABORT
+//! 2   1    op        1 ACK, 2 DONE, 3 NACK, 4 POLL, 5 ABORT, 6 PING, 7 PONG
 //! 3   1    pass      the pass it answers (ACK/DONE/NACK) or asks about (POLL)
 //! 4   4    job
 //! 8   2    src       sender of this frame
@@ -192,6 +192,10 @@ pub enum CtrlOp {
     Poll = 4,
     /// The sender gave the message up (`c`: reason): the receiver fails it.
     Abort = 5,
+    /// The receiver, waiting long for a message, asks whether its sender is alive.
+    Ping = 6,
+    /// The sender is alive (`a` = 1: it has posted the message).
+    Pong = 7,
 }
 
 impl TryFrom<u8> for CtrlOp {
@@ -203,6 +207,8 @@ impl TryFrom<u8> for CtrlOp {
             3 => CtrlOp::Nack,
             4 => CtrlOp::Poll,
             5 => CtrlOp::Abort,
+            6 => CtrlOp::Ping,
+            7 => CtrlOp::Pong,
             _ => return Err(Error::UnknownKind),
         })
     }

@@ -77,6 +77,7 @@ impl SessionError {
                     _ => ErrorKind::Peer,
                 },
                 CollectiveError::Aggregate { .. } => ErrorKind::Data,
+                CollectiveError::Peer { .. } => ErrorKind::Peer,
                 CollectiveError::Config(_) | CollectiveError::NoLink { .. } => {
                     ErrorKind::InvalidArgument
                 }
@@ -94,7 +95,9 @@ impl SessionError {
     pub fn peer(&self) -> Option<usize> {
         match self {
             SessionError::Collective(
-                CollectiveError::Link { peer, .. } | CollectiveError::Aggregate { peer, .. },
+                CollectiveError::Link { peer, .. }
+                | CollectiveError::Aggregate { peer, .. }
+                | CollectiveError::Peer { peer, .. },
             ) => Some(*peer),
             _ => None,
         }

@@ -48,6 +48,8 @@ pub(super) struct RecvMsg {
     highest: u32,
     meta: Vec<u64>,
     since_ack: u32,
+    /// When we last asked the silent sender whether it is alive.
+    pinged: Option<Instant>,
     /// The highest pass the sender said it finished.
     pass_end: Option<u8>,
     heard: Instant,
@@ -79,6 +81,7 @@ impl RecvMsg {
                 Vec::new()
             },
             since_ack: 0,
+            pinged: None,
             pass_end: None,
             heard: now,
             opts,
@@ -86,11 +89,19 @@ impl RecvMsg {
     }
 
     pub(super) fn next_timer(&self, peer_timeout: Duration) -> Instant {
-        let idle = self.heard + peer_timeout;
+        let idle = (self.heard + peer_timeout).min(self.next_ping(peer_timeout));
         match self.opts.deadline {
             Some(d) => d.min(idle),
             None => idle,
         }
+    }
+
+    /// A receive that heard nothing for a quarter of the peer timeout asks the sender whether
+    /// it is alive (a sender that is computing, or waiting on another rank, answers), so
+    /// only a dead or cut-off peer is blamed.
+    fn next_ping(&self, peer_timeout: Duration) -> Instant {
+        let every = peer_timeout / 4;
+        self.pinged.unwrap_or(self.heard).max(self.heard) + every
     }
 
     fn has(&self, seg: u32) -> bool {
@@ -323,6 +334,7 @@ impl Core {
             match c.op {
                 CtrlOp::Poll if c.c != 0 => self.end_of_pass(now, i, c.msg, c.pass),
                 CtrlOp::Poll => self.send_ack(i, c.msg),
+                CtrlOp::Pong => {}
                 CtrlOp::Abort => {
                     p.recvs.remove(&c.msg);
                     p.mark_done(c.msg);
@@ -359,7 +371,13 @@ impl Core {
     pub(super) fn on_ctrl(&mut self, now: Instant, i: usize, c: &Ctrl, bitmap: &[u8]) {
         match c.op {
             CtrlOp::Ack | CtrlOp::Done | CtrlOp::Nack => self.on_send_ctrl(now, i, c, bitmap),
-            CtrlOp::Poll | CtrlOp::Abort => self.on_recv_ctrl(now, i, c),
+            CtrlOp::Poll | CtrlOp::Abort | CtrlOp::Pong => self.on_recv_ctrl(now, i, c),
+            CtrlOp::Ping => {
+                let posted = self.peers[i].sends.contains_key(&c.msg);
+                let mut f = self.ctrl_to(i, CtrlOp::Pong, c.msg, 0);
+                f.a = u32::from(posted);
+                self.ctrl_frame(i, f, &[]);
+            }
         }
     }
 
@@ -370,12 +388,20 @@ impl Core {
         let peer_timeout = self.cfg.peer_timeout;
         for i in 0..self.peers.len() {
             let mut due = Vec::new();
-            for (&msg, r) in &self.peers[i].recvs {
+            let mut pings = Vec::new();
+            for (&msg, r) in self.peers[i].recvs.iter_mut() {
                 if r.opts.deadline.is_some_and(|d| d <= now) {
                     due.push((msg, None));
                 } else if now.saturating_duration_since(r.heard) >= peer_timeout {
                     due.push((msg, Some(now.saturating_duration_since(r.heard))));
+                } else if r.next_ping(peer_timeout) <= now {
+                    r.pinged = Some(now);
+                    pings.push(msg);
                 }
+            }
+            for msg in pings {
+                let f = self.ctrl_to(i, CtrlOp::Ping, msg, 0);
+                self.ctrl_frame(i, f, &[]);
             }
             for (msg, silent) in due {
                 match silent {

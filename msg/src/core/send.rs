@@ -280,7 +280,7 @@ impl Core {
                     s.timer = Some(now + p.rtt.rto());
                 }
             }
-            CtrlOp::Poll | CtrlOp::Abort => {}
+            CtrlOp::Poll | CtrlOp::Abort | CtrlOp::Ping | CtrlOp::Pong => {}
         }
     }
 

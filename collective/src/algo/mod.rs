@@ -1,0 +1,221 @@
+//! Collective algorithms on the message layer: each is an operation (`gradwire_msg::op::Op`)
+//! that runs on the endpoint's progress thread over buffers registered once, posts every
+//! message it can up front and reacts to completions (no thread or handshake per step).
+//!
+//! - [`ring`]: reduce-scatter then all-gather around the ring (also each half alone);
+//! - [`direct`]: the two-phase all-to-all all-reduce (each rank reduces its own chunk, then
+//!   sends it to everyone): two message rounds, for small worlds and small tensors;
+//! - [`bcast`]: binomial-tree broadcast; [`barrier`]: dissemination barrier;
+//!   [`p2p`]: one tensor to or from one peer.
+//!
+//! Bounded loss (DLCP): with a loss bound p > 0 the reduce-scatter half may end a step with
+//! up to p of its segments missing; who is summed in each block travels in the segments'
+//! meta word (a rank bit-set, so lossy reductions are limited to 64 ranks) and each block
+//! is finished over its contributors ([`crate::aggregate::finish_block`]). The all-gather
+//! half is always reliable, so every rank ends with the same values and the same sets.
+
+pub mod barrier;
+pub mod bcast;
+pub mod direct;
+pub mod p2p;
+pub mod ring;
+
+use std::ops::Range;
+use std::time::Duration;
+
+use gradwire::tensor::DType;
+use gradwire_msg::mem::Region;
+
+use crate::aggregate::{finish_block, Contributors, ReduceOp};
+
+/// Largest world a lossy reduction supports (contributor sets are one 64-bit word).
+pub const MAX_LOSSY_WORLD: usize = 64;
+
+/// Options of a reduction.
+#[derive(Debug, Clone)]
+pub struct ReduceSpec {
+    /// Element type.
+    pub dtype: DType,
+    /// Sum or average.
+    pub op: ReduceOp,
+    /// DLCP loss bound of the reduce-scatter half (0: reliable).
+    pub loss_bound: f64,
+    /// TOS byte of the data (DSCP << 2 | ECN).
+    pub tos: u8,
+    /// DNN layer.
+    pub layer: u16,
+}
+
+/// What a reduction did.
+#[derive(Debug)]
+pub struct ReduceOutcome {
+    /// The memory the operation worked on (owned buffers come back here).
+    pub region: Option<Region>,
+    /// `ring` or `direct`.
+    pub algorithm: &'static str,
+    /// Blocks (one segment each).
+    pub blocks: usize,
+    /// Blocks with every rank summed in.
+    pub complete_blocks: usize,
+    /// Who is summed in each block; `None` when the reduction was reliable (everyone).
+    pub contributors: Option<Contributors>,
+    /// Segments this rank received short under the bound.
+    pub missing_segments: u64,
+    /// Wall time on the progress thread.
+    pub elapsed: Duration,
+}
+
+/// The tensor cut into `world` chunks of whole blocks (block = one segment's payload).
+#[derive(Debug, Clone)]
+pub(crate) struct Chunks {
+    len: usize,
+    block: usize,
+    per_chunk: usize,
+    world: usize,
+}
+
+impl Chunks {
+    pub(crate) fn new(len: usize, block: usize, world: usize) -> Chunks {
+        let blocks = len.div_ceil(block.max(1));
+        Chunks {
+            len,
+            block: block.max(1),
+            per_chunk: blocks.div_ceil(world.max(1)),
+            world: world.max(1),
+        }
+    }
+
+    /// Blocks in the tensor.
+    pub(crate) fn blocks(&self) -> usize {
+        self.len.div_ceil(self.block)
+    }
+
+    /// Bytes of chunk `c`.
+    pub(crate) fn bytes(&self, c: usize) -> Range<usize> {
+        let start = (c * self.per_chunk * self.block).min(self.len);
+        let end = ((c + 1) * self.per_chunk * self.block).min(self.len);
+        start..end
+    }
+
+    /// Blocks of chunk `c`.
+    pub(crate) fn block_range(&self, c: usize) -> Range<usize> {
+        let r = self.bytes(c);
+        r.start / self.block..r.end.div_ceil(self.block)
+    }
+
+    /// `(x - y) mod world`.
+    pub(crate) fn sub(&self, x: usize, y: usize) -> usize {
+        (x + self.world * 2 - y % self.world) % self.world
+    }
+}
+
+/// Per-block contributor sets as rank bit-sets (only kept for lossy reductions).
+#[derive(Debug, Clone)]
+pub(crate) struct Masks {
+    pub(crate) words: Vec<u64>,
+}
+
+impl Masks {
+    pub(crate) fn only(blocks: usize, rank: usize) -> Masks {
+        Masks {
+            words: vec![1u64 << rank; blocks],
+        }
+    }
+
+    /// The sets of `blocks`, as meta words of the segments that carry them.
+    pub(crate) fn meta(&self, blocks: Range<usize>) -> Vec<u64> {
+        let n = blocks.len().max(1);
+        let mut v = self
+            .words
+            .get(blocks)
+            .map(<[u64]>::to_vec)
+            .unwrap_or_default();
+        v.resize(n, 0);
+        v
+    }
+
+    pub(crate) fn count(&self, b: usize) -> usize {
+        self.words.get(b).map_or(0, |w| w.count_ones() as usize)
+    }
+
+    pub(crate) fn to_contributors(&self, world: usize) -> Contributors {
+        let mut c = Contributors::none(self.words.len(), world);
+        for (b, w) in self.words.iter().enumerate() {
+            for r in 0..world.min(64) {
+                if w & (1 << r) != 0 {
+                    c.insert(b, r);
+                }
+            }
+        }
+        c
+    }
+}
+
+/// Finishes the blocks of `chunk` in `bytes` (a sum over `count` contributors becomes the
+/// requested sum or average).
+pub(crate) fn finish_chunk(
+    spec: &ReduceSpec,
+    chunks: &Chunks,
+    c: usize,
+    bytes: &mut [u8],
+    masks: Option<&Masks>,
+    world: usize,
+) {
+    let range = chunks.bytes(c);
+    let first = chunks.block_range(c).start;
+    if let Some(region) = bytes.get_mut(range) {
+        for (i, blk) in region.chunks_mut(chunks.block).enumerate() {
+            let count = masks.map_or(world, |m| m.count(first + i));
+            finish_block(spec.op, spec.dtype, blk, count, world);
+        }
+    }
+}
+
+/// A summary from the masks at the end of a reduction.
+pub(crate) fn outcome(
+    region: Option<Region>,
+    algorithm: &'static str,
+    chunks: &Chunks,
+    masks: Option<&Masks>,
+    world: usize,
+    missing: u64,
+    elapsed: Duration,
+) -> ReduceOutcome {
+    let blocks = chunks.blocks();
+    let complete_blocks = match masks {
+        None => blocks,
+        Some(m) => (0..blocks).filter(|&b| m.count(b) == world).count(),
+    };
+    ReduceOutcome {
+        region,
+        algorithm,
+        blocks,
+        complete_blocks,
+        contributors: masks.map(|m| m.to_contributors(world)),
+        missing_segments: missing,
+        elapsed,
+    }
+}
+
+/// Checks a reduction's arguments.
+pub(crate) fn check_spec(spec: &ReduceSpec, len: usize, world: usize) -> Result<(), String> {
+    if len % spec.dtype.elem_size() != 0 {
+        return Err(format!(
+            "{len} bytes is not a whole number of {} elements",
+            spec.dtype
+        ));
+    }
+    if !(0.0..1.0).contains(&spec.loss_bound) {
+        return Err(format!("loss bound {} is not in [0, 1)", spec.loss_bound));
+    }
+    if spec.loss_bound > 0.0 && world > MAX_LOSSY_WORLD {
+        return Err(format!(
+            "a bounded-loss reduction supports at most {MAX_LOSSY_WORLD} ranks (this job has \
+             {world}): use loss bound 0"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

@@ -1,0 +1,95 @@
+//! One tensor to or from one peer, reliable or under a loss bound.
+
+use gradwire_msg::core::{RecvOpts, RecvReport, SendOpts};
+use gradwire_msg::mem::{BufId, Region};
+use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
+
+/// A send of one region to `peer`.
+#[derive(Debug)]
+pub struct Send {
+    peer: u16,
+    opts: SendOpts,
+    region: Option<Region>,
+    buf: Option<BufId>,
+}
+
+impl Send {
+    /// Sends `region` to `peer`.
+    pub fn new(region: Region, peer: u16, opts: SendOpts) -> Send {
+        Send {
+            peer,
+            opts,
+            region: Some(region),
+            buf: None,
+        }
+    }
+}
+
+impl Op for Send {
+    type Output = Option<Region>;
+
+    fn start(&mut self, cx: &mut OpCx<'_>) -> Step<Option<Region>> {
+        let region = self
+            .region
+            .take()
+            .ok_or_else(|| OpError::Invalid("started twice".into()))?;
+        let len = region.len();
+        let buf = cx.register(region);
+        self.buf = Some(buf);
+        let msg = cx.reserve_sends(self.peer, 1)?;
+        cx.send(self.peer, msg, buf, 0..len, std::mem::take(&mut self.opts))?;
+        Ok(None)
+    }
+
+    fn on_event(&mut self, _ev: OpEvent, cx: &mut OpCx<'_>) -> Step<Option<Region>> {
+        Ok(Some(self.buf.take().and_then(|b| cx.unregister(b))))
+    }
+}
+
+/// A receive of one region from `peer` (the sender's tensor must have its length).
+#[derive(Debug)]
+pub struct Recv {
+    peer: u16,
+    opts: RecvOpts,
+    region: Option<Region>,
+    buf: Option<BufId>,
+}
+
+impl Recv {
+    /// Receives into `region` from `peer`.
+    pub fn new(region: Region, peer: u16, opts: RecvOpts) -> Recv {
+        Recv {
+            peer,
+            opts,
+            region: Some(region),
+            buf: None,
+        }
+    }
+}
+
+impl Op for Recv {
+    type Output = (Option<Region>, RecvReport);
+
+    fn start(&mut self, cx: &mut OpCx<'_>) -> Step<Self::Output> {
+        let region = self
+            .region
+            .take()
+            .ok_or_else(|| OpError::Invalid("started twice".into()))?;
+        let len = region.len();
+        let buf = cx.register(region);
+        self.buf = Some(buf);
+        let msg = cx.reserve_recvs(self.peer, 1)?;
+        cx.recv(self.peer, msg, buf, 0..len, self.opts.clone())?;
+        Ok(None)
+    }
+
+    fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Step<Self::Output> {
+        match ev {
+            OpEvent::Received { report, .. } => Ok(Some((
+                self.buf.take().and_then(|b| cx.unregister(b)),
+                report,
+            ))),
+            OpEvent::Sent { .. } => Ok(None),
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! The algorithms over real endpoints on 127.0.0.1, one thread per rank.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use gradwire::tensor::DType;
+
+use crate::aggregate::ReduceOp;
+use crate::comm::TensorMut;
+use crate::group::{AllReduceAlgo, Group, GroupConfig, GroupReduceOptions, PendingGroup};
+
+const LO: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+
+/// Runs `f(group)` on `world` ranks; returns each rank's result in rank order.
+pub(crate) fn with_groups<T: Send + 'static>(
+    world: usize,
+    tweak: impl Fn(&mut GroupConfig) + Send + Sync + Clone + 'static,
+    f: impl Fn(Group) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let (addr_tx, addr_rx) = mpsc::channel();
+    let mut table_txs = Vec::new();
+    let mut threads = Vec::new();
+    for rank in 0..world {
+        let (ttx, trx) = mpsc::channel::<Vec<SocketAddr>>();
+        table_txs.push(ttx);
+        let addr_tx = addr_tx.clone();
+        let (f, tweak) = (f.clone(), tweak.clone());
+        threads.push(std::thread::spawn(move || {
+            let mut cfg = GroupConfig::new(7, rank, world, LO, Duration::from_secs(5));
+            tweak(&mut cfg);
+            let pending = PendingGroup::bind(cfg).expect("bind");
+            addr_tx.send((rank, pending.address())).expect("address");
+            let table = trx.recv().expect("table");
+            f(pending.start(table).expect("start"))
+        }));
+    }
+    let mut table = vec![SocketAddr::new(LO, 0); world];
+    for _ in 0..world {
+        let (r, a) = addr_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("addresses");
+        table[r] = a;
+    }
+    for t in &table_txs {
+        t.send(table.clone()).expect("send table");
+    }
+    threads
+        .into_iter()
+        .map(|t| t.join().expect("rank thread panicked"))
+        .collect()
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn vals(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// Rank r's element i: (r + 1) * (i mod 7 + 1), so sums are exact.
+fn input(rank: usize, n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((rank + 1) * (i % 7 + 1)) as f32).collect()
+}
+
+fn expected_sum(world: usize, n: usize) -> Vec<f32> {
+    let s = (world * (world + 1) / 2) as f32;
+    (0..n).map(|i| s * (i % 7 + 1) as f32).collect()
+}
+
+#[test]
+fn every_algorithm_sums_and_averages_exactly_for_every_world_and_size() {
+    for world in [1usize, 2, 3, 5] {
+        for n in [0usize, 1, 357, 358, 1000, 100_003] {
+            for algo in [AllReduceAlgo::Ring, AllReduceAlgo::Direct] {
+                for op in [ReduceOp::Sum, ReduceOp::Average] {
+                    let out = with_groups(
+                        world,
+                        |_| {},
+                        move |g| {
+                            let mut b = f32s(&input(g.rank(), n));
+                            let o = GroupReduceOptions {
+                                op,
+                                algorithm: algo,
+                                ..GroupReduceOptions::default()
+                            };
+                            let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+                            let r = g.all_reduce(t, &o).expect("all-reduce");
+                            assert_eq!(r.complete_blocks, r.blocks);
+                            vals(&b)
+                        },
+                    );
+                    let mut want = expected_sum(world, n);
+                    if op == ReduceOp::Average {
+                        want.iter_mut().for_each(|x| *x /= world as f32);
+                    }
+                    for (r, got) in out.iter().enumerate() {
+                        assert_eq!(got, &want, "world {world} n {n} {algo:?} {op:?} rank {r}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn under_loss_every_rank_ends_with_the_same_values_and_sets() {
+    for algo in [AllReduceAlgo::Ring, AllReduceAlgo::Direct] {
+        let world = 4;
+        let n = 200_000;
+        let out = with_groups(
+            world,
+            |c| {
+                c.endpoint.inject_loss = 0.05;
+                c.endpoint.seed = 11;
+            },
+            move |g| {
+                let mut b = f32s(&input(g.rank(), n));
+                let o = GroupReduceOptions {
+                    op: ReduceOp::Sum,
+                    loss_bound: 0.1,
+                    algorithm: algo,
+                    ..GroupReduceOptions::default()
+                };
+                let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+                let r = g.all_reduce(t, &o).expect("all-reduce");
+                let c = r
+                    .contributors
+                    .expect("a lossy reduction reports contributors");
+                let sets: Vec<Vec<usize>> = (0..c.blocks()).map(|b| c.ranks(b)).collect();
+                (vals(&b), sets, r.complete_blocks, r.blocks, g.stats())
+            },
+        );
+        let want = expected_sum(world, n);
+        for (rank, (v, sets, complete, blocks, stats)) in out.iter().enumerate() {
+            assert_eq!(
+                v, &out[0].0,
+                "{algo:?}: rank {rank} holds other values than rank 0"
+            );
+            assert_eq!(sets, &out[0].1, "{algo:?}: rank {rank} holds other sets");
+            assert!(stats.injected_drops > 0, "no loss was injected");
+            assert!(
+                complete < blocks,
+                "{algo:?}: 5 % loss under a 10 % bound left no block short"
+            );
+            // A short block is the sum over its contributors scaled to the world.
+            let per_block = 1432 / 4;
+            for (b, set) in sets.iter().enumerate() {
+                assert!(!set.is_empty(), "block {b} has no contributor");
+                let scale = world as f32 / set.len() as f32;
+                let sub: f32 = set.iter().map(|r| (r + 1) as f32).sum();
+                for i in b * per_block..((b + 1) * per_block).min(n) {
+                    let exact = sub * (i % 7 + 1) as f32 * scale;
+                    assert!(
+                        (v[i] - exact).abs() <= 1e-3 * exact.abs(),
+                        "{algo:?} element {i}: {} not {} (block {b}, set {set:?})",
+                        v[i],
+                        exact
+                    );
+                    if set.len() == world {
+                        assert_eq!(v[i], want[i]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_barrier_and_point_to_point() {
+    let world = 5;
+    let out = with_groups(
+        world,
+        |_| {},
+        move |g| {
+            let r = g.rank();
+            let mut b = if r == 2 {
+                vec![7u8; 100_000]
+            } else {
+                vec![0u8; 100_000]
+            };
+            g.broadcast(&mut b, 2).expect("broadcast");
+            for _ in 0..3 {
+                g.barrier().expect("barrier");
+            }
+            // A ring of point-to-point transfers: even ranks send first.
+            let next = (r + 1) % world;
+            let prev = (r + world - 1) % world;
+            let mine = vec![r as u8; 5000];
+            let mut got = vec![0u8; 5000];
+            if r % 2 == 0 {
+                g.send(next, &mine, 0).expect("send");
+                g.recv(prev, &mut got, 0.0).expect("recv");
+            } else {
+                g.recv(prev, &mut got, 0.0).expect("recv");
+                g.send(next, &mine, 0).expect("send");
+            }
+            (b, got)
+        },
+    );
+    for (r, (b, got)) in out.iter().enumerate() {
+        assert!(
+            b.iter().all(|&x| x == 7),
+            "rank {r} did not get the broadcast"
+        );
+        assert!(got
+            .iter()
+            .all(|&x| usize::from(x) == (r + world - 1) % world));
+    }
+}
+
+#[test]
+fn reduce_scatter_then_all_gather_is_an_all_reduce() {
+    let world = 3;
+    let n = 50_000;
+    let out = with_groups(
+        world,
+        |_| {},
+        move |g| {
+            let mut b = f32s(&input(g.rank(), n));
+            let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+            g.reduce_scatter(t, &GroupReduceOptions::default())
+                .expect("reduce-scatter");
+            let mine = g.chunk(b.len(), g.rank());
+            let want = f32s(&expected_sum(world, n));
+            assert_eq!(b[mine.clone()], want[mine], "rank {}'s chunk", g.rank());
+            g.all_gather(&mut b).expect("all-gather");
+            vals(&b)
+        },
+    );
+    for v in out {
+        assert_eq!(v, expected_sum(world, n));
+    }
+}
+
+#[test]
+fn operations_in_flight_together_complete_with_their_own_results() {
+    let world = 3;
+    let out = with_groups(
+        world,
+        |_| {},
+        move |g| {
+            let handles: Vec<_> = (0..6)
+                .map(|k| {
+                    let v: Vec<f32> = vec![(g.rank() * 10 + k) as f32; 10_000 * (k + 1)];
+                    g.all_reduce_async(DType::F32, f32s(&v), &GroupReduceOptions::default())
+                        .expect("submit")
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    let o = h.wait().expect("all-reduce");
+                    vals(
+                        &o.region
+                            .and_then(|r| r.into_vec())
+                            .expect("owned buffer back"),
+                    )
+                })
+                .collect::<Vec<_>>()
+        },
+    );
+    for per_rank in out {
+        for (k, v) in per_rank.iter().enumerate() {
+            let want = (0..world).map(|r| (r * 10 + k) as f32).sum::<f32>();
+            assert_eq!(v.len(), 10_000 * (k + 1));
+            assert!(v.iter().all(|&x| x == want), "operation {k}");
+        }
+    }
+}
+
+#[test]
+fn a_dead_rank_is_named_within_the_timeout_not_waited_for() {
+    let world = 3;
+    let out = with_groups(
+        world,
+        |c| c.endpoint.core.peer_timeout = Duration::from_millis(500),
+        move |g| {
+            if g.rank() == 1 {
+                drop(g); // dies before the operation
+                return None;
+            }
+            let started = std::time::Instant::now();
+            let mut b = f32s(&input(g.rank(), 10_000));
+            let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+            let e = g
+                .all_reduce(t, &GroupReduceOptions::default())
+                .expect_err("rank 1 is dead");
+            Some((e.to_string(), started.elapsed()))
+        },
+    );
+    for (rank, r) in out.into_iter().enumerate() {
+        if let Some((e, took)) = r {
+            assert!(e.contains("rank 1"), "rank {rank}: {e}");
+            assert!(took < Duration::from_secs(5), "rank {rank} waited {took:?}");
+        }
+    }
+}

@@ -1,0 +1,357 @@
+//! A group: one rank's endpoint of the message layer and the collectives over it, blocking
+//! (wait on the operation's handle) or asynchronous (the handle itself).
+//!
+//! Set-up is two-phase like the session's: [`PendingGroup::bind`] binds the socket and gives
+//! the address; with every rank's address, [`PendingGroup::start`] starts the endpoint.
+//! Every rank must start the same operations in the same order (as with MPI and NCCL).
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use gradwire::tensor::DType;
+use gradwire_msg::core::{RecvOpts, RecvReport, SendOpts};
+use gradwire_msg::endpoint::{Bound, Endpoint, EndpointConfig, EndpointStats};
+use gradwire_msg::mem::Region;
+use gradwire_msg::op::{Handle, OpError};
+
+use crate::aggregate::ReduceOp;
+use crate::algo::barrier::Barrier;
+use crate::algo::bcast::Broadcast;
+use crate::algo::direct::Direct;
+use crate::algo::p2p::{Recv, Send};
+use crate::algo::ring::{Halves, Ring};
+use crate::algo::{ReduceOutcome, ReduceSpec};
+use crate::comm::TensorMut;
+use crate::error::CollectiveError;
+
+/// How a group is set up.
+#[derive(Debug, Clone)]
+pub struct GroupConfig {
+    /// The endpoint's settings (job, rank, world, timers, socket).
+    pub endpoint: EndpointConfig,
+    /// Longest wait for one operation; then it is cancelled. A silent peer fails earlier,
+    /// after the core's peer timeout, naming it.
+    pub op_timeout: Duration,
+}
+
+impl GroupConfig {
+    /// Rank `rank` of `world` in `job` at `ip` (any port), with a `timeout` for a silent peer.
+    pub fn new(job: u32, rank: usize, world: usize, ip: IpAddr, timeout: Duration) -> GroupConfig {
+        let mut endpoint =
+            EndpointConfig::new(job, rank as u16, world as u16, SocketAddr::new(ip, 0));
+        endpoint.core.peer_timeout = timeout;
+        GroupConfig {
+            endpoint,
+            op_timeout: timeout.saturating_mul(4),
+        }
+    }
+}
+
+/// Which all-reduce algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AllReduceAlgo {
+    /// Two-phase for small tensors or small worlds, ring otherwise.
+    #[default]
+    Auto,
+    /// Reduce-scatter then all-gather around the ring.
+    Ring,
+    /// The two-phase all-to-all all-reduce.
+    Direct,
+}
+
+impl AllReduceAlgo {
+    /// `auto`, `ring` or `direct`.
+    pub fn parse(s: &str) -> Option<AllReduceAlgo> {
+        match s {
+            "auto" => Some(AllReduceAlgo::Auto),
+            "ring" => Some(AllReduceAlgo::Ring),
+            "direct" => Some(AllReduceAlgo::Direct),
+            _ => None,
+        }
+    }
+
+    /// The algorithm `Auto` picks for `bytes` over `world` ranks: the two-phase algorithm
+    /// moves the same bytes per rank as the ring in two rounds instead of 2 (world - 1), but
+    /// every rank receives from all others at once, so the ring takes over for big tensors
+    /// in big worlds.
+    pub fn resolve(self, bytes: usize, world: usize) -> AllReduceAlgo {
+        match self {
+            AllReduceAlgo::Auto if world <= 8 || bytes <= 256 << 10 => AllReduceAlgo::Direct,
+            AllReduceAlgo::Auto => AllReduceAlgo::Ring,
+            other => other,
+        }
+    }
+}
+
+/// Options of an all-reduce.
+#[derive(Debug, Clone, Default)]
+pub struct GroupReduceOptions {
+    /// Sum or average.
+    pub op: ReduceOp,
+    /// DLCP loss bound of the reduce-scatter half (0: reliable).
+    pub loss_bound: f64,
+    /// Algorithm.
+    pub algorithm: AllReduceAlgo,
+    /// DSCP of the data.
+    pub dscp: u8,
+    /// DNN layer.
+    pub layer: u16,
+}
+
+/// A group before its endpoint starts.
+#[derive(Debug)]
+pub struct PendingGroup {
+    bound: Bound,
+    cfg: GroupConfig,
+}
+
+impl PendingGroup {
+    /// Binds this rank's socket.
+    pub fn bind(cfg: GroupConfig) -> Result<PendingGroup, CollectiveError> {
+        let bound = Endpoint::bind(cfg.endpoint.clone())
+            .map_err(|e| CollectiveError::Setup(e.to_string()))?;
+        Ok(PendingGroup { bound, cfg })
+    }
+
+    /// The address every other rank needs.
+    pub fn address(&self) -> SocketAddr {
+        self.bound.local_addr()
+    }
+
+    /// Starts the endpoint with `table[r]` = rank r's address.
+    pub fn start(self, table: Vec<SocketAddr>) -> Result<Group, CollectiveError> {
+        let ep = self
+            .bound
+            .start(table)
+            .map_err(|e| CollectiveError::Setup(e.to_string()))?;
+        Ok(Group { ep, cfg: self.cfg })
+    }
+}
+
+/// One rank's group.
+#[derive(Debug)]
+pub struct Group {
+    ep: Endpoint,
+    cfg: GroupConfig,
+}
+
+fn op_err(e: OpError) -> CollectiveError {
+    match e.peer() {
+        Some(peer) => CollectiveError::Peer {
+            peer: usize::from(peer),
+            reason: e.to_string(),
+        },
+        None => match e {
+            OpError::Invalid(m) => CollectiveError::Config(m),
+            other => CollectiveError::Unusable(other.to_string()),
+        },
+    }
+}
+
+impl Group {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        usize::from(self.ep.rank())
+    }
+
+    /// Ranks in the job.
+    pub fn world(&self) -> usize {
+        usize::from(self.ep.world())
+    }
+
+    /// The endpoint's counters.
+    pub fn stats(&self) -> EndpointStats {
+        self.ep.stats()
+    }
+
+    fn spec(&self, dtype: DType, o: &GroupReduceOptions) -> Result<ReduceSpec, CollectiveError> {
+        if o.dscp > gradwire_qos::MAX_DSCP {
+            return Err(CollectiveError::Config(format!(
+                "DSCP {} is above {}",
+                o.dscp,
+                gradwire_qos::MAX_DSCP
+            )));
+        }
+        Ok(ReduceSpec {
+            dtype,
+            op: o.op,
+            loss_bound: o.loss_bound,
+            // ECN-capable: switches mark rather than drop above their thresholds.
+            tos: (o.dscp << 2) | 0b10,
+            layer: o.layer,
+        })
+    }
+
+    /// All-reduce of the caller's tensor in place.
+    pub fn all_reduce(
+        &self,
+        t: TensorMut<'_>,
+        o: &GroupReduceOptions,
+    ) -> Result<ReduceOutcome, CollectiveError> {
+        let spec = self.spec(t.dtype(), o)?;
+        let algo = o.algorithm.resolve(t.as_bytes().len(), self.world());
+        let mut t = t;
+        let bytes = t.as_bytes_mut();
+        let r = match algo {
+            AllReduceAlgo::Ring => self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
+                Either::<Ring, Direct>::A(Ring::new(r, spec, Halves::Both))
+            }),
+            _ => self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
+                Either::<Ring, Direct>::B(Direct::new(r, spec))
+            }),
+        };
+        r.map_err(op_err)
+    }
+
+    /// All-reduce of an owned buffer, asynchronously: the outcome's region holds the result.
+    pub fn all_reduce_async(
+        &self,
+        dtype: DType,
+        bytes: Vec<u8>,
+        o: &GroupReduceOptions,
+    ) -> Result<Handle<ReduceOutcome>, CollectiveError> {
+        let spec = self.spec(dtype, o)?;
+        let algo = o.algorithm.resolve(bytes.len(), self.world());
+        let region = Region::owned(bytes);
+        Ok(match algo {
+            AllReduceAlgo::Ring => self.ep.submit(Either::<Ring, Direct>::A(Ring::new(
+                region,
+                spec,
+                Halves::Both,
+            ))),
+            _ => self
+                .ep
+                .submit(Either::<Ring, Direct>::B(Direct::new(region, spec))),
+        })
+    }
+
+    /// Reduce-scatter in place: rank r's chunk r of the tensor holds the result (chunks are
+    /// whole segments: [`Group::chunk`]).
+    pub fn reduce_scatter(
+        &self,
+        t: TensorMut<'_>,
+        o: &GroupReduceOptions,
+    ) -> Result<ReduceOutcome, CollectiveError> {
+        let spec = self.spec(t.dtype(), o)?;
+        let mut t = t;
+        self.ep
+            .run_borrowed(t.as_bytes_mut(), self.cfg.op_timeout, |r| {
+                Ring::new(r, spec, Halves::ReduceScatter)
+            })
+            .map_err(op_err)
+    }
+
+    /// All-gather in place: every rank's chunk r (its own, filled by rank r) reaches all.
+    pub fn all_gather(&self, bytes: &mut [u8]) -> Result<(), CollectiveError> {
+        let spec = ReduceSpec {
+            dtype: DType::Raw,
+            op: ReduceOp::Sum,
+            loss_bound: 0.0,
+            tos: 0b10,
+            layer: 0,
+        };
+        self.ep
+            .run_borrowed(bytes, self.cfg.op_timeout, |r| {
+                Ring::new(r, spec, Halves::AllGather)
+            })
+            .map(|_| ())
+            .map_err(op_err)
+    }
+
+    /// The byte range of chunk `c` of a `len`-byte tensor in reduce-scatter and all-gather.
+    pub fn chunk(&self, len: usize, c: usize) -> std::ops::Range<usize> {
+        let seg = self.cfg_seg_payload();
+        crate::algo::Chunks::new(len, seg, self.world()).bytes(c)
+    }
+
+    fn cfg_seg_payload(&self) -> usize {
+        gradwire_msg::core::CoreConfig::seg_payload_for_mtu(
+            self.cfg.endpoint.mtu,
+            self.ep.local_addr().is_ipv6(),
+        )
+    }
+
+    /// Broadcast from `root` in place.
+    pub fn broadcast(&self, bytes: &mut [u8], root: usize) -> Result<(), CollectiveError> {
+        self.ep
+            .run_borrowed(bytes, self.cfg.op_timeout, |r| {
+                Broadcast::new(r, root, 0b10)
+            })
+            .map(|_| ())
+            .map_err(op_err)
+    }
+
+    /// Waits until every rank has entered the barrier.
+    pub fn barrier(&self) -> Result<(), CollectiveError> {
+        self.ep
+            .run(Barrier::new(), self.cfg.op_timeout)
+            .map_err(op_err)
+    }
+
+    /// Sends `bytes` to `peer` (copied once into an owned buffer).
+    pub fn send(&self, peer: usize, bytes: &[u8], dscp: u8) -> Result<(), CollectiveError> {
+        let opts = SendOpts {
+            tos: (dscp << 2) | 0b10,
+            ..SendOpts::default()
+        };
+        self.ep
+            .run(
+                Send::new(Region::owned(bytes.to_vec()), peer as u16, opts),
+                self.cfg.op_timeout,
+            )
+            .map(|_| ())
+            .map_err(op_err)
+    }
+
+    /// Receives from `peer` into `bytes` (the sender's length), under `loss_bound`.
+    pub fn recv(
+        &self,
+        peer: usize,
+        bytes: &mut [u8],
+        loss_bound: f64,
+    ) -> Result<RecvReport, CollectiveError> {
+        let opts = RecvOpts {
+            loss_bound,
+            ..RecvOpts::default()
+        };
+        self.ep
+            .run_borrowed(bytes, self.cfg.op_timeout, |r| {
+                Recv::new(r, peer as u16, opts)
+            })
+            .map(|(_, report)| report)
+            .map_err(op_err)
+    }
+}
+
+/// One of two operations with the same output (so one call site can pick an algorithm).
+#[derive(Debug)]
+enum Either<A, B> {
+    A(A),
+    B(B),
+}
+
+impl<A, B> gradwire_msg::op::Op for Either<A, B>
+where
+    A: gradwire_msg::op::Op,
+    B: gradwire_msg::op::Op<Output = A::Output>,
+{
+    type Output = A::Output;
+
+    fn start(&mut self, cx: &mut gradwire_msg::op::OpCx<'_>) -> gradwire_msg::op::Step<A::Output> {
+        match self {
+            Either::A(a) => a.start(cx),
+            Either::B(b) => b.start(cx),
+        }
+    }
+
+    fn on_event(
+        &mut self,
+        ev: gradwire_msg::op::OpEvent,
+        cx: &mut gradwire_msg::op::OpCx<'_>,
+    ) -> gradwire_msg::op::Step<A::Output> {
+        match self {
+            Either::A(a) => a.on_event(ev, cx),
+            Either::B(b) => b.on_event(ev, cx),
+        }
+    }
+}

@@ -1,0 +1,568 @@
+//! One endpoint per rank: a socket, a [`Core`], and a progress thread that runs the core and
+//! the operations submitted to it (quinn's `Endpoint` with Gloo's algorithms on top).
+//!
+//! Set-up is two-phase so it rides on any rendezvous: [`Endpoint::bind`] binds the socket and
+//! tells the address; once every rank's address is known, [`Bound::start`] starts the
+//! progress thread. A datagram is handed to the core only if its source address is a
+//! peer's; anything else is counted and dropped.
+//!
+//! The progress thread sends every batch the core produced before it receives again, so a
+//! message's memory is never read after its operation ended. It blocks in `poll(2)` when
+//! there is nothing to do (several ranks share a core on small machines).
+
+use std::collections::HashMap;
+use std::io::IoSlice;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::core::{Core, CoreConfig, Event, Stats, TxBatch};
+use crate::io::udp::{IoError, Transmit, UdpConfig, UdpIo, Waker};
+use crate::op::{Erased, Handle, Op, OpCx, OpError, OpEvent, Route, Slot, Typed};
+use crate::wire;
+
+/// How an endpoint is set up.
+#[derive(Debug, Clone)]
+pub struct EndpointConfig {
+    /// The core's settings (job, rank, world, timers, window).
+    pub core: CoreConfig,
+    /// Address to bind (port 0: any).
+    pub bind: SocketAddr,
+    /// Path MTU: sets the segment size.
+    pub mtu: usize,
+    /// Socket settings.
+    pub udp: UdpConfig,
+    /// Testing: drop this fraction of arriving data segments before the core sees them.
+    pub inject_loss: f64,
+    /// Seed of `inject_loss`.
+    pub seed: u64,
+}
+
+impl EndpointConfig {
+    /// Rank `rank` of `world` in `job`, bound at `bind`, a 1500-byte MTU, default timers.
+    pub fn new(job: u32, rank: u16, world: u16, bind: SocketAddr) -> EndpointConfig {
+        EndpointConfig {
+            core: CoreConfig::new(job, rank, world),
+            bind,
+            mtu: 1500,
+            udp: UdpConfig::default(),
+            inject_loss: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+/// Why an endpoint could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointError {
+    /// The socket.
+    #[error("message-layer socket: {0}")]
+    Io(#[from] IoError),
+    /// The peer table.
+    #[error("peer table: {0}")]
+    Peers(String),
+    /// The progress thread.
+    #[error("could not start the progress thread: {0}")]
+    Thread(std::io::Error),
+}
+
+/// A bound, not yet started endpoint.
+#[derive(Debug)]
+pub struct Bound {
+    cfg: EndpointConfig,
+    io: UdpIo,
+}
+
+/// Counters of an endpoint: the core's and the driver's.
+#[derive(Debug, Clone, Default)]
+pub struct EndpointStats {
+    /// The core's counters.
+    pub core: Stats,
+    /// Datagrams from an address that is no peer's.
+    pub unknown_source: u64,
+    /// Data segments dropped by `inject_loss`.
+    pub injected_drops: u64,
+    /// Datagrams received.
+    pub datagrams_in: u64,
+    /// Datagrams sent.
+    pub datagrams_out: u64,
+    /// Send system calls.
+    pub send_calls: u64,
+    /// Receive system calls that returned data.
+    pub recv_calls: u64,
+}
+
+enum Cmd {
+    Submit(u64, Box<dyn Erased>),
+    Cancel(u64),
+}
+
+struct Shared {
+    stats: Mutex<EndpointStats>,
+    down: Mutex<Option<String>>,
+}
+
+/// A started endpoint.
+pub struct Endpoint {
+    tx: Option<mpsc::Sender<Cmd>>,
+    waker: Waker,
+    thread: Option<JoinHandle<()>>,
+    local: SocketAddr,
+    rank: u16,
+    world: u16,
+    next_id: AtomicU64,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Endpoint(rank {} of {} at {})",
+            self.rank, self.world, self.local
+        )
+    }
+}
+
+impl Endpoint {
+    /// Binds the socket.
+    pub fn bind(mut cfg: EndpointConfig) -> Result<Bound, EndpointError> {
+        let io = UdpIo::bind(cfg.bind, &cfg.udp)?;
+        cfg.core.seg_payload = CoreConfig::seg_payload_for_mtu(cfg.mtu, cfg.bind.is_ipv6());
+        cfg.core.max_bundle = io.max_segments().max(1);
+        Ok(Bound { cfg, io })
+    }
+}
+
+impl Bound {
+    /// The bound address (what the other ranks need).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.io.local_addr()
+    }
+
+    /// Starts the progress thread with every rank's address (`peers[rank]`; this rank's own
+    /// entry is ignored).
+    pub fn start(self, peers: Vec<SocketAddr>) -> Result<Endpoint, EndpointError> {
+        let world = self.cfg.core.world;
+        let rank = self.cfg.core.rank;
+        if peers.len() != usize::from(world) {
+            return Err(EndpointError::Peers(format!(
+                "{} addresses for a world of {world}",
+                peers.len()
+            )));
+        }
+        let mut by_addr = HashMap::new();
+        for (r, a) in peers.iter().enumerate() {
+            if r != usize::from(rank) && by_addr.insert(*a, r as u16).is_some() {
+                return Err(EndpointError::Peers(format!(
+                    "{a} is given for two ranks: every rank needs its own address"
+                )));
+            }
+        }
+        let local = self.io.local_addr();
+        let waker = self.io.waker();
+        let shared = Arc::new(Shared {
+            stats: Mutex::new(EndpointStats::default()),
+            down: Mutex::new(None),
+        });
+        let (tx, rx) = mpsc::channel();
+        let mut driver = Driver {
+            core: Core::new(self.cfg.core.clone()),
+            io: self.io,
+            peers,
+            by_addr,
+            rx,
+            ops: HashMap::new(),
+            routes: HashMap::new(),
+            batch: TxBatch::default(),
+            stats: EndpointStats::default(),
+            shared: shared.clone(),
+            inject_loss: self.cfg.inject_loss,
+            rng: fastrand::Rng::with_seed(self.cfg.seed ^ u64::from(rank)),
+        };
+        let sh = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("gradwire-msg-{rank}"))
+            .spawn(move || {
+                let why =
+                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| driver.run())) {
+                        Ok(Ok(())) => "the endpoint was shut down".to_string(),
+                        Ok(Err(e)) => format!("socket error: {e}"),
+                        Err(_) => "the progress thread panicked (a bug: please report it)".into(),
+                    };
+                driver.fail_all(&why);
+                *sh.down.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
+            })
+            .map_err(EndpointError::Thread)?;
+        Ok(Endpoint {
+            tx: Some(tx),
+            waker,
+            thread: Some(thread),
+            local,
+            rank,
+            world,
+            next_id: AtomicU64::new(1),
+            shared,
+        })
+    }
+}
+
+impl Endpoint {
+    /// This rank.
+    pub fn rank(&self) -> u16 {
+        self.rank
+    }
+
+    /// Ranks in the job.
+    pub fn world(&self) -> u16 {
+        self.world
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// Counters as of the progress thread's last loop.
+    pub fn stats(&self) -> EndpointStats {
+        self.shared
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Submits an operation. Operations start in submission order on every rank, which is
+    /// what keeps the ranks' message numbers in step: submit the same operations in the same
+    /// order everywhere.
+    pub fn submit<O: Op>(&self, op: O) -> Handle<O::Output> {
+        let slot = Slot::new();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let typed = Typed {
+            op,
+            out: None,
+            slot: slot.clone(),
+        };
+        let sent = self
+            .tx
+            .as_ref()
+            .is_some_and(|tx| tx.send(Cmd::Submit(id, Box::new(typed))).is_ok());
+        if !sent {
+            let why = self
+                .shared
+                .down
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .unwrap_or_else(|| "the endpoint is shut down".into());
+            slot.complete(Err(OpError::Down(why)));
+        }
+        self.waker.wake();
+        let tx = self.tx.clone();
+        let waker = self.waker.clone();
+        Handle {
+            slot,
+            cancel: Some(Box::new(move || {
+                if let Some(tx) = &tx {
+                    let _ = tx.send(Cmd::Cancel(id));
+                }
+                waker.wake();
+            })),
+        }
+    }
+
+    /// Submits an operation and waits for it; after `timeout` it is cancelled (and still
+    /// waited for, so its memory is free when this returns).
+    pub fn run<O: Op>(&self, op: O, timeout: Duration) -> Result<O::Output, OpError> {
+        match self.submit(op).wait_timeout(timeout) {
+            Ok(r) => r,
+            Err(h) => {
+                h.cancel();
+                h.wait()
+            }
+        }
+    }
+}
+
+impl Endpoint {
+    /// Runs an operation over the caller's memory without copying it: `make` gets a region
+    /// over `bytes` and builds the operation. Returns only once the progress thread has let
+    /// go of the region (after `timeout` the operation is cancelled and still waited for).
+    #[allow(unsafe_code)]
+    pub fn run_borrowed<O: Op>(
+        &self,
+        bytes: &mut [u8],
+        timeout: Duration,
+        make: impl FnOnce(crate::mem::Region) -> O,
+    ) -> Result<O::Output, OpError> {
+        // SAFETY: the region is only used by the operation, which the progress thread ends
+        // (cancelling its messages and unregistering the region) before it completes the
+        // handle; `run` waits for the handle even after a timeout or cancel, and a progress
+        // thread that stops fails every operation the same way. So `bytes`, borrowed
+        // mutably for this whole call, outlives every use of the region.
+        let region = unsafe { crate::mem::Region::borrowed(bytes) };
+        self.run(make(region), timeout)
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.tx = None;
+        self.waker.wake();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Running {
+    op: Box<dyn Erased>,
+    bufs: Vec<crate::mem::BufId>,
+}
+
+struct Driver {
+    core: Core,
+    io: UdpIo,
+    peers: Vec<SocketAddr>,
+    by_addr: HashMap<SocketAddr, u16>,
+    rx: mpsc::Receiver<Cmd>,
+    ops: HashMap<u64, Running>,
+    routes: HashMap<Route, u64>,
+    batch: TxBatch,
+    stats: EndpointStats,
+    shared: Arc<Shared>,
+    inject_loss: f64,
+    rng: fastrand::Rng,
+}
+
+impl Driver {
+    fn run(&mut self) -> Result<(), IoError> {
+        loop {
+            let now = Instant::now();
+            // Commands.
+            loop {
+                match self.rx.try_recv() {
+                    Ok(Cmd::Submit(id, op)) => self.start(now, id, op),
+                    Ok(Cmd::Cancel(id)) => self.end(
+                        id,
+                        Err(OpError::Cancelled("cancelled by its caller".into())),
+                    ),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => return Ok(()),
+                }
+            }
+            // Input.
+            let mut got = 0;
+            for _ in 0..8 {
+                let (core, by_addr, stats) = (&mut self.core, &self.by_addr, &mut self.stats);
+                let (loss, rng) = (self.inject_loss, &mut self.rng);
+                let n = self.io.recv(&mut |meta, d| match by_addr.get(&meta.src) {
+                    Some(_)
+                        if loss > 0.0 && d.get(1) == Some(&wire::KIND_DATA) && rng.f64() < loss =>
+                    {
+                        stats.injected_drops += 1
+                    }
+                    Some(&r) => core.handle_datagram(now, r, meta.tos, d),
+                    None => stats.unknown_source += 1,
+                })?;
+                if n == 0 {
+                    break;
+                }
+                self.stats.recv_calls += 1;
+                self.stats.datagrams_in += n as u64;
+                got += n;
+                self.dispatch(now);
+            }
+            if self.core.next_timeout().is_some_and(|t| t <= now) {
+                self.core.handle_timeout(now);
+            }
+            self.dispatch(now);
+            // Output.
+            let sent = self.transmit(now)?;
+            self.publish();
+            if got == 0 && sent == 0 && !self.core.wants_transmit() {
+                let timeout = self
+                    .core
+                    .next_timeout()
+                    .map(|t| t.saturating_duration_since(Instant::now()))
+                    .unwrap_or(Duration::from_millis(100))
+                    .min(Duration::from_millis(100));
+                self.io.wait(Some(timeout), false)?;
+            }
+        }
+    }
+
+    fn publish(&mut self) {
+        self.stats.core = self.core.stats().clone();
+        if let Ok(mut s) = self.shared.stats.try_lock() {
+            *s = self.stats.clone();
+        }
+    }
+
+    fn cx<'a>(
+        core: &'a mut Core,
+        routes: &'a mut HashMap<Route, u64>,
+        bufs: &'a mut Vec<crate::mem::BufId>,
+        now: Instant,
+        id: u64,
+    ) -> OpCx<'a> {
+        OpCx {
+            core,
+            now,
+            routes,
+            id,
+            bufs,
+        }
+    }
+
+    fn start(&mut self, now: Instant, id: u64, mut op: Box<dyn Erased>) {
+        let mut bufs = Vec::new();
+        let r = op.start(&mut Self::cx(
+            &mut self.core,
+            &mut self.routes,
+            &mut bufs,
+            now,
+            id,
+        ));
+        self.ops.insert(id, Running { op, bufs });
+        match r {
+            Ok(false) => {}
+            Ok(true) => self.end(id, Ok(())),
+            Err(e) => self.end(id, Err(e)),
+        }
+    }
+
+    /// Ends an operation: cancels what it left posted, unregisters its buffers, then hands
+    /// the result to its handle.
+    fn end(&mut self, id: u64, r: Result<(), OpError>) {
+        let Some(mut run) = self.ops.remove(&id) else {
+            return;
+        };
+        let mine: Vec<Route> = self
+            .routes
+            .iter()
+            .filter(|(_, o)| **o == id)
+            .map(|(k, _)| *k)
+            .collect();
+        for (peer, msg, send) in mine {
+            self.routes.remove(&(peer, msg, send));
+            if send {
+                self.core.cancel_send(peer, msg);
+            } else {
+                self.core.cancel_recv(peer, msg);
+            }
+        }
+        for b in run.bufs.drain(..) {
+            self.core.unregister(b);
+        }
+        match r {
+            Ok(()) => run.op.deliver(),
+            Err(e) => run.op.fail(e),
+        }
+    }
+
+    fn dispatch(&mut self, now: Instant) {
+        while let Some(ev) = self.core.poll_event() {
+            let (route, ev) = match ev {
+                Event::Sent { peer, msg, .. } => {
+                    ((peer, msg, true), Ok(OpEvent::Sent { peer, msg }))
+                }
+                Event::Received { peer, msg, report } => (
+                    (peer, msg, false),
+                    Ok(OpEvent::Received { peer, msg, report }),
+                ),
+                Event::Failed {
+                    peer,
+                    msg,
+                    send,
+                    error,
+                } => ((peer, msg, send), Err(OpError::Peer(error))),
+            };
+            let Some(id) = self.routes.remove(&route) else {
+                continue;
+            };
+            let r = match ev {
+                Err(e) => Err(e),
+                Ok(ev) => match self.ops.get_mut(&id) {
+                    None => continue,
+                    Some(run) => run.op.on_event(
+                        ev,
+                        &mut Self::cx(&mut self.core, &mut self.routes, &mut run.bufs, now, id),
+                    ),
+                },
+            };
+            match r {
+                Ok(false) => {}
+                Ok(true) => self.end(id, Ok(())),
+                Err(e) => self.end(id, Err(e)),
+            }
+        }
+    }
+
+    /// Sends everything the core has now; returns datagrams sent.
+    fn transmit(&mut self, now: Instant) -> Result<usize, IoError> {
+        let mut total = 0;
+        loop {
+            self.core.poll_transmit(now, &mut self.batch, 32);
+            if self.batch.is_empty() {
+                return Ok(total);
+            }
+            let bufs = self.core.buffers();
+            let mut iov: Vec<IoSlice<'_>> =
+                Vec::with_capacity(self.batch.headers.len() * 2 + self.batch.ctrl.len());
+            let mut spans = Vec::with_capacity(self.batch.bundles.len() + self.batch.ctrl.len());
+            for c in &self.batch.ctrl {
+                spans.push((c.peer, c.tos, c.bytes.len(), iov.len()..iov.len() + 1));
+                iov.push(IoSlice::new(&c.bytes));
+            }
+            for b in &self.batch.bundles {
+                let start = iov.len();
+                for s in b.segs.clone() {
+                    iov.push(IoSlice::new(&self.batch.headers[s]));
+                    let (buf, range) = &self.batch.payloads[s];
+                    let payload = bufs.get(*buf, range.clone()).unwrap_or(&[]);
+                    if !payload.is_empty() {
+                        iov.push(IoSlice::new(payload));
+                    }
+                }
+                spans.push((b.peer, b.tos, b.segment_size, start..iov.len()));
+            }
+            let tx: Vec<Transmit<'_>> = spans
+                .iter()
+                .map(|(peer, tos, seg, r)| Transmit {
+                    dst: self.peers[usize::from(*peer)],
+                    tos: *tos,
+                    segment_size: *seg,
+                    iov: &iov[r.clone()],
+                })
+                .collect();
+            let mut done = 0;
+            while done < tx.len() {
+                let n = self.io.send(&tx[done..])?;
+                self.stats.send_calls += 1;
+                done += n;
+                if n == 0 {
+                    self.io.wait(Some(Duration::from_millis(10)), true)?;
+                }
+            }
+            total += self.batch.headers.len() + self.batch.ctrl.len();
+            self.stats.datagrams_out += (self.batch.headers.len() + self.batch.ctrl.len()) as u64;
+        }
+    }
+
+    fn fail_all(&mut self, why: &str) {
+        let ids: Vec<u64> = self.ops.keys().copied().collect();
+        for id in ids {
+            self.end(id, Err(OpError::Down(why.to_string())));
+        }
+        // Operations submitted but never started.
+        while let Ok(cmd) = self.rx.try_recv() {
+            if let Cmd::Submit(_, mut op) = cmd {
+                op.fail(OpError::Down(why.to_string()));
+            }
+        }
+    }
+}
