@@ -203,6 +203,7 @@ impl gw_op_options {
             layer: self.layer,
             num_layers: self.num_layers,
             dscp,
+            ..ReduceOptions::default()
         })
     }
 }

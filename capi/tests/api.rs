@@ -1510,12 +1510,13 @@ fn a_c_priority_function_sets_each_packets_dscp_and_ecn_on_the_wire() {
 
 #[test]
 fn forged_aggregation_data_from_a_peer_is_gw_err_data_naming_it() {
-    // A forged rank 1 (real links, hand-made flows: tests/common/forge.rs) answers rank 0's
-    // first all-reduce with a partial sum whose contributor set claims rank 0's own
-    // contribution (counted twice if accepted), or a rank outside the job.
+    // A forged rank 1 (a real endpoint, a hand-made message: tests/common/forge.rs) sends
+    // rank 0's first all-reduce its contribution under a contributor set that also claims
+    // rank 0's (counted twice if accepted), leaves rank 1 out, or names a rank outside the job.
     for (mask, what) in [
-        (0b01, "repeats a contribution already summed here"),
-        (1 << 5, "contributor set of block 0 is invalid"),
+        (0b11, "names a rank it cannot carry"),
+        (0b01, "leaves out the rank whose values it carries"),
+        (1 << 5, "names a rank beyond the world"),
     ] {
         let mut cfg = config(0, 2);
         cfg.loss_bound = 0.1; // contributor sets travel only with a loss bound
@@ -1539,7 +1540,7 @@ fn forged_aggregation_data_from_a_peer_is_gw_err_data_naming_it() {
             let meet0 = meet0;
             let table = &table;
             sc.spawn(move || {
-                let links = forged.connect_and_forge(table, 8, 1.0, 0.1, mask);
+                let links = forged.connect_and_forge(table, 8, 1.0, mask);
                 // Its links stay up until rank 0 has seen the data and checked the outcome.
                 meet1.sync();
                 drop(links);

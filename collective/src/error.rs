@@ -37,6 +37,15 @@ pub enum CollectiveError {
         source: AggregateError,
     },
     /// Bad arguments or configuration.
+    /// A peer of a message-layer operation sent data the operation refuses (forged or
+    /// corrupt contributor sets).
+    #[error("rank {peer} sent invalid aggregation data: {reason}")]
+    Data {
+        /// The rank.
+        peer: usize,
+        /// What was wrong.
+        reason: String,
+    },
     /// A peer of a message-layer operation died, hung or aborted.
     #[error("rank {peer}: {reason}")]
     Peer {

@@ -124,31 +124,61 @@ impl PendingGroup {
             .bound
             .start(table)
             .map_err(|e| CollectiveError::Setup(e.to_string()))?;
-        Ok(Group { ep, cfg: self.cfg })
+        Ok(Group {
+            ep,
+            cfg: self.cfg,
+            failed: std::sync::Mutex::new(None),
+        })
     }
 }
 
-/// One rank's group.
+/// One rank's group. After an operation fails the ranks may disagree on where they are in
+/// the sequence of operations, so the group refuses every later one (build a new group).
 #[derive(Debug)]
 pub struct Group {
     ep: Endpoint,
     cfg: GroupConfig,
+    failed: std::sync::Mutex<Option<String>>,
 }
 
 fn op_err(e: OpError) -> CollectiveError {
-    match e.peer() {
-        Some(peer) => CollectiveError::Peer {
+    match e {
+        OpError::Data { peer, reason } => CollectiveError::Data {
             peer: usize::from(peer),
-            reason: e.to_string(),
+            reason,
         },
-        None => match e {
-            OpError::Invalid(m) => CollectiveError::Config(m),
-            other => CollectiveError::Unusable(other.to_string()),
+        OpError::Invalid(m) => CollectiveError::Config(m),
+        e => match e.peer() {
+            Some(peer) => CollectiveError::Peer {
+                peer: usize::from(peer),
+                reason: e.to_string(),
+            },
+            None => CollectiveError::Unusable(e.to_string()),
         },
     }
 }
 
 impl Group {
+    /// Refuses an operation after an earlier failure.
+    fn usable(&self) -> Result<(), CollectiveError> {
+        match &*self.failed.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(why) => Err(CollectiveError::Unusable(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs one blocking operation: refused after a failure; a failure (other than invalid
+    /// arguments, which start nothing) makes the group unusable.
+    fn guard<T>(&self, f: impl FnOnce() -> Result<T, OpError>) -> Result<T, CollectiveError> {
+        self.usable()?;
+        f().map_err(|e| {
+            if !matches!(e, OpError::Invalid(_)) {
+                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+            }
+            op_err(e)
+        })
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         usize::from(self.ep.rank())
@@ -192,15 +222,14 @@ impl Group {
         let algo = o.algorithm.resolve(t.as_bytes().len(), self.world());
         let mut t = t;
         let bytes = t.as_bytes_mut();
-        let r = match algo {
+        self.guard(|| match algo {
             AllReduceAlgo::Ring => self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
                 Either::<Ring, Direct>::A(Ring::new(r, spec, Halves::Both))
             }),
             _ => self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
                 Either::<Ring, Direct>::B(Direct::new(r, spec))
             }),
-        };
-        r.map_err(op_err)
+        })
     }
 
     /// All-reduce of an owned buffer, asynchronously: the outcome's region holds the result.
@@ -210,6 +239,7 @@ impl Group {
         bytes: Vec<u8>,
         o: &GroupReduceOptions,
     ) -> Result<Handle<ReduceOutcome>, CollectiveError> {
+        self.usable()?;
         let spec = self.spec(dtype, o)?;
         let algo = o.algorithm.resolve(bytes.len(), self.world());
         let region = Region::owned(bytes);
@@ -234,11 +264,12 @@ impl Group {
     ) -> Result<ReduceOutcome, CollectiveError> {
         let spec = self.spec(t.dtype(), o)?;
         let mut t = t;
-        self.ep
-            .run_borrowed(t.as_bytes_mut(), self.cfg.op_timeout, |r| {
-                Ring::new(r, spec, Halves::ReduceScatter)
-            })
-            .map_err(op_err)
+        self.guard(|| {
+            self.ep
+                .run_borrowed(t.as_bytes_mut(), self.cfg.op_timeout, |r| {
+                    Ring::new(r, spec, Halves::ReduceScatter)
+                })
+        })
     }
 
     /// All-gather in place: every rank's chunk r (its own, filled by rank r) reaches all.
@@ -250,18 +281,33 @@ impl Group {
             tos: 0b10,
             layer: 0,
         };
-        self.ep
-            .run_borrowed(bytes, self.cfg.op_timeout, |r| {
-                Ring::new(r, spec, Halves::AllGather)
-            })
-            .map(|_| ())
-            .map_err(op_err)
+        self.guard(|| {
+            self.ep
+                .run_borrowed(bytes, self.cfg.op_timeout, |r| {
+                    Ring::new(r, spec, Halves::AllGather)
+                })
+                .map(|_| ())
+        })
     }
 
     /// The byte range of chunk `c` of a `len`-byte tensor in reduce-scatter and all-gather.
     pub fn chunk(&self, len: usize, c: usize) -> std::ops::Range<usize> {
         let seg = self.cfg_seg_payload();
         crate::algo::Chunks::new(len, seg, self.world()).bytes(c)
+    }
+
+    /// Runs any operation on this group's endpoint (tests build misbehaving ranks this way).
+    #[doc(hidden)]
+    pub fn run_op_for_tests<O: gradwire_msg::op::Op>(
+        &self,
+        op: O,
+    ) -> Result<O::Output, CollectiveError> {
+        self.guard(|| self.ep.run(op, self.cfg.op_timeout))
+    }
+
+    /// Bytes per block of a reduction (one segment's payload).
+    pub fn block_bytes(&self) -> usize {
+        self.cfg_seg_payload()
     }
 
     fn cfg_seg_payload(&self) -> usize {
@@ -273,19 +319,18 @@ impl Group {
 
     /// Broadcast from `root` in place.
     pub fn broadcast(&self, bytes: &mut [u8], root: usize) -> Result<(), CollectiveError> {
-        self.ep
-            .run_borrowed(bytes, self.cfg.op_timeout, |r| {
-                Broadcast::new(r, root, 0b10)
-            })
-            .map(|_| ())
-            .map_err(op_err)
+        self.guard(|| {
+            self.ep
+                .run_borrowed(bytes, self.cfg.op_timeout, |r| {
+                    Broadcast::new(r, root, 0b10)
+                })
+                .map(|_| ())
+        })
     }
 
     /// Waits until every rank has entered the barrier.
     pub fn barrier(&self) -> Result<(), CollectiveError> {
-        self.ep
-            .run(Barrier::new(), self.cfg.op_timeout)
-            .map_err(op_err)
+        self.guard(|| self.ep.run(Barrier::new(), self.cfg.op_timeout))
     }
 
     /// Sends `bytes` to `peer` (copied once into an owned buffer).
@@ -294,13 +339,14 @@ impl Group {
             tos: (dscp << 2) | 0b10,
             ..SendOpts::default()
         };
-        self.ep
-            .run(
-                Send::new(Region::owned(bytes.to_vec()), peer as u16, opts),
-                self.cfg.op_timeout,
-            )
-            .map(|_| ())
-            .map_err(op_err)
+        self.guard(|| {
+            self.ep
+                .run(
+                    Send::new(Region::owned(bytes.to_vec()), peer as u16, opts),
+                    self.cfg.op_timeout,
+                )
+                .map(|_| ())
+        })
     }
 
     /// Receives from `peer` into `bytes` (the sender's length), under `loss_bound`.
@@ -314,12 +360,13 @@ impl Group {
             loss_bound,
             ..RecvOpts::default()
         };
-        self.ep
-            .run_borrowed(bytes, self.cfg.op_timeout, |r| {
-                Recv::new(r, peer as u16, opts)
-            })
-            .map(|(_, report)| report)
-            .map_err(op_err)
+        self.guard(|| {
+            self.ep
+                .run_borrowed(bytes, self.cfg.op_timeout, |r| {
+                    Recv::new(r, peer as u16, opts)
+                })
+                .map(|(_, report)| report)
+        })
     }
 }
 

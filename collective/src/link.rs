@@ -159,6 +159,8 @@ pub struct Links {
     world: usize,
     out: Vec<Option<OutLink>>,
     inn: Vec<Option<InLink>>,
+    /// Each rank's message-layer socket, as its endpoint published it.
+    msg_addrs: Vec<Option<SocketAddr>>,
 }
 
 /// How in-memory links behave.
@@ -196,6 +198,8 @@ pub struct NetLinkConfig {
     pub rendezvous: RendezvousConfig,
     /// Faults injected on every receiving datapath (tests and experiments; seeded per link).
     pub fault: Option<FaultConfig>,
+    /// The port of this rank's message-layer socket, published with its endpoint.
+    pub msg_port: Option<u16>,
 }
 
 impl Default for NetLinkConfig {
@@ -206,6 +210,7 @@ impl Default for NetLinkConfig {
             control_dscp: Some(gradwire_qos::CONTROL_DSCP),
             rendezvous: RendezvousConfig::default(),
             fault: None,
+            msg_port: None,
         }
     }
 }
@@ -219,6 +224,9 @@ struct Endpoint {
     ip: IpAddr,
     /// `(from rank, control port)` of each incoming link.
     listeners: Vec<(usize, u16)>,
+    /// The message layer's UDP port (on `ip`), if the rank runs one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    msg_port: Option<u16>,
 }
 
 impl Links {
@@ -228,7 +236,13 @@ impl Links {
             world,
             out: (0..world).map(|_| None).collect(),
             inn: (0..world).map(|_| None).collect(),
+            msg_addrs: vec![None; world],
         }
+    }
+
+    /// Each rank's message-layer socket (`None` where its endpoint published none).
+    pub fn msg_addrs(&self) -> &[Option<SocketAddr>] {
+        &self.msg_addrs
     }
 
     /// This rank.
@@ -472,6 +486,7 @@ impl Links {
                 .iter()
                 .map(|(p, l, _)| (*p, l.local_addr().port()))
                 .collect(),
+            msg_port: cfg.msg_port,
         };
         let endpoint = serde_json::to_vec(&me)
             .map_err(|e| CollectiveError::Setup(format!("endpoint encoding: {e}")))?;
@@ -576,9 +591,15 @@ pub fn parse_endpoint_table(
                 e.listeners.len()
             )));
         }
+        if e.msg_port == Some(0) {
+            return Err(CollectiveError::Setup(format!(
+                "rank {r}'s endpoint names message-layer port 0"
+            )));
+        }
         endpoints.push(EndpointInfo {
             ip: e.ip,
             listeners: e.listeners,
+            msg: e.msg_port.map(|p| SocketAddr::new(e.ip, p)),
         });
     }
     Ok(endpoints)
@@ -591,6 +612,8 @@ pub struct EndpointInfo {
     pub ip: IpAddr,
     /// `(from rank, control port)` of each of its incoming links.
     pub listeners: Vec<(usize, u16)>,
+    /// Its message-layer socket, if it published one.
+    pub msg: Option<SocketAddr>,
 }
 
 impl PendingLinks {
@@ -617,6 +640,7 @@ impl PendingLinks {
             )));
         }
         let mut links = Links::empty(rank, world);
+        links.msg_addrs = endpoints.iter().map(|e| e.msg).collect();
         // Outgoing first: the peers' listeners run handshakes in the background, so connects
         // complete without the peers calling accept, and nobody waits on anybody in a cycle.
         for &q in &self.outgoing {
@@ -705,6 +729,7 @@ mod tests {
             rank,
             ip: "198.18.0.1".parse().unwrap(),
             listeners: listeners.to_vec(),
+            msg_port: None,
         })
         .unwrap()
     }

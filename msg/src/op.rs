@@ -26,6 +26,14 @@ pub enum OpError {
     /// The operation's arguments are invalid.
     #[error("{0}")]
     Invalid(String),
+    /// A peer sent data the operation refuses (forged or corrupt), named.
+    #[error("rank {peer} sent invalid data: {reason}")]
+    Data {
+        /// The peer.
+        peer: u16,
+        /// What was wrong.
+        reason: String,
+    },
     /// The operation was cancelled (its caller gave up waiting, or the endpoint shut down).
     #[error("the operation was cancelled: {0}")]
     Cancelled(String),
@@ -38,9 +46,8 @@ impl OpError {
     /// The rank to blame, if a peer failed.
     pub fn peer(&self) -> Option<u16> {
         match self {
-            OpError::Peer(MsgError::PeerSilent { peer, .. } | MsgError::Aborted { peer, .. }) => {
-                Some(*peer)
-            }
+            OpError::Peer(MsgError::PeerSilent { peer, .. } | MsgError::Aborted { peer, .. })
+            | OpError::Data { peer, .. } => Some(*peer),
             _ => None,
         }
     }

@@ -203,6 +203,7 @@ class Session:
         layer: int = 0,
         num_layers: int = 0,
         dscp: Optional[int] = None,
+        algorithm: Literal["auto", "ring", "direct"] = "auto",
     ) -> ReduceReport: ...
     def broadcast(
         self,

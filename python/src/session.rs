@@ -412,7 +412,7 @@ impl Session {
 
     /// Reduces `array` over all ranks, in place.
     #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0,
-        dscp = None))]
+        dscp = None, algorithm = "auto"))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
         &self,
@@ -423,13 +423,20 @@ impl Session {
         layer: i64,
         num_layers: i64,
         dscp: Option<i64>,
+        algorithm: &str,
     ) -> PyResult<ReduceReport> {
+        let algorithm = gs::AllReduceAlgo::parse(algorithm).ok_or_else(|| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "algorithm {algorithm:?} is not one of 'auto', 'ring', 'direct'"
+            ))
+        })?;
         let opts = ReduceOptions {
             op: reduce_op(py, op)?,
             loss_bound: self::loss_bound(py, loss_bound)?,
             layer: config::small(py, "layer", layer, u16::MAX.into())?,
             num_layers: config::small(py, "num_layers", num_layers, u16::MAX.into())?,
             dscp: dscp.map(|d| config::dscp(py, d)).transpose()?,
+            algorithm,
         };
         let mut array = ArrayMut::new(py, array, "all_reduce")?;
         let dtype = array.dtype;

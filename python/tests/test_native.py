@@ -925,14 +925,19 @@ def test_exception_classes() -> None:
 
 @pytest.mark.parametrize(
     "mask, what",
-    [(0b01, "repeats a contribution already summed here"), (1 << 5, "contributor set of block 0 is invalid")],
+    [
+        (0b11, "names a rank it cannot carry"),
+        (0b01, "leaves out the rank whose values it carries"),
+        (1 << 5, "names a rank beyond the world"),
+    ],
 )
 def test_forged_aggregation_data_is_a_data_error_naming_the_peer(
     forged_peer_exe: Any, tmp_path: Any, mask: int, what: str
 ) -> None:
-    """A forged rank 1 (capi/examples/forged_peer.rs: real links, hand-made flows) answers
-    rank 0's first all-reduce with a contributor set claiming rank 0's own contribution
-    (counted twice if accepted) or a rank outside the job: rank 0 raises DataError naming it."""
+    """A forged rank 1 (capi/examples/forged_peer.rs: a real endpoint, a hand-made message)
+    sends rank 0's first all-reduce its contribution under a contributor set that also claims
+    rank 0's (counted twice if accepted), leaves rank 1 out, or names a rank outside the job:
+    rank 0 raises DataError naming it."""
     from conftest import LineChild
 
     ep = gradwire.Endpoint(0, 2, IP, loss_bound=0.1, timeout=TIMEOUT)  # sets travel only then
@@ -943,7 +948,7 @@ def test_forged_aggregation_data_is_a_data_error_naming_the_peer(
         peer.write_line(ep.address.hex())
         s = run_ranks([lambda: ep.connect([ep.address, bytes.fromhex(theirs)])])[0]
         try:
-            # The forged flows are accepted only inside this all-reduce.
+            # The forged message is accepted only inside this all-reduce.
             x = np.full(8, 2.0, dtype=np.float32)
             with pytest.raises(gradwire.GradwireError) as err:
                 run_ranks([lambda: s.all_reduce(x)])

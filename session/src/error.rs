@@ -76,7 +76,7 @@ impl SessionError {
                     TransferError::Channel(ChannelError::Refused { .. }) => ErrorKind::Setup,
                     _ => ErrorKind::Peer,
                 },
-                CollectiveError::Aggregate { .. } => ErrorKind::Data,
+                CollectiveError::Aggregate { .. } | CollectiveError::Data { .. } => ErrorKind::Data,
                 CollectiveError::Peer { .. } => ErrorKind::Peer,
                 CollectiveError::Config(_) | CollectiveError::NoLink { .. } => {
                     ErrorKind::InvalidArgument
@@ -97,7 +97,8 @@ impl SessionError {
             SessionError::Collective(
                 CollectiveError::Link { peer, .. }
                 | CollectiveError::Aggregate { peer, .. }
-                | CollectiveError::Peer { peer, .. },
+                | CollectiveError::Peer { peer, .. }
+                | CollectiveError::Data { peer, .. },
             ) => Some(*peer),
             _ => None,
         }

@@ -27,6 +27,7 @@ use gradwire::message::LossBound;
 use gradwire::tagging::DlcpTagger;
 use gradwire::transport::TransferConfig;
 use gradwire_collective::comm::{Algorithm, AllReduceOptions, CommConfig, Communicator, TensorMut};
+use gradwire_collective::group::{Group, GroupConfig, GroupReduceOptions, PendingGroup};
 use gradwire_collective::job::MAX_RANKS;
 use gradwire_collective::link::{Links, NetLinkConfig, PendingLinks};
 
@@ -35,6 +36,7 @@ pub use gradwire::flow::{SegmentInfo, Tag};
 pub use gradwire::tensor::DType;
 pub use gradwire_collective::aggregate::{Contributors, ReduceOp};
 pub use gradwire_collective::comm::MAX_P2P_TENSOR;
+pub use gradwire_collective::group::AllReduceAlgo;
 pub use gradwire_collective::link::MAX_ENDPOINT_LEN;
 
 pub use error::{ErrorKind, SessionError};
@@ -75,6 +77,10 @@ pub struct SessionConfig {
     pub point_to_point: bool,
     /// The senders' line rate in bit/s; `None`: the transport's default.
     pub rate_bps: Option<u64>,
+    /// Run all-reduce, broadcast and barrier on the message layer (one socket per rank, no
+    /// handshake per message; docs/design.md). An authenticated job (`secret`) runs them on
+    /// the flow transport, which seals its packets.
+    pub message_layer: bool,
 }
 
 impl SessionConfig {
@@ -92,6 +98,7 @@ impl SessionConfig {
             seed: 0,
             point_to_point: true,
             rate_bps: None,
+            message_layer: true,
         }
     }
 
@@ -145,6 +152,22 @@ impl SessionConfig {
         } else {
             vec![(r, (r + 1) % n), ((r + n - 1) % n, r)]
         }
+    }
+
+    /// Whether this session runs its collectives on the message layer.
+    fn uses_message_layer(&self) -> bool {
+        self.message_layer && self.secret.is_none()
+    }
+
+    /// Binds the message layer's socket if the session uses it.
+    fn bind_group(&self) -> Result<Option<PendingGroup>, SessionError> {
+        if !self.uses_message_layer() {
+            return Ok(None);
+        }
+        let mut g = GroupConfig::new(self.job, self.rank, self.world, self.ip, self.timeout);
+        g.endpoint.inject_loss = self.inject_loss;
+        g.endpoint.seed = self.seed;
+        Ok(Some(PendingGroup::bind(g)?))
     }
 
     fn link_config(&self) -> NetLinkConfig {
@@ -203,6 +226,7 @@ fn loss_bound(p: f64) -> Result<LossBound, SessionError> {
 pub struct Endpoint {
     cfg: SessionConfig,
     pending: PendingLinks,
+    group: Option<PendingGroup>,
 }
 
 impl Endpoint {
@@ -210,6 +234,9 @@ impl Endpoint {
     pub fn bind(cfg: SessionConfig) -> Result<Endpoint, SessionError> {
         cfg.check()?;
         let secret = cfg.secret()?;
+        let group = cfg.bind_group()?;
+        let mut link_cfg = cfg.link_config();
+        link_cfg.msg_port = group.as_ref().map(|g| g.address().port());
         let pending = Links::bind(
             cfg.job,
             cfg.rank,
@@ -217,9 +244,13 @@ impl Endpoint {
             cfg.ip,
             &cfg.edges(),
             secret.as_ref(),
-            &cfg.link_config(),
+            &link_cfg,
         )?;
-        Ok(Endpoint { cfg, pending })
+        Ok(Endpoint {
+            cfg,
+            pending,
+            group,
+        })
     }
 
     /// The bytes every other rank needs from this one (at most [`MAX_ENDPOINT_LEN`]).
@@ -232,7 +263,7 @@ impl Endpoint {
     pub fn connect(self, table: &[Vec<u8>]) -> Result<Session, SessionError> {
         let comm_cfg = self.cfg.comm_config()?;
         let links = self.pending.finish(table)?;
-        Session::over(links, self.cfg, comm_cfg)
+        Session::over(links, self.cfg, comm_cfg, self.group)
     }
 }
 
@@ -250,6 +281,9 @@ pub struct ReduceOptions {
     pub num_layers: u16,
     /// DSCP of the data packets, instead of the layer's.
     pub dscp: Option<u8>,
+    /// The all-reduce algorithm on the message layer (`Auto`: two-phase for small worlds or
+    /// tensors, ring otherwise).
+    pub algorithm: AllReduceAlgo,
 }
 
 /// Options of a point-to-point transfer: both ends give the same tensor id.
@@ -347,6 +381,8 @@ pub struct RecvSummary {
 pub struct Session {
     cfg: SessionConfig,
     comm: Communicator,
+    /// The message layer, when the session runs its collectives there.
+    group: Option<Group>,
 }
 
 impl Session {
@@ -355,6 +391,9 @@ impl Session {
         cfg.check()?;
         let secret = cfg.secret()?;
         let comm_cfg = cfg.comm_config()?;
+        let group = cfg.bind_group()?;
+        let mut link_cfg = cfg.link_config();
+        link_cfg.msg_port = group.as_ref().map(|g| g.address().port());
         let links = Links::connect(
             cfg.job,
             cfg.rank,
@@ -363,18 +402,48 @@ impl Session {
             master,
             &cfg.edges(),
             secret.as_ref(),
-            &cfg.link_config(),
+            &link_cfg,
         )?;
-        Session::over(links, cfg, comm_cfg)
+        Session::over(links, cfg, comm_cfg, group)
     }
 
     fn over(
         links: Links,
         cfg: SessionConfig,
         comm_cfg: CommConfig,
+        group: Option<PendingGroup>,
     ) -> Result<Session, SessionError> {
+        let group = match group {
+            None => None,
+            Some(g) => {
+                let table = links
+                    .msg_addrs()
+                    .iter()
+                    .enumerate()
+                    .map(|(r, a)| {
+                        a.ok_or_else(|| {
+                            SessionError::InvalidArgument(format!(
+                                "rank {r} runs no message layer (an older gradwire, or \
+                                 message_layer off there): give every rank the same settings"
+                            ))
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Some(g.start(table)?)
+            }
+        };
         let comm = Communicator::new(links, cfg.job, comm_cfg)?;
-        Ok(Session { cfg, comm })
+        Ok(Session { cfg, comm, group })
+    }
+
+    /// Whether the collectives run on the message layer.
+    pub fn message_layer(&self) -> bool {
+        self.group.is_some()
+    }
+
+    /// The message layer's counters (`None` when the session does not use it).
+    pub fn message_stats(&self) -> Option<gradwire_msg::endpoint::EndpointStats> {
+        self.group.as_ref().map(Group::stats)
     }
 
     /// This rank.
@@ -400,6 +469,62 @@ impl Session {
         opts: &ReduceOptions,
     ) -> Result<ReduceReport, SessionError> {
         let tensor = float_tensor(dtype, bytes)?;
+        if let Some(g) = &self.group {
+            let bound = opts.loss_bound.unwrap_or(self.cfg.loss_bound);
+            loss_bound(bound)?;
+            let o = GroupReduceOptions {
+                op: opts.op,
+                loss_bound: bound,
+                algorithm: opts.algorithm,
+                dscp: data_dscp(opts)?,
+                layer: opts.layer,
+            };
+            let elems = tensor.elems();
+            let sent_before = g.stats().core.payload_bytes_sent;
+            let r = g.all_reduce(tensor, &o)?;
+            let world = self.cfg.world;
+            let contributors = r
+                .contributors
+                .unwrap_or_else(|| Contributors::all(r.blocks, world));
+            let counts: Vec<usize> = (0..r.blocks).map(|b| contributors.count(b)).collect();
+            let block_delivered: Vec<f64> = counts
+                .iter()
+                .map(|&c| c as f64 / world.max(1) as f64)
+                .collect();
+            let delivered_fraction = if r.blocks == 0 {
+                1.0
+            } else {
+                block_delivered.iter().sum::<f64>() / r.blocks as f64
+            };
+            let rank_delivered = (0..world)
+                .map(|q| {
+                    if r.blocks == 0 {
+                        1.0
+                    } else {
+                        (0..r.blocks)
+                            .filter(|&b| contributors.contains(b, q))
+                            .count() as f64
+                            / r.blocks as f64
+                    }
+                })
+                .collect();
+            return Ok(ReduceReport {
+                elems,
+                blocks: r.blocks,
+                block_elems: g.block_bytes() / dtype.elem_size(),
+                complete_blocks: r.complete_blocks,
+                delivered_fraction,
+                rank_delivered,
+                block_delivered,
+                elapsed_s: r.elapsed.as_secs_f64(),
+                bytes_sent: g
+                    .stats()
+                    .core
+                    .payload_bytes_sent
+                    .saturating_sub(sent_before),
+                contributors,
+            });
+        }
         let o = AllReduceOptions {
             op: opts.op,
             loss_bound: opts.loss_bound.map(loss_bound).transpose()?,
@@ -436,6 +561,28 @@ impl Session {
     ) -> Result<BroadcastReport, SessionError> {
         let tensor = TensorMut::new(dtype, bytes)?;
         let bound = opts.loss_bound.map(loss_bound).transpose()?;
+        let reliable = opts.loss_bound.unwrap_or(0.0) == 0.0;
+        if let (Some(g), true) = (&self.group, reliable) {
+            if root >= self.cfg.world {
+                return Err(SessionError::InvalidArgument(format!(
+                    "root {root} is not below the world size {}",
+                    self.cfg.world
+                )));
+            }
+            let started = std::time::Instant::now();
+            let len = tensor.as_bytes().len();
+            let mut tensor = tensor;
+            g.broadcast(tensor.as_bytes_mut(), root)?;
+            let block_elems = g.block_bytes() / dtype.elem_size();
+            let blocks = len.div_ceil(g.block_bytes());
+            return Ok(BroadcastReport {
+                block_elems,
+                block_received: vec![true; blocks],
+                blocks,
+                received_blocks: blocks,
+                elapsed_s: started.elapsed().as_secs_f64(),
+            });
+        }
         let r = self.comm.broadcast(tensor, root, bound)?;
         Ok(BroadcastReport {
             block_elems: r.block_elems,
@@ -448,6 +595,9 @@ impl Session {
 
     /// Wait until every rank has entered the barrier.
     pub fn barrier(&mut self) -> Result<(), SessionError> {
+        if let Some(g) = &self.group {
+            return Ok(g.barrier()?);
+        }
         Ok(self.comm.barrier()?)
     }
 

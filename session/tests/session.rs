@@ -631,9 +631,12 @@ fn forged_contributor_sets_are_a_data_error_naming_the_peer() {
     // Rank 1's sets word per block (world 2: one u64 each): rank 0, the receiver itself; rank 2,
     // beyond the world.
     for forged in [0b01u64, 0b100] {
+        // The forger speaks the flow transport (collective::link); the message layer's
+        // refusal of forged sets is tested in gradwire-collective (algo::tests).
         let rank0 = Endpoint::bind(SessionConfig {
             job,
             timeout: Duration::from_secs(5),
+            message_layer: false,
             ..config(0, 2)
         })
         .unwrap();

@@ -9,7 +9,9 @@ use gradwire_msg::core::{Place, RecvOpts, SendOpts};
 use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
-use super::{check_spec, finish_chunk, outcome, Chunks, Masks, ReduceOutcome, ReduceSpec};
+use super::{
+    check_mask, check_spec, finish_chunk, outcome, Chunks, Masks, ReduceOutcome, ReduceSpec,
+};
 
 /// The two-phase all-reduce over one region.
 #[derive(Debug)]
@@ -139,6 +141,7 @@ impl Op for Direct {
                 let opts = RecvOpts {
                     place: Place::Sum(self.spec.dtype),
                     loss_bound: self.spec.loss_bound,
+                    keep_meta: lossy,
                     ..RecvOpts::default()
                 };
                 cx.recv(peer, self.recv_base[q], buf, own.clone(), opts)?;
@@ -156,11 +159,16 @@ impl Op for Direct {
                 };
                 cx.recv(peer, self.recv_base[q] + 1, buf, theirs.clone(), opts)?;
                 self.recvs_left += 1;
-                // Phase 1 out: my contribution to q's chunk.
+                // Phase 1 out: my contribution to q's chunk (under a bound, each segment
+                // names me as its only contributor, which q checks).
+                let meta = match &self.masks {
+                    Some(_) => vec![1u64 << self.rank; self.chunks.block_range(q).len().max(1)],
+                    None => Vec::new(),
+                };
                 let opts = SendOpts {
                     tos: self.spec.tos,
                     layer: self.spec.layer,
-                    meta: Vec::new(),
+                    meta,
                 };
                 cx.send(peer, self.send_base[q], buf, theirs, opts)?;
                 self.sends_left += 1;
@@ -183,6 +191,9 @@ impl Op for Direct {
                     if let Some(m) = &mut self.masks {
                         for (i, b) in self.chunks.block_range(self.rank).enumerate() {
                             if report.has(i) {
+                                // q's own contribution: exactly {q}.
+                                let got = report.meta.get(i).copied().unwrap_or(0);
+                                check_mask(got, self.world, q, !(1u64 << q), peer, b)?;
                                 m.words[b] |= 1 << q;
                             }
                         }
@@ -193,7 +204,9 @@ impl Op for Direct {
                     }
                 } else if let Some(m) = &mut self.masks {
                     for (i, b) in self.chunks.block_range(q).enumerate() {
-                        m.words[b] = report.meta.get(i).copied().unwrap_or(0);
+                        let got = report.meta.get(i).copied().unwrap_or(0);
+                        check_mask(got, self.world, q, 0, peer, b)?;
+                        m.words[b] = got;
                     }
                 }
             }

@@ -151,6 +151,37 @@ impl Masks {
     }
 }
 
+/// Checks a contributor set that arrived from `peer` for a block: within the world, naming
+/// `must` (who certainly contributed) and none of `must_not` (already summed here: a
+/// duplicate would count twice).
+pub(crate) fn check_mask(
+    m: u64,
+    world: usize,
+    must: usize,
+    must_not: u64,
+    peer: u16,
+    block: usize,
+) -> Result<(), gradwire_msg::op::OpError> {
+    let all = if world >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << world) - 1
+    };
+    let why = if m & !all != 0 {
+        "names a rank beyond the world"
+    } else if m & (1 << must) == 0 {
+        "leaves out the rank whose values it carries"
+    } else if m & must_not != 0 {
+        "names a rank it cannot carry (one already summed here, or not its sender)"
+    } else {
+        return Ok(());
+    };
+    Err(gradwire_msg::op::OpError::Data {
+        peer,
+        reason: format!("the contributor set {m:#x} of block {block} {why}"),
+    })
+}
+
 /// Finishes the blocks of `chunk` in `bytes` (a sum over `count` contributors becomes the
 /// requested sum or average).
 pub(crate) fn finish_chunk(

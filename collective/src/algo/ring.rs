@@ -9,7 +9,9 @@ use gradwire_msg::core::{Place, RecvOpts, SendOpts};
 use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
-use super::{check_spec, finish_chunk, outcome, Chunks, Masks, ReduceOutcome, ReduceSpec};
+use super::{
+    check_mask, check_spec, finish_chunk, outcome, Chunks, Masks, ReduceOutcome, ReduceSpec,
+};
 
 /// Which halves of the ring run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,16 +200,19 @@ impl Op for Ring {
     fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Step<ReduceOutcome> {
         match ev {
             OpEvent::Sent { .. } => self.sends_left = self.sends_left.saturating_sub(1),
-            OpEvent::Received { msg, report, .. } => {
+            OpEvent::Received { peer, msg, report } => {
                 self.recvs_left = self.recvs_left.saturating_sub(1);
                 let k = msg.wrapping_sub(self.recv_base) as usize;
+                let prev = usize::from(peer);
                 if k < self.rs_steps {
                     let c = self.chunks.sub(self.rank, k + 2);
                     self.missing += u64::from(report.missing);
                     if let Some(m) = &mut self.masks {
                         for (i, b) in self.chunks.block_range(c).enumerate() {
                             if report.has(i) {
-                                m.words[b] |= report.meta.get(i).copied().unwrap_or(0);
+                                let got = report.meta.get(i).copied().unwrap_or(0);
+                                check_mask(got, self.world, prev, m.words[b], peer, b)?;
+                                m.words[b] |= got;
                             }
                         }
                     }
@@ -235,7 +240,10 @@ impl Op for Ring {
                     let c = self.chunks.sub(self.rank, s + 1);
                     if let Some(m) = &mut self.masks {
                         for (i, b) in self.chunks.block_range(c).enumerate() {
-                            m.words[b] = report.meta.get(i).copied().unwrap_or(0);
+                            let got = report.meta.get(i).copied().unwrap_or(0);
+                            // The chunk's owner (rank c) is always summed in its chunk.
+                            check_mask(got, self.world, c, 0, peer, b)?;
+                            m.words[b] = got;
                         }
                     }
                     if s + 1 < self.ag_steps {

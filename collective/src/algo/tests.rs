@@ -299,3 +299,80 @@ fn a_dead_rank_is_named_within_the_timeout_not_waited_for() {
         }
     }
 }
+
+/// Rank 1 of a two-rank two-phase all-reduce that sends its finished chunk with a forged
+/// contributor set.
+struct ForgedDirect {
+    forged: u64,
+    left: usize,
+}
+
+impl gradwire_msg::op::Op for ForgedDirect {
+    type Output = ();
+
+    fn start(&mut self, cx: &mut gradwire_msg::op::OpCx<'_>) -> gradwire_msg::op::Step<()> {
+        use gradwire_msg::core::{Place, RecvOpts, SendOpts};
+        let n = 20_000 * 4;
+        let chunks = super::Chunks::new(n, cx.seg_payload(), 2);
+        let buf = cx.register(gradwire_msg::mem::Region::owned(f32s(&vec![1.0; 20_000])));
+        let sb = cx.reserve_sends(0, 2)?;
+        let rb = cx.reserve_recvs(0, 2)?;
+        let sum = RecvOpts {
+            place: Place::Sum(DType::F32),
+            loss_bound: 0.1,
+            ..RecvOpts::default()
+        };
+        cx.recv(0, rb, buf, chunks.bytes(1), sum)?;
+        cx.recv(0, rb + 1, buf, chunks.bytes(0), RecvOpts::default())?;
+        cx.send(0, sb, buf, chunks.bytes(0), SendOpts::default())?;
+        let forged = SendOpts {
+            meta: vec![self.forged; chunks.block_range(1).len()],
+            ..SendOpts::default()
+        };
+        cx.send(0, sb + 1, buf, chunks.bytes(1), forged)?;
+        self.left = 4;
+        Ok(None)
+    }
+
+    fn on_event(
+        &mut self,
+        _ev: gradwire_msg::op::OpEvent,
+        _cx: &mut gradwire_msg::op::OpCx<'_>,
+    ) -> gradwire_msg::op::Step<()> {
+        self.left -= 1;
+        Ok((self.left == 0).then_some(()))
+    }
+}
+
+#[test]
+fn forged_contributor_sets_fail_the_reduction_naming_the_sender() {
+    // Beyond the world; leaving out the sender itself.
+    for forged in [0b110u64, 0b01] {
+        let quick = |c: &mut GroupConfig| c.endpoint.core.peer_timeout = Duration::from_secs(1);
+        let out = with_groups(2, quick, move |g| {
+            if g.rank() == 1 {
+                // Rank 0 gives up on the forged sets, so this rank may not hear its DONE.
+                let _ = g.run_op_for_tests(ForgedDirect { forged, left: 0 });
+                return None;
+            }
+            let mut b = f32s(&vec![1.0; 20_000]);
+            let o = GroupReduceOptions {
+                loss_bound: 0.1,
+                algorithm: AllReduceAlgo::Direct,
+                ..GroupReduceOptions::default()
+            };
+            let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+            let e = g
+                .all_reduce(t, &o)
+                .expect_err("forged sets must be refused");
+            let again = g.barrier().expect_err("unusable after a failure");
+            Some((e.to_string(), again.to_string()))
+        });
+        let (e, again) = out[0].clone().expect("rank 0's result");
+        assert!(
+            e.contains("rank 1 sent invalid aggregation data"),
+            "{forged:#b}: {e}"
+        );
+        assert!(again.contains("failed earlier"), "{again}");
+    }
+}

@@ -255,6 +255,8 @@ pub struct Stats {
     pub data_sent: u64,
     /// Data segments resent.
     pub data_resent: u64,
+    /// Payload bytes sent (first transmissions and resends).
+    pub payload_bytes_sent: u64,
     /// Control frames sent.
     pub ctrl_sent: u64,
     /// Data segments placed.

@@ -163,6 +163,7 @@ impl Core {
                         out.headers.push(hb);
                         out.payloads
                             .push((s.buf, s.start + off..s.start + off + len));
+                        self.stats.payload_bytes_sent += len as u64;
                         if retransmit {
                             self.stats.data_resent += 1;
                         } else {
