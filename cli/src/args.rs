@@ -190,29 +190,11 @@ pub enum JobCommand {
 }
 
 /// An all-reduce algorithm: the ring, or a tree of a strategy (rooted at rank 0).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JobAlgorithm {
-    Ring,
-    Tree(gradwire_collective::tree::Strategy),
-}
-
-impl std::fmt::Display for JobAlgorithm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            JobAlgorithm::Ring => f.write_str("ring"),
-            JobAlgorithm::Tree(s) => write!(f, "{s}"),
-        }
-    }
-}
+pub use gradwire_job::JobAlgorithm;
 
 /// Parse "ring", "star", "rack", "binary" or "d=N".
 pub fn parse_algorithm(s: &str) -> Result<JobAlgorithm, String> {
-    if s.trim().eq_ignore_ascii_case("ring") {
-        return Ok(JobAlgorithm::Ring);
-    }
     s.parse()
-        .map(JobAlgorithm::Tree)
-        .map_err(|e: gradwire_collective::tree::ParseStrategyError| format!("{e}, or \"ring\""))
 }
 
 /// Reduction of a job's all-reduce.

@@ -35,21 +35,19 @@
 //! fell behind is run again, up to [`WanConfig::max_attempts`] times, each attempt recorded.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
 use gradwire::rate::RateMode;
 use gradwire_fabric::netns::FabricNet;
 use gradwire_fabric::run::{spawn, FabricConfig, FabricHandle};
 use gradwire_fabric::topology::{ScheduledLink, Topology};
+use gradwire_launch::{Ended, RankCommand, Ranks, Supervision};
 use gradwire_netstorm::config::NetStormConfig;
 use gradwire_wan::overlay::{overlay_from_topology, site_links, SiteLink};
 use gradwire_wan::scheduler::Strategy;
@@ -377,27 +375,14 @@ impl RunOutcome {
 struct Testbed {
     net: Option<FabricNet>,
     fabric: Option<FabricHandle>,
-    children: Vec<Option<Child>>,
+    ranks: Ranks,
     meter: FrameMeter,
 }
 
 impl Testbed {
-    fn kill(&mut self, rank: usize) {
-        if let Some(Some(c)) = self.children.get_mut(rank) {
-            let _ = c.kill();
-        }
-    }
-
-    fn kill_all(&mut self) {
-        for c in self.children.iter_mut().flatten() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
     /// Stop everything; the fabric's health and the teardown's error.
     fn down(mut self) -> (FabricHealth, Option<String>) {
-        self.kill_all();
+        self.ranks.kill_running();
         let stats = self.fabric.take().and_then(|f| {
             let _ = f.wait_idle(Duration::from_secs(5));
             f.stop()
@@ -414,7 +399,7 @@ impl Testbed {
 
 impl Drop for Testbed {
     fn drop(&mut self) {
-        self.kill_all();
+        self.ranks.kill_running();
         if let Some(f) = self.fabric.take() {
             let _ = f.stop();
         }
@@ -422,12 +407,6 @@ impl Drop for Testbed {
             let _ = n.down();
         }
     }
-}
-
-/// What a node's stderr reader passes on.
-enum Line {
-    /// `node R: round K/N ...`: node R finished K rounds.
-    Round(usize, u32),
 }
 
 /// The `wan node` arguments of rank `rank`.
@@ -551,7 +530,7 @@ pub fn run_strategy(
     let mut bed = Testbed {
         net: None,
         fabric: None,
-        children: Vec::new(),
+        ranks: Ranks::new(),
         meter: FrameMeter::default(),
     };
     match spawn(topo, net.switch_namespaces(), FabricConfig::default()) {
@@ -567,125 +546,96 @@ pub fn run_strategy(
         .filter_map(|i| net.host_ns(i).map(str::to_owned))
         .collect();
     bed.net = Some(net);
-    let (tx, rx) = mpsc::channel::<Line>();
+    // `node R: round K/N ...` on a node's stderr: node R finished K rounds.
+    let (tx, rx) = mpsc::channel::<(usize, u32)>();
     let topo_path = absolute(topo_path);
     let model = absolute(&cfg.model);
-    let mut readers: Vec<(JoinHandle<String>, JoinHandle<String>)> = Vec::new();
-    let started = Instant::now();
+    // The nodes' clock (their end times, the deadline) starts now, not at the fabric's.
+    bed.ranks = Ranks::new();
     let nodes_started_s = fabric_t0.elapsed().as_secs_f64();
     let mut setup_error = None;
     for (rank, ns) in host_ns.iter().enumerate() {
-        let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", ns])
-            .arg(&cfg.exe)
-            .args(node_args(
-                cfg, &topo_path, &model, topo, strategy, rank, duration,
-            ))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                setup_error = Some(format!(
-                    "starting node {rank} ({} in {ns}): {e}",
-                    cfg.exe.display()
-                ));
-                break;
-            }
+        let cmd = RankCommand {
+            netns: Some(ns.clone()),
+            program: cfg.exe.clone(),
+            args: node_args(cfg, &topo_path, &model, topo, strategy, rank, duration),
+            ..RankCommand::default()
         };
-        let out = child.stdout.take();
-        let err = child.stderr.take();
-        bed.children.push(Some(child));
-        let o = std::thread::spawn(move || {
-            let mut s = String::new();
-            if let Some(mut o) = out {
-                let _ = o.read_to_string(&mut s);
-            }
-            s
-        });
         let tx = tx.clone();
-        let e = std::thread::spawn(move || {
-            let mut kept = String::new();
-            let Some(e) = err else { return kept };
-            let mark = format!("node {rank}{ROUND_MARK}");
-            for line in BufReader::new(e).lines() {
-                let Ok(line) = line else { break };
-                if let Some(rest) = line.strip_prefix(&mark) {
-                    let k = rest
-                        .split(|c: char| !c.is_ascii_digit())
-                        .next()
-                        .and_then(|n| n.parse().ok());
-                    if let Some(k) = k {
-                        let _ = tx.send(Line::Round(rank, k));
-                    }
-                } else {
-                    kept.push_str(&line);
-                    kept.push('\n');
-                }
+        let mark = format!("node {rank}{ROUND_MARK}");
+        let started = bed.ranks.start(&cmd, move |line| {
+            let Some(rest) = line.strip_prefix(&mark) else {
+                return false;
+            };
+            let k = rest
+                .split(|c: char| !c.is_ascii_digit())
+                .next()
+                .and_then(|n| n.parse().ok());
+            if let Some(k) = k {
+                let _ = tx.send((rank, k));
             }
-            kept
+            true
         });
-        readers.push((o, e));
+        if let Err(e) = started {
+            setup_error = Some(format!(
+                "starting node {rank} ({} in {ns}): {e}",
+                cfg.exe.display()
+            ));
+            break;
+        }
     }
     drop(tx);
     // Nodes bound each wait themselves; this only catches what they cannot.
     let deadline =
         cfg.timeout * 3 + duration.unwrap_or_else(|| cfg.timeout * cfg.iterations.min(1000));
-    let mut status: Vec<Option<(ExitStatus, f64)>> = vec![None; bed.children.len()];
     let mut run_error = setup_error;
-    let mut faulted = false;
-    let mut sampled = Instant::now();
-    while run_error.is_none() {
-        // The fabric publishes every 200 ms; its frame counters give the run's frame rate.
-        if sampled.elapsed() >= Duration::from_millis(200) {
-            sampled = Instant::now();
-            if let Some(st) = bed.fabric.as_ref().and_then(FabricHandle::stats) {
-                bed.meter.sample(&st);
-            }
-        }
-        if cfg.stop.load(Ordering::Relaxed) {
-            run_error = Some("interrupted".into());
-            break;
-        }
-        while let Ok(Line::Round(rank, k)) = rx.try_recv() {
-            if let Some(f) = cfg.fault.filter(|f| f.rank == rank && k >= f.after_rounds) {
-                if !faulted {
-                    bed.kill(f.rank);
-                    faulted = true;
+    if run_error.is_none() {
+        let mut faulted = false;
+        let mut sampled = Instant::now();
+        let (fabric, meter) = (&bed.fabric, &mut bed.meter);
+        let how = Supervision {
+            deadline,
+            stop: &cfg.stop,
+            end_on_failure: false,
+        };
+        let ended = bed.ranks.supervise(&how, |ranks| {
+            // The fabric publishes every 200 ms; its frame counters give the run's frame
+            // rate.
+            if sampled.elapsed() >= Duration::from_millis(200) {
+                sampled = Instant::now();
+                if let Some(st) = fabric.as_ref().and_then(FabricHandle::stats) {
+                    meter.sample(&st);
                 }
             }
-        }
-        for (r, c) in bed.children.iter_mut().enumerate() {
-            if status[r].is_none() {
-                if let Some(Ok(Some(s))) = c.as_mut().map(Child::try_wait) {
-                    status[r] = Some((s, started.elapsed().as_secs_f64()));
+            while let Ok((rank, k)) = rx.try_recv() {
+                if let Some(f) = cfg.fault.filter(|f| f.rank == rank && k >= f.after_rounds) {
+                    if !faulted {
+                        ranks.kill(f.rank);
+                        faulted = true;
+                    }
                 }
             }
-        }
-        if status.iter().all(Option::is_some) {
-            break;
-        }
-        if started.elapsed() > deadline {
-            let running: Vec<usize> = (0..status.len()).filter(|&r| status[r].is_none()).collect();
-            run_error = Some(format!(
+        });
+        run_error = match ended {
+            Ended::AllExited | Ended::Failed(_) => None,
+            Ended::Interrupted => Some("interrupted".into()),
+            Ended::Deadline { running } => Some(format!(
                 "the run did not end within {deadline:?}: node(s) {running:?} still running; \
                  stopped them"
-            ));
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
+            )),
+        };
     }
-    bed.kill_all();
+    let now_s = bed.ranks.elapsed().as_secs_f64();
+    let outputs = std::mem::take(&mut bed.ranks).finish();
     let (fabric, down_error) = bed.down();
     let mut nodes = Vec::new();
-    for (rank, (o, e)) in readers.into_iter().enumerate() {
-        let stdout = o.join().unwrap_or_default();
-        let stderr = e.join().unwrap_or_default();
-        let (st, ended_s) = match status.get(rank).copied().flatten() {
-            Some((s, t)) => (Some(s), t),
-            None => (None, started.elapsed().as_secs_f64()),
+    for o in outputs {
+        let rank = o.rank;
+        let (st, ended_s) = match o.ended {
+            Some((s, t)) => (Some(s), t.as_secs_f64()),
+            None => (None, now_s),
         };
+        let (stdout, stderr) = (o.stdout, o.stderr);
         let tail: Vec<String> = {
             let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
             lines[lines.len().saturating_sub(STDERR_TAIL)..]
