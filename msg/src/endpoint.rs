@@ -20,7 +20,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::core::{Core, CoreConfig, Event, Stats, TxBatch};
-use crate::io::udp::{IoError, Transmit, UdpConfig, UdpIo, Waker};
+use crate::io::udp::{IoError, UdpConfig, UdpIo};
+use crate::io::{BoxError, DatagramIo, Transmit, Waker};
 use crate::op::{Erased, Handle, Op, OpCx, OpError, OpEvent, Route, Slot, Typed};
 use crate::wire;
 
@@ -73,7 +74,13 @@ pub enum EndpointError {
 #[derive(Debug)]
 pub struct Bound {
     cfg: EndpointConfig,
-    io: UdpIo,
+    io: Box<dyn DatagramIo>,
+}
+
+impl std::fmt::Debug for dyn DatagramIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DatagramIo({})", self.local_addr())
+    }
 }
 
 /// Counters of an endpoint: the core's and the driver's.
@@ -128,12 +135,19 @@ impl std::fmt::Debug for Endpoint {
 }
 
 impl Endpoint {
-    /// Binds the socket.
-    pub fn bind(mut cfg: EndpointConfig) -> Result<Bound, EndpointError> {
+    /// Binds a kernel UDP socket.
+    pub fn bind(cfg: EndpointConfig) -> Result<Bound, EndpointError> {
         let io = UdpIo::bind(cfg.bind, &cfg.udp)?;
-        cfg.core.seg_payload = CoreConfig::seg_payload_for_mtu(cfg.mtu, cfg.bind.is_ipv6());
+        Ok(Endpoint::with_io(cfg, Box::new(io)))
+    }
+
+    /// An endpoint over a datagram socket of any kind (AF_XDP, ...), bound already;
+    /// `cfg.bind` and `cfg.udp` are not used.
+    pub fn with_io(mut cfg: EndpointConfig, io: Box<dyn DatagramIo>) -> Bound {
+        cfg.core.seg_payload =
+            CoreConfig::seg_payload_for_mtu(cfg.mtu, io.local_addr().is_ipv6());
         cfg.core.max_bundle = io.max_segments().max(1);
-        Ok(Bound { cfg, io })
+        Bound { cfg, io }
     }
 }
 
@@ -325,7 +339,7 @@ struct Running {
 
 struct Driver {
     core: Core,
-    io: UdpIo,
+    io: Box<dyn DatagramIo>,
     peers: Vec<SocketAddr>,
     by_addr: HashMap<SocketAddr, u16>,
     rx: mpsc::Receiver<Cmd>,
@@ -339,7 +353,7 @@ struct Driver {
 }
 
 impl Driver {
-    fn run(&mut self) -> Result<(), IoError> {
+    fn run(&mut self) -> Result<(), BoxError> {
         loop {
             let now = Instant::now();
             // Commands.
@@ -503,7 +517,7 @@ impl Driver {
     }
 
     /// Sends everything the core has now; returns datagrams sent.
-    fn transmit(&mut self, now: Instant) -> Result<usize, IoError> {
+    fn transmit(&mut self, now: Instant) -> Result<usize, BoxError> {
         let mut total = 0;
         loop {
             self.core.poll_transmit(now, &mut self.batch, 32);
