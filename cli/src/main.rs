@@ -1,6 +1,8 @@
-//! `gradwire`: send, receive and demo bounded-loss tensor transfers; build topology testbeds
-//! and run their emulated switch fabric; benchmark AF_XDP against kernel UDP and run the
-//! incast experiment. It parses arguments and prints: everything it runs is a library call.
+//! `gradwire`: send, receive and demo bounded-loss tensor transfers (and their `stats`);
+//! build topology testbeds and run their emulated switch fabric; benchmark AF_XDP against
+//! kernel UDP; run the experiments (incast, mlnet, priority, wan); run collective jobs (`job
+//! worker`, `job run`: `gradwire-job`) and NetStorm sites (`wan node`: `gradwire-wan`). It
+//! parses arguments and prints: everything it runs is a library call.
 
 mod args;
 mod experiment;

@@ -1,7 +1,10 @@
 //! Experiments and network benchmarks that run in network namespaces: [`netbench`]
 //! (`gradwire bench`: AF_XDP against kernel UDP between two namespaces), [`fabricbench`]
 //! (`gradwire-fabric-bench`: the emulated switch's forwarding rate per core against kernel
-//! forwarding), and, at the top level, the incast experiment below.
+//! forwarding), [`mlnet`] (`gradwire experiment mlnet / priority`: MLNET's aggregation trees
+//! and job priorities), [`wan`] (`gradwire experiment wan`: NetStorm's strategies on the
+//! emulated WAN, one `gradwire wan node` per site through `gradwire-launch`), and, at the top
+//! level, the incast experiment below.
 //!
 //! The DLCP parameter-server incast (§5.2's direction) on the emulated leaf-spine, gradwire
 //! against kernel TCP on the same topology and workload.
