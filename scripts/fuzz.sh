@@ -69,8 +69,14 @@ run() {
     log=$(mktemp)
     for t in "${targets[@]}"; do
         printf '\n== fuzz %s for %ss\n' "$t" "$secs" >&2
-        # corpus/<t> persists between runs, so repeated runs keep building on earlier ones.
-        if (cd fuzz && cargo fuzz run "${FUZZ_FLAGS[@]}" "$t" -- \
+        # corpus/<t> persists between runs, so repeated runs keep building on earlier ones;
+        # seeds/<t> (versioned, hand-made valid inputs) start a target past its parser.
+        local dirs=()
+        if [[ -d fuzz/seeds/$t ]]; then
+            mkdir -p "fuzz/corpus/$t"
+            dirs=("corpus/$t" "seeds/$t")
+        fi
+        if (cd fuzz && cargo fuzz run "${FUZZ_FLAGS[@]}" "$t" "${dirs[@]}" -- \
             -max_total_time="$secs" -print_final_stats=1) >"$log" 2>&1; then
             grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n 1 >&2 || true
             grep -E '^stat::(number_of_executed_units|average_exec_per_sec|peak_rss_mb)' "$log" >&2 || true
