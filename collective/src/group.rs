@@ -97,6 +97,8 @@ pub struct GroupReduceOptions {
     pub dscp: u8,
     /// DNN layer.
     pub layer: u16,
+    /// A time bound per lossy step (`None`: only the loss bound ends a step early).
+    pub step_deadline: Option<Duration>,
 }
 
 /// A group before its endpoint starts.
@@ -210,6 +212,7 @@ impl Group {
             // ECN-capable: switches mark rather than drop above their thresholds.
             tos: (o.dscp << 2) | 0b10,
             layer: o.layer,
+            step_deadline: o.step_deadline,
         })
     }
 
@@ -281,6 +284,7 @@ impl Group {
             loss_bound: 0.0,
             tos: 0b10,
             layer: 0,
+            step_deadline: None,
         };
         self.guard(|| {
             self.ep

@@ -159,6 +159,11 @@ impl OpCx<'_> {
         Ok(self.core.skip_recv(peer, msg)?)
     }
 
+    /// Sets the deadline of a posted receive of this operation.
+    pub fn set_deadline(&mut self, peer: u16, msg: u32, at: Instant) {
+        self.core.set_deadline(peer, msg, at);
+    }
+
     /// Posts a send.
     pub fn send(
         &mut self,

@@ -10,7 +10,8 @@ use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use super::{
-    check_mask, check_spec, finish_chunk, outcome, Chunks, Masks, ReduceOutcome, ReduceSpec,
+    check_mask, check_spec, finish_chunk, outcome, step, Chunks, Masks, ReduceOutcome, ReduceSpec,
+    StepReport,
 };
 
 /// The two-phase all-reduce over one region.
@@ -28,7 +29,7 @@ pub struct Direct {
     phase1_left: usize,
     sends_left: usize,
     recvs_left: usize,
-    missing: u64,
+    steps: Vec<StepReport>,
     started: Option<Instant>,
 }
 
@@ -48,7 +49,7 @@ impl Direct {
             phase1_left: 0,
             sends_left: 0,
             recvs_left: 0,
-            missing: 0,
+            steps: Vec::new(),
             started: None,
         }
     }
@@ -101,7 +102,7 @@ impl Direct {
             &self.chunks,
             self.masks.as_ref(),
             self.world,
-            self.missing,
+            std::mem::take(&mut self.steps),
             cx.now()
                 .saturating_duration_since(self.started.unwrap_or_else(|| cx.now())),
         )))
@@ -142,7 +143,7 @@ impl Op for Direct {
                     place: Place::Sum(self.spec.dtype),
                     loss_bound: self.spec.loss_bound,
                     keep_meta: lossy,
-                    ..RecvOpts::default()
+                    deadline: self.spec.step_deadline.map(|d| cx.now() + d),
                 };
                 cx.recv(peer, self.recv_base[q], buf, own.clone(), opts)?;
                 self.phase1_left += 1;
@@ -187,7 +188,7 @@ impl Op for Direct {
                 self.recvs_left = self.recvs_left.saturating_sub(1);
                 let q = usize::from(peer);
                 if msg == self.recv_base[q] {
-                    self.missing += u64::from(report.missing);
+                    self.steps.push(step(peer, &report));
                     if let Some(m) = &mut self.masks {
                         for (i, b) in self.chunks.block_range(self.rank).enumerate() {
                             if report.has(i) {

@@ -24,6 +24,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use gradwire::tensor::DType;
+use gradwire_msg::core::{Ended, RecvReport};
 use gradwire_msg::mem::Region;
 
 use crate::aggregate::{finish_block, Contributors, ReduceOp};
@@ -44,6 +45,22 @@ pub struct ReduceSpec {
     pub tos: u8,
     /// DNN layer.
     pub layer: u16,
+    /// A time bound per lossy step (OptiReduce): a reduce-scatter receive ends at most this
+    /// long after its step could start, with what arrived (`None`: only the loss bound).
+    pub step_deadline: Option<Duration>,
+}
+
+/// How one lossy receive of a reduction ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepReport {
+    /// The sender.
+    pub peer: usize,
+    /// What ended it.
+    pub ended: Ended,
+    /// Segments it ended without.
+    pub missing: u32,
+    /// Segments of the message.
+    pub segments: u32,
 }
 
 /// What a reduction did.
@@ -61,6 +78,9 @@ pub struct ReduceOutcome {
     pub contributors: Option<Contributors>,
     /// Segments this rank received short under the bound.
     pub missing_segments: u64,
+    /// How each reduce-scatter receive of this rank ended (the loss bound, the deadline, or
+    /// complete), in order of arrival.
+    pub steps: Vec<StepReport>,
     /// Wall time on the progress thread.
     pub elapsed: Duration,
 }
@@ -209,7 +229,7 @@ pub(crate) fn outcome(
     chunks: &Chunks,
     masks: Option<&Masks>,
     world: usize,
-    missing: u64,
+    steps: Vec<StepReport>,
     elapsed: Duration,
 ) -> ReduceOutcome {
     let blocks = chunks.blocks();
@@ -223,8 +243,19 @@ pub(crate) fn outcome(
         blocks,
         complete_blocks,
         contributors: masks.map(|m| m.to_contributors(world)),
-        missing_segments: missing,
+        missing_segments: steps.iter().map(|s| u64::from(s.missing)).sum(),
+        steps,
         elapsed,
+    }
+}
+
+/// The step report of a finished reduce-scatter receive.
+pub(crate) fn step(peer: u16, r: &RecvReport) -> StepReport {
+    StepReport {
+        peer: usize::from(peer),
+        ended: r.ended,
+        missing: r.missing,
+        segments: r.segments,
     }
 }
 

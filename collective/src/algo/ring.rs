@@ -10,7 +10,8 @@ use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use super::{
-    check_mask, check_spec, finish_chunk, outcome, Chunks, Masks, ReduceOutcome, ReduceSpec,
+    check_mask, check_spec, finish_chunk, outcome, step, Chunks, Masks, ReduceOutcome, ReduceSpec,
+    StepReport,
 };
 
 /// Which halves of the ring run.
@@ -43,7 +44,7 @@ pub struct Ring {
     ag_steps: usize,
     sends_left: usize,
     recvs_left: usize,
-    missing: u64,
+    steps: Vec<StepReport>,
     started: Option<Instant>,
 }
 
@@ -66,7 +67,7 @@ impl Ring {
             ag_steps: 0,
             sends_left: 0,
             recvs_left: 0,
-            missing: 0,
+            steps: Vec::new(),
             started: None,
         }
     }
@@ -114,7 +115,7 @@ impl Ring {
             &self.chunks,
             self.masks.as_ref(),
             self.world,
-            self.missing,
+            std::mem::take(&mut self.steps),
             cx.now()
                 .saturating_duration_since(self.started.unwrap_or_else(|| cx.now())),
         )))
@@ -187,6 +188,10 @@ impl Op for Ring {
             let k = (self.rs_steps + s) as u32;
             cx.recv(prev, self.recv_base + k, buf, self.chunks.bytes(c), opts)?;
         }
+        if let (Some(d), true) = (self.spec.step_deadline, self.rs_steps > 0) {
+            let now = cx.now();
+            cx.set_deadline(prev, self.recv_base, now + d);
+        }
         self.sends_left = steps as usize;
         self.recvs_left = steps as usize;
         if self.rs_steps > 0 {
@@ -206,7 +211,7 @@ impl Op for Ring {
                 let prev = usize::from(peer);
                 if k < self.rs_steps {
                     let c = self.chunks.sub(self.rank, k + 2);
-                    self.missing += u64::from(report.missing);
+                    self.steps.push(step(peer, &report));
                     if let Some(m) = &mut self.masks {
                         for (i, b) in self.chunks.block_range(c).enumerate() {
                             if report.has(i) {
@@ -217,6 +222,11 @@ impl Op for Ring {
                         }
                     }
                     if k + 1 < self.rs_steps {
+                        // The next step can start now: its time bound runs from here.
+                        if let Some(d) = self.spec.step_deadline {
+                            let now = cx.now();
+                            cx.set_deadline(peer, self.recv_base + k as u32 + 1, now + d);
+                        }
                         self.rs_send(cx, k + 1)?;
                     } else {
                         // Chunk `rank` is reduced: finish it, then the all-gather starts.

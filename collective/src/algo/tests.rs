@@ -324,7 +324,12 @@ impl gradwire_msg::op::Op for ForgedDirect {
         };
         cx.recv(0, rb, buf, chunks.bytes(1), sum)?;
         cx.recv(0, rb + 1, buf, chunks.bytes(0), RecvOpts::default())?;
-        cx.send(0, sb, buf, chunks.bytes(0), SendOpts::default())?;
+        // Phase 1 is genuine (its set is exactly {1}); phase 2, rank 1's finished chunk, is not.
+        let genuine = SendOpts {
+            meta: vec![0b10; chunks.block_range(0).len()],
+            ..SendOpts::default()
+        };
+        cx.send(0, sb, buf, chunks.bytes(0), genuine)?;
         let forged = SendOpts {
             meta: vec![self.forged; chunks.block_range(1).len()],
             ..SendOpts::default()
@@ -374,5 +379,50 @@ fn forged_contributor_sets_fail_the_reduction_naming_the_sender() {
             "{forged:#b}: {e}"
         );
         assert!(again.contains("failed earlier"), "{again}");
+    }
+}
+
+#[test]
+fn a_step_deadline_ends_lossy_steps_and_the_ranks_still_agree() {
+    // 30 % of data lost, a 1 % bound: only the 5 ms time bound can end the lossy steps early.
+    for algo in [AllReduceAlgo::Ring, AllReduceAlgo::Direct] {
+        let world = 3;
+        let n = 100_000;
+        let out = with_groups(
+            world,
+            |c| {
+                c.endpoint.inject_loss = 0.3;
+                c.endpoint.seed = 5;
+            },
+            move |g| {
+                let mut b = f32s(&input(g.rank(), n));
+                let o = GroupReduceOptions {
+                    loss_bound: 0.01,
+                    algorithm: algo,
+                    step_deadline: Some(Duration::from_millis(5)),
+                    ..GroupReduceOptions::default()
+                };
+                let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+                let r = g.all_reduce(t, &o).expect("all-reduce");
+                let c = r.contributors.expect("sets");
+                let sets: Vec<Vec<usize>> = (0..c.blocks()).map(|b| c.ranks(b)).collect();
+                (vals(&b), sets, r.steps)
+            },
+        );
+        for (rank, (v, sets, steps)) in out.iter().enumerate() {
+            assert_eq!(v, &out[0].0, "{algo:?}: rank {rank}'s values differ");
+            assert_eq!(sets, &out[0].1, "{algo:?}: rank {rank}'s sets differ");
+            assert_eq!(
+                steps.len(),
+                world - 1,
+                "{algo:?}: one report per lossy receive"
+            );
+        }
+        let by_deadline = out
+            .iter()
+            .flat_map(|o| &o.2)
+            .filter(|s| s.ended == gradwire_msg::core::Ended::Deadline)
+            .count();
+        assert!(by_deadline > 0, "{algo:?}: no step ended by its deadline");
     }
 }

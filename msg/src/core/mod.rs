@@ -570,6 +570,15 @@ impl Core {
         Ok(())
     }
 
+    /// Sets (or moves) the deadline of a posted receive: it ends at `at` with what arrived.
+    pub fn set_deadline(&mut self, peer: u16, msg: u32, at: Instant) {
+        if let Ok(i) = self.peer_index(peer) {
+            if let Some(r) = self.peers[i].recvs.get_mut(&msg) {
+                r.set_deadline(at);
+            }
+        }
+    }
+
     /// Cancels a send (nothing more is sent; the receiver is not told).
     pub fn cancel_send(&mut self, peer: u16, msg: u32) {
         if let Ok(i) = self.peer_index(peer) {

@@ -104,6 +104,10 @@ impl RecvMsg {
         self.pinged.unwrap_or(self.heard).max(self.heard) + every
     }
 
+    pub(super) fn set_deadline(&mut self, at: Instant) {
+        self.opts.deadline = Some(at);
+    }
+
     fn has(&self, seg: u32) -> bool {
         self.got[seg as usize / 64] & (1 << (seg % 64)) != 0
     }
