@@ -64,7 +64,13 @@ fn main() {
     for t in &ttx {
         t.send(table.clone()).expect("table");
     }
-    let out: Vec<_> = threads.into_iter().map(|t| t.join().expect("rank")).collect();
-    println!("median {:?} per all-reduce of {mib} MiB over {world} ranks", out[0].0);
+    let out: Vec<_> = threads
+        .into_iter()
+        .map(|t| t.join().expect("rank"))
+        .collect();
+    println!(
+        "median {:?} per all-reduce of {mib} MiB over {world} ranks",
+        out[0].0
+    );
     println!("rank 0: {:#?}", out[0].1);
 }

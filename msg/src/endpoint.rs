@@ -144,8 +144,7 @@ impl Endpoint {
     /// An endpoint over a datagram socket of any kind (AF_XDP, ...), bound already;
     /// `cfg.bind` and `cfg.udp` are not used.
     pub fn with_io(mut cfg: EndpointConfig, io: Box<dyn DatagramIo>) -> Bound {
-        cfg.core.seg_payload =
-            CoreConfig::seg_payload_for_mtu(cfg.mtu, io.local_addr().is_ipv6());
+        cfg.core.seg_payload = CoreConfig::seg_payload_for_mtu(cfg.mtu, io.local_addr().is_ipv6());
         cfg.core.max_bundle = io.max_segments().max(1);
         Bound { cfg, io }
     }

@@ -204,6 +204,7 @@ class Session:
         num_layers: int = 0,
         dscp: Optional[int] = None,
         algorithm: Literal["auto", "ring", "direct"] = "auto",
+        step_deadline: Optional[float] = None,
     ) -> ReduceReport: ...
     def broadcast(
         self,

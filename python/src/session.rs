@@ -412,7 +412,7 @@ impl Session {
 
     /// Reduces `array` over all ranks, in place.
     #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0,
-        dscp = None, algorithm = "auto"))]
+        dscp = None, algorithm = "auto", step_deadline = None))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
         &self,
@@ -424,7 +424,17 @@ impl Session {
         num_layers: i64,
         dscp: Option<i64>,
         algorithm: &str,
+        step_deadline: Option<f64>,
     ) -> PyResult<ReduceReport> {
+        let step_deadline = match step_deadline {
+            None => None,
+            Some(s) if s.is_finite() && s > 0.0 => Some(std::time::Duration::from_secs_f64(s)),
+            Some(s) => {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "step_deadline {s} is not a positive number of seconds"
+                )))
+            }
+        };
         let algorithm = gs::AllReduceAlgo::parse(algorithm).ok_or_else(|| {
             pyo3::exceptions::PyValueError::new_err(format!(
                 "algorithm {algorithm:?} is not one of 'auto', 'ring', 'direct'"
@@ -437,6 +447,7 @@ impl Session {
             num_layers: config::small(py, "num_layers", num_layers, u16::MAX.into())?,
             dscp: dscp.map(|d| config::dscp(py, d)).transpose()?,
             algorithm,
+            step_deadline,
         };
         let mut array = ArrayMut::new(py, array, "all_reduce")?;
         let dtype = array.dtype;

@@ -284,6 +284,9 @@ pub struct ReduceOptions {
     /// The all-reduce algorithm on the message layer (`Auto`: two-phase for small worlds or
     /// tensors, ring otherwise).
     pub algorithm: AllReduceAlgo,
+    /// A time bound per lossy step on the message layer (OptiReduce): a step ends at most
+    /// this long after it could start, with what arrived; the report says which steps did.
+    pub step_deadline: Option<Duration>,
 }
 
 /// Options of a point-to-point transfer: both ends give the same tensor id.
@@ -478,6 +481,7 @@ impl Session {
                 algorithm: opts.algorithm,
                 dscp: data_dscp(opts)?,
                 layer: opts.layer,
+                step_deadline: opts.step_deadline,
             };
             let elems = tensor.elems();
             let sent_before = g.stats().core.payload_bytes_sent;

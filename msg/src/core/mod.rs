@@ -161,15 +161,18 @@ pub enum Ended {
 /// Why a message failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MsgError {
-    /// The peer said nothing about the message for the peer timeout.
-    #[error("rank {peer} said nothing about message {msg} for {waited:?}: it is dead, hung or unreachable")]
+    /// The message made no progress for the peer timeout.
+    #[error("{}", silent_text(*.peer, *.msg, *.waited, *.alive))]
     PeerSilent {
         /// The peer.
         peer: u16,
         /// The message.
         msg: u32,
-        /// How long it was silent.
+        /// How long it made no progress.
         waited: Duration,
+        /// Whether the peer still answered (it did not call the operation, or it waits on
+        /// another rank) rather than being dead or cut off.
+        alive: bool,
     },
     /// The sender gave the message up.
     #[error("rank {peer} aborted message {msg}")]
@@ -179,6 +182,20 @@ pub enum MsgError {
         /// The message.
         msg: u32,
     },
+}
+
+fn silent_text(peer: u16, msg: u32, waited: Duration, alive: bool) -> String {
+    if alive {
+        format!(
+            "rank {peer} is alive but made no progress on message {msg} for {waited:?}: it has \
+             not called this operation, or it waits on another rank (see that rank's error)"
+        )
+    } else {
+        format!(
+            "rank {peer} said nothing about message {msg} for {waited:?}: it is dead, hung or \
+             unreachable"
+        )
+    }
 }
 
 /// Something the core tells its driver.
@@ -340,6 +357,8 @@ struct Peer {
     unexpected: HashMap<u32, Unexpected>,
     send_next: u32,
     recv_next: u32,
+    /// When a valid datagram last came from this peer.
+    alive_at: Option<Instant>,
     /// Every receive numbered below this is finished; `done` holds finished ones above it.
     done_below: u32,
     done: BTreeSet<u32>,
@@ -391,6 +410,7 @@ impl Core {
                 unexpected: HashMap::new(),
                 send_next: 0,
                 recv_next: 0,
+                alive_at: None,
                 done_below: 0,
                 done: BTreeSet::new(),
             })
@@ -653,6 +673,7 @@ impl Core {
                 Ok((h, payload))
                     if h.job == self.cfg.job && h.dst == self.cfg.rank && h.src == from =>
                 {
+                    self.peers[i].alive_at = Some(now);
                     self.on_data(now, i, &h, payload, tos)
                 }
                 _ => self.stats.refused += 1,
@@ -662,12 +683,48 @@ impl Core {
                     if c.job == self.cfg.job && c.dst == self.cfg.rank && c.src == from =>
                 {
                     self.stats.ctrl_received += 1;
+                    self.peers[i].alive_at = Some(now);
                     self.on_ctrl(now, i, &c, bitmap)
                 }
                 _ => self.stats.refused += 1,
             },
             _ => self.stats.refused += 1,
         }
+    }
+
+    /// A failure of `msg` with peer `i` after `waited` without progress; whether the peer
+    /// still answers decides what it is blamed for.
+    fn silent(&self, i: usize, msg: u32, send: bool, waited: Duration, now: Instant) -> Event {
+        let alive = self.peers[i]
+            .alive_at
+            .is_some_and(|t| now.saturating_duration_since(t) < self.cfg.peer_timeout / 2);
+        Event::Failed {
+            peer: i as u16,
+            msg,
+            send,
+            error: MsgError::PeerSilent {
+                peer: i as u16,
+                msg,
+                waited,
+                alive,
+            },
+        }
+    }
+
+    /// Queues failures with the dead peers' first: an operation fails on its first event,
+    /// and a rank that waits on a live peer which itself waits on a dead one should name the
+    /// dead one.
+    fn push_failures(&mut self, mut failed: Vec<Event>) {
+        failed.sort_by_key(|e| {
+            matches!(
+                e,
+                Event::Failed {
+                    error: MsgError::PeerSilent { alive: true, .. },
+                    ..
+                }
+            )
+        });
+        self.events.extend(failed);
     }
 
     /// The earliest instant a timer fires.

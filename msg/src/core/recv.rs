@@ -334,7 +334,10 @@ impl Core {
     pub(super) fn on_recv_ctrl(&mut self, now: Instant, i: usize, c: &Ctrl) {
         let p = &mut self.peers[i];
         if let Some(r) = p.recvs.get_mut(&c.msg) {
-            r.heard = now;
+            // A POLL is the sender working on the message; a PONG only says it is alive.
+            if c.op != CtrlOp::Pong {
+                r.heard = now;
+            }
             match c.op {
                 CtrlOp::Poll if c.c != 0 => self.end_of_pass(now, i, c.msg, c.pass),
                 CtrlOp::Poll => self.send_ack(i, c.msg),
@@ -388,7 +391,7 @@ impl Core {
     /// Fires the timers due at `now`: POLLs and failures of sends, deadlines and failures of
     /// receives.
     pub fn handle_timeout(&mut self, now: Instant) {
-        self.send_timers(now);
+        let mut failed = self.send_timers(now);
         let peer_timeout = self.cfg.peer_timeout;
         for i in 0..self.peers.len() {
             let mut due = Vec::new();
@@ -414,19 +417,11 @@ impl Core {
                         let p = &mut self.peers[i];
                         p.recvs.remove(&msg);
                         p.mark_done(msg);
-                        self.events.push_back(Event::Failed {
-                            peer: i as u16,
-                            msg,
-                            send: false,
-                            error: MsgError::PeerSilent {
-                                peer: i as u16,
-                                msg,
-                                waited,
-                            },
-                        });
+                        failed.push(self.silent(i, msg, false, waited, now));
                     }
                 }
             }
         }
+        self.push_failures(failed);
     }
 }

@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::{Bundle, Core, CtrlOp, Event, MsgError, SendOpts, TxBatch};
+use super::{Bundle, Core, CtrlOp, Event, SendOpts, TxBatch};
 use crate::mem::BufId;
 use crate::wire::{self, flags, Ctrl, DataHeader};
 
@@ -211,7 +211,12 @@ impl Core {
         let Some(s) = p.sends.get_mut(&c.msg) else {
             return; // finished or cancelled: control frames are idempotent
         };
-        s.heard = now;
+        // Only progress counts against the peer timeout: an ACK that says nothing new (a
+        // receiver that holds our data but has not posted its receive) keeps the peer alive,
+        // not the message.
+        if c.op != CtrlOp::Ack || c.a > s.acked || c.c > s.highest {
+            s.heard = now;
+        }
         match c.op {
             CtrlOp::Ack => {
                 if c.a > s.acked {
@@ -285,8 +290,10 @@ impl Core {
         }
     }
 
-    /// Timers of sends: POLL with exponential back-off, failure after the peer timeout.
-    pub(super) fn send_timers(&mut self, now: Instant) {
+    /// Timers of sends: POLL with exponential back-off, failure after the peer timeout
+    /// without progress (returned, for [`Core::push_failures`]).
+    pub(super) fn send_timers(&mut self, now: Instant) -> Vec<Event> {
+        let mut out = Vec::new();
         let peer_timeout = self.cfg.peer_timeout;
         let rto_max = self.cfg.rto_max;
         for i in 0..self.peers.len() {
@@ -325,17 +332,9 @@ impl Core {
                 self.ctrl_frame(i, c, &[]);
             }
             for (msg, waited) in failed {
-                self.events.push_back(Event::Failed {
-                    peer: i as u16,
-                    msg,
-                    send: true,
-                    error: MsgError::PeerSilent {
-                        peer: i as u16,
-                        msg,
-                        waited,
-                    },
-                });
+                out.push(self.silent(i, msg, true, waited, now));
             }
         }
+        out
     }
 }

@@ -397,7 +397,14 @@ fn a_silent_peer_fails_the_message_naming_it() {
         .collect();
     assert_eq!(failed.len(), 1);
     assert_eq!(failed[0].0, 1);
-    assert!(matches!(failed[0].1, MsgError::PeerSilent { peer: 1, .. }));
+    assert!(matches!(
+        failed[0].1,
+        MsgError::PeerSilent {
+            peer: 1,
+            alive: false,
+            ..
+        }
+    ));
     let recv_failed = net.events[1].iter().any(|e| {
         matches!(
             e,
@@ -439,4 +446,38 @@ fn empty_messages_are_tokens() {
     net.run(Duration::from_millis(10));
     assert_eq!(received(&net, 1).len(), 1);
     assert_eq!(sent(&net, 0), 1);
+}
+
+#[test]
+fn a_live_peer_that_never_receives_fails_the_send_as_alive_not_dead() {
+    let mut net = Net::new(2, Box::new(|_, _| false));
+    let data = pattern(64 * 4, 0);
+    let src = net.cores[0].register(Region::owned(data.clone()));
+    net.cores[0].reserve_sends(1, 1).expect("peer");
+    let now = net.now;
+    net.cores[0]
+        .post_send(now, 1, 0, src, 0..data.len(), SendOpts::default())
+        .expect("send");
+    // Rank 1 keeps the data and answers every POLL, but never posts the receive.
+    net.run(Duration::from_secs(5));
+    let failed: Vec<_> = net.events[0]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Failed { error, .. } => Some(error.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    match &failed[0] {
+        MsgError::PeerSilent {
+            peer: 1,
+            alive: true,
+            waited,
+            ..
+        } => {
+            assert!(*waited >= Duration::from_secs(2), "failed after {waited:?}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(failed[0].to_string().contains("alive but made no progress"));
 }
