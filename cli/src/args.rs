@@ -189,10 +189,11 @@ pub enum JobCommand {
     Run(JobRunArgs),
 }
 
-/// An all-reduce algorithm: the ring, or a tree of a strategy (rooted at rank 0).
+/// An all-reduce algorithm: the ring, the two-phase all-reduce, the message layer's choice,
+/// or a tree of a strategy (rooted at rank 0).
 pub use gradwire_job::JobAlgorithm;
 
-/// Parse "ring", "star", "rack", "binary" or "d=N".
+/// Parse "ring", "direct", "auto", "star", "rack", "binary" or "d=N".
 pub fn parse_algorithm(s: &str) -> Result<JobAlgorithm, String> {
     s.parse()
 }
@@ -207,8 +208,10 @@ pub enum JobOp {
 /// What every rank of a job does; `gradwire job run` passes these on to its workers.
 #[derive(Debug, Clone, Args)]
 pub struct JobOptions {
-    /// All-reduce algorithm: ring, or a tree rooted at rank 0: star, rack (one aggregator per
-    /// rack), binary, or d=N (at most N children per node).
+    /// All-reduce algorithm: ring, direct (two-phase) or auto (two-phase for small tensors,
+    /// ring for big ones), all three on the message layer; or a tree rooted at rank 0 (on the
+    /// flow transport): star, rack (one aggregator per rack), binary, or d=N (at most N
+    /// children per node).
     #[arg(long, default_value = "ring", value_parser = parse_algorithm)]
     pub algorithm: JobAlgorithm,
     /// Model layer file: one all-reduce per layer and iteration.

@@ -20,9 +20,11 @@ use crate::algo::bcast::Broadcast;
 use crate::algo::direct::Direct;
 use crate::algo::p2p::{Recv, Send};
 use crate::algo::ring::{Halves, Ring};
+use crate::algo::tree::TreeAllReduce;
 use crate::algo::{ReduceOutcome, ReduceSpec};
 use crate::comm::TensorMut;
 use crate::error::CollectiveError;
+use crate::tree::Tree;
 
 /// How a group is set up.
 #[derive(Debug, Clone)]
@@ -233,6 +235,24 @@ impl Group {
             _ => self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
                 Either::<Ring, Direct>::B(Direct::new(r, spec))
             }),
+        })
+    }
+
+    /// All-reduce in place over an MLNET aggregation/multicast tree (it must span every
+    /// rank; every rank gives the same tree).
+    pub fn all_reduce_tree(
+        &self,
+        t: TensorMut<'_>,
+        tree: &Tree,
+        o: &GroupReduceOptions,
+    ) -> Result<ReduceOutcome, CollectiveError> {
+        let spec = self.spec(t.dtype(), o)?;
+        let mut t = t;
+        let bytes = t.as_bytes_mut();
+        self.guard(|| {
+            self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
+                TreeAllReduce::new(r, spec, tree.clone())
+            })
         })
     }
 

@@ -18,8 +18,13 @@ use gradwire::job_secret::load_secret;
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::TransferConfig;
+use gradwire_collective::aggregate::Contributors;
 use gradwire_collective::aggregate::ReduceOp;
-use gradwire_collective::comm::{Algorithm, AllReduceOptions, CommConfig, Communicator};
+use gradwire_collective::algo::ReduceOutcome;
+use gradwire_collective::comm::{
+    Algorithm, AllReduceOptions, AllReduceReport, CommConfig, Communicator, TensorMut,
+};
+use gradwire_collective::group::{AllReduceAlgo, GroupConfig, GroupReduceOptions, PendingGroup};
 use gradwire_collective::job::{JobSpec, LaunchEnv};
 use gradwire_collective::link::{ring_edges, tree_edges, Links, NetLinkConfig};
 use gradwire_collective::tree::{ParseStrategyError, Strategy, Tree};
@@ -40,12 +45,17 @@ const MAX_IDLE: Duration = Duration::from_secs(5);
 /// `job run` counts them.
 pub const ITERATION_MARK: &str = ": iteration ";
 
-/// An all-reduce algorithm: the ring, or a tree of a strategy (rooted at rank 0).
+/// An all-reduce algorithm: the ring, the two-phase all-reduce, the message layer's choice
+/// between them, or a tree of a strategy (rooted at rank 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum JobAlgorithm {
     /// The ring.
     Ring,
-    /// A tree of this strategy.
+    /// The two-phase (all-to-all) all-reduce, on the message layer.
+    Direct,
+    /// Two-phase for small tensors, ring for big ones, on the message layer.
+    Auto,
+    /// A tree of this strategy (on the flow transport).
     Tree(Strategy),
 }
 
@@ -53,6 +63,8 @@ impl std::fmt::Display for JobAlgorithm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             JobAlgorithm::Ring => f.write_str("ring"),
+            JobAlgorithm::Direct => f.write_str("direct"),
+            JobAlgorithm::Auto => f.write_str("auto"),
             JobAlgorithm::Tree(s) => write!(f, "{s}"),
         }
     }
@@ -61,14 +73,18 @@ impl std::fmt::Display for JobAlgorithm {
 impl FromStr for JobAlgorithm {
     type Err = String;
 
-    /// "ring", "star", "rack", "binary" or "d=N": what [`JobAlgorithm`]'s `Display` writes.
+    /// "ring", "direct", "auto", "star", "rack", "binary" or "d=N": what [`JobAlgorithm`]'s
+    /// `Display` writes.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.trim().eq_ignore_ascii_case("ring") {
-            return Ok(JobAlgorithm::Ring);
+        match s.trim().to_ascii_lowercase().as_str() {
+            "ring" => return Ok(JobAlgorithm::Ring),
+            "direct" => return Ok(JobAlgorithm::Direct),
+            "auto" => return Ok(JobAlgorithm::Auto),
+            _ => {}
         }
         s.parse()
             .map(JobAlgorithm::Tree)
-            .map_err(|e: ParseStrategyError| format!("{e}, or \"ring\""))
+            .map_err(|e: ParseStrategyError| format!("{e}, or \"ring\", \"direct\", \"auto\""))
     }
 }
 
@@ -251,7 +267,7 @@ pub fn run_worker(w: &WorkerSpec, mut progress: impl FnMut(&str)) -> Result<Work
         source,
     };
     let algorithm = match o.algorithm {
-        JobAlgorithm::Ring => Algorithm::Ring,
+        JobAlgorithm::Ring | JobAlgorithm::Direct | JobAlgorithm::Auto => Algorithm::Ring,
         JobAlgorithm::Tree(strategy) => {
             let members: Vec<usize> = (0..world).collect();
             Algorithm::Tree(
@@ -283,12 +299,57 @@ pub fn run_worker(w: &WorkerSpec, mut progress: impl FnMut(&str)) -> Result<Work
         .collect();
     let elements: u64 = layers.iter().map(|l| l.elems as u64).sum();
 
+    // A plain job runs on the message layer (ring, two-phase, or the tree); an authenticated
+    // one, whose packets are sealed, on the flow transport (ring or tree).
+    let layer_algo = match o.algorithm {
+        _ if secret.is_some() => None,
+        JobAlgorithm::Ring | JobAlgorithm::Tree(_) => Some(AllReduceAlgo::Ring),
+        JobAlgorithm::Direct => Some(AllReduceAlgo::Direct),
+        JobAlgorithm::Auto => Some(AllReduceAlgo::Auto),
+    };
+    if layer_algo.is_none() && matches!(o.algorithm, JobAlgorithm::Direct | JobAlgorithm::Auto) {
+        return Err(Error::Collective {
+            rank,
+            world,
+            source: gradwire_collective::error::CollectiveError::Config(format!(
+                "the {} all-reduce runs on the message layer, which does not yet seal packets: \
+                 use \"ring\" or a tree in an authenticated job",
+                o.algorithm
+            )),
+        });
+    }
+    let pending_group = match layer_algo {
+        Some(_) => Some(
+            PendingGroup::bind(GroupConfig::new(job, rank, world, ip, timeout)).map_err(coll)?,
+        ),
+        None => None,
+    };
     let net = NetLinkConfig {
         connect_timeout: timeout,
+        msg_port: pending_group.as_ref().map(|g| g.address().port()),
         ..NetLinkConfig::default()
     };
     let links = Links::connect(job, rank, world, ip, master, &edges, secret.as_ref(), &net)
         .map_err(coll)?;
+    let group = match pending_group {
+        None => None,
+        Some(g) => {
+            let table = links
+                .msg_addrs()
+                .iter()
+                .enumerate()
+                .map(|(r, a)| {
+                    a.ok_or_else(|| {
+                        coll(gradwire_collective::error::CollectiveError::Setup(format!(
+                            "rank {r} published no message-layer socket: do all ranks run \
+                             the same gradwire and algorithm?"
+                        )))
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Some(g.start(table).map_err(coll)?)
+        }
+    };
     // The job's priority (job file; 0 = most urgent) picks the switch queue of its data and
     // its receivers' class in their host's grant pool (MLNET §3.2).
     let priority = spec.as_ref().map_or(0, |s| s.priority);
@@ -305,7 +366,15 @@ pub fn run_worker(w: &WorkerSpec, mut progress: impl FnMut(&str)) -> Result<Work
         op_timeout: timeout,
         ..CommConfig::default()
     };
-    let mut comm = Communicator::new(links, job, cfg).map_err(coll)?;
+    // The flow transport's communicator only when the message layer does not run the job
+    // (its links stay up meanwhile: closing them would look like a death to the peers).
+    let (mut comm, _links) = match group {
+        Some(_) => (None, Some(links)),
+        None => (
+            Some(Communicator::new(links, job, cfg).map_err(coll)?),
+            None,
+        ),
+    };
 
     let mut report = WorkerReport {
         rank,
@@ -342,7 +411,30 @@ pub fn run_worker(w: &WorkerSpec, mut progress: impl FnMut(&str)) -> Result<Work
                 dscp: gradwire_qos::priority_dscp(priority),
                 algorithm: algorithm.clone(),
             };
-            let r = comm.all_reduce(&mut t, &opts).map_err(coll)?;
+            let r = match (&group, &mut comm, layer_algo) {
+                (Some(g), _, Some(flat)) => {
+                    let go = GroupReduceOptions {
+                        op,
+                        loss_bound: o.loss_bound,
+                        algorithm: flat,
+                        dscp: opts.dscp,
+                        layer: opts.layer,
+                        step_deadline: None,
+                    };
+                    let before = g.stats().core.payload_bytes_sent;
+                    let out = match &algorithm {
+                        Algorithm::Tree(tree) => {
+                            g.all_reduce_tree(TensorMut::from(&mut t), tree, &go)
+                        }
+                        Algorithm::Ring => g.all_reduce(TensorMut::from(&mut t), &go),
+                    }
+                    .map_err(coll)?;
+                    let sent = g.stats().core.payload_bytes_sent.saturating_sub(before);
+                    report_of(out, layer.elems, g.block_bytes() / 4, world, sent)
+                }
+                (_, Some(comm), _) => comm.all_reduce(&mut t, &opts).map_err(coll)?,
+                _ => unreachable_engine(rank, world)?,
+            };
             let at = Site {
                 rank,
                 world,
@@ -368,7 +460,64 @@ pub fn run_worker(w: &WorkerSpec, mut progress: impl FnMut(&str)) -> Result<Work
         progress(&iteration_line(rank, &it, o.iterations));
         report.iterations.push(it);
     }
-    comm.barrier().map_err(coll)?;
+    match (&group, &mut comm) {
+        (Some(g), _) => g.barrier().map_err(coll)?,
+        (_, Some(comm)) => comm.barrier().map_err(coll)?,
+        _ => unreachable_engine(rank, world)?,
+    }
     report.verified = true;
     Ok(report)
+}
+
+/// Neither engine: set-up makes one or the other, so this is a bug, reported, not a panic.
+fn unreachable_engine<T>(rank: usize, world: usize) -> Result<T, Error> {
+    Err(Error::Collective {
+        rank,
+        world,
+        source: gradwire_collective::error::CollectiveError::Unusable(
+            "no collective engine was set up (a bug: please report it)".into(),
+        ),
+    })
+}
+
+/// The flow transport's report from a message-layer all-reduce, for the checks.
+fn report_of(
+    out: ReduceOutcome,
+    elems: usize,
+    block_elems: usize,
+    world: usize,
+    bytes_sent: u64,
+) -> AllReduceReport {
+    let contributors = out
+        .contributors
+        .unwrap_or_else(|| Contributors::all(out.blocks, world));
+    let blocks = out.blocks.max(1) as f64;
+    let delivered_fraction = (0..out.blocks)
+        .map(|b| contributors.count(b) as f64 / world as f64)
+        .sum::<f64>()
+        / blocks;
+    let rank_delivered = (0..world)
+        .map(|q| {
+            (0..out.blocks)
+                .filter(|&b| contributors.contains(b, q))
+                .count() as f64
+                / blocks
+        })
+        .collect();
+    AllReduceReport {
+        algorithm: out.algorithm,
+        elems,
+        block_elems,
+        complete_blocks: out.complete_blocks,
+        blocks: out.blocks,
+        delivered_fraction: if out.blocks == 0 {
+            1.0
+        } else {
+            delivered_fraction
+        },
+        rank_delivered,
+        elapsed: out.elapsed,
+        bytes_sent,
+        contributors,
+    }
 }

@@ -565,11 +565,13 @@ impl Session {
     ) -> Result<BroadcastReport, SessionError> {
         let tensor = TensorMut::new(dtype, bytes)?;
         let bound = opts.loss_bound.map(loss_bound).transpose()?;
-        let reliable = opts.loss_bound.unwrap_or(0.0) == 0.0;
+        // A bounded broadcast (the call's bound, or the session's) runs on the flow transport,
+        // which can leave blocks out; the message layer's broadcast is reliable.
+        let reliable = opts.loss_bound.unwrap_or(self.cfg.loss_bound) == 0.0;
         if let (Some(g), true) = (&self.group, reliable) {
             if root >= self.cfg.world {
                 return Err(SessionError::InvalidArgument(format!(
-                    "root {root} is not below the world size {}",
+                    "root {root} is not a rank of this {}-rank job",
                     self.cfg.world
                 )));
             }

@@ -5,6 +5,7 @@
 //! - [`ring`]: reduce-scatter then all-gather around the ring (also each half alone);
 //! - [`direct`]: the two-phase all-to-all all-reduce (each rank reduces its own chunk, then
 //!   sends it to everyone): two message rounds, for small worlds and small tensors;
+//! - [`tree`]: MLNET's aggregation and multicast trees, pipelined in chunks;
 //! - [`bcast`]: binomial-tree broadcast; [`barrier`]: dissemination barrier;
 //!   [`p2p`]: one tensor to or from one peer.
 //!
@@ -19,6 +20,7 @@ pub mod bcast;
 pub mod direct;
 pub mod p2p;
 pub mod ring;
+pub mod tree;
 
 use std::ops::Range;
 use std::time::Duration;
@@ -200,6 +202,21 @@ pub(crate) fn check_mask(
         peer,
         reason: format!("the contributor set {m:#x} of block {block} {why}"),
     })
+}
+
+/// Finishes `blocks` of a tensor whose bytes from the first of them on are `bytes`.
+pub(crate) fn finish_blocks(
+    spec: &ReduceSpec,
+    layout: &Chunks,
+    blocks: Range<usize>,
+    bytes: &mut [u8],
+    masks: Option<&Masks>,
+    world: usize,
+) {
+    for (i, blk) in bytes.chunks_mut(layout.block).enumerate() {
+        let count = masks.map_or(world, |m| m.count(blocks.start + i));
+        finish_block(spec.op, spec.dtype, blk, count, world);
+    }
 }
 
 /// Finishes the blocks of `chunk` in `bytes` (a sum over `count` contributors becomes the

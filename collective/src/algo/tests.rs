@@ -426,3 +426,53 @@ fn a_step_deadline_ends_lossy_steps_and_the_ranks_still_agree() {
         assert!(by_deadline > 0, "{algo:?}: no step ended by its deadline");
     }
 }
+
+#[test]
+fn trees_sum_exactly_and_agree_under_loss() {
+    use crate::tree::{Strategy, Tree};
+    let world = 5;
+    let racks = vec![0, 0, 0, 1, 1];
+    for strategy in [Strategy::Star, Strategy::BINARY, Strategy::Rack] {
+        for (loss, bound) in [(0.0, 0.0), (0.05, 0.1)] {
+            let racks = racks.clone();
+            let n = 150_000;
+            let out = with_groups(
+                world,
+                move |c| {
+                    c.endpoint.inject_loss = loss;
+                    c.endpoint.seed = 3;
+                },
+                move |g| {
+                    let members: Vec<usize> = (0..world).collect();
+                    let tree = Tree::build(strategy, 0, &members, &racks).expect("tree");
+                    let mut b = f32s(&input(g.rank(), n));
+                    let o = GroupReduceOptions {
+                        loss_bound: bound,
+                        ..GroupReduceOptions::default()
+                    };
+                    let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+                    let r = g.all_reduce_tree(t, &tree, &o).expect("tree all-reduce");
+                    let sets = r
+                        .contributors
+                        .map(|c| (0..c.blocks()).map(|b| c.ranks(b)).collect::<Vec<_>>());
+                    (vals(&b), sets, r.complete_blocks, r.blocks)
+                },
+            );
+            for (rank, (v, sets, complete, blocks)) in out.iter().enumerate() {
+                assert_eq!(
+                    v, &out[0].0,
+                    "{strategy:?} loss {loss}: rank {rank} differs"
+                );
+                assert_eq!(sets, &out[0].1, "{strategy:?}: rank {rank}'s sets differ");
+                if bound == 0.0 {
+                    assert_eq!(
+                        v,
+                        &expected_sum(world, n),
+                        "{strategy:?}: not the exact sum"
+                    );
+                    assert_eq!(complete, blocks);
+                }
+            }
+        }
+    }
+}
