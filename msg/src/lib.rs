@@ -4,7 +4,8 @@
 //! - [`mem`]: registered buffers, the memory messages are sent from and placed into.
 //! - [`core`]: the state machines of one endpoint (every peer, every message), driven by
 //!   datagrams and timers, with no I/O and no clock of their own (tested on a virtual clock).
-//! - [`io`]: the datagram sockets (kernel UDP with GSO/GRO and `sendmmsg`/`recvmmsg`).
+//! - [`io`]: the datagram sockets (kernel UDP with GSO/GRO and `sendmmsg`/`recvmmsg`; AF_XDP
+//!   with the `afxdp` feature).
 //! - [`op`]: operations (state machines on the progress thread) and their handles.
 //! - [`endpoint`]: one endpoint per rank: the socket, the core and the progress thread.
 #![deny(unsafe_code)]

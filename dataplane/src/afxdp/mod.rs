@@ -570,6 +570,77 @@ impl AfXdpDatapath {
         &self.xdp
     }
 
+    /// Records the Ethernet address of neighbour `ip`, so sending to it never waits for
+    /// resolution (which reads the ARP table of the *sending* thread's network namespace):
+    /// for callers that resolve their peers ahead of time, with [`neigh::resolve`].
+    pub fn add_neighbor(&mut self, ip: IpAddr, mac: [u8; 6]) {
+        self.neigh.insert(ip, mac);
+    }
+
+    /// The sockets' file descriptors, one per queue in configuration order, for callers that
+    /// wait with `poll(2)` on descriptors of their own as well (an eventfd): `POLLIN` when the
+    /// RX ring holds frames, `POLLOUT` when the TX ring has room; in copy mode a `poll()` also
+    /// transmits what the TX ring holds.
+    pub fn socket_fds(&self) -> impl Iterator<Item = std::os::fd::BorrowedFd<'_>> + '_ {
+        self.queues
+            .iter()
+            .map(|q| std::os::fd::AsFd::as_fd(q.sock.fd()))
+    }
+
+    /// Most datagrams the next [`Datapath::send`] could take without blocking, over as many
+    /// calls as it needs: the free TX frames (completions reaped first) or the free TX ring
+    /// entries of the queue that call uses, whichever is fewer. A caller that must not send
+    /// part of a group of datagrams checks the group fits first.
+    pub fn tx_room(&mut self) -> usize {
+        let qi = self.tx_next % self.queues.len().max(1);
+        let Some(q) = self.queues.get_mut(qi) else {
+            return 0;
+        };
+        q.reap_completions();
+        let ring_free = q.sock.tx.size().saturating_sub(q.sock.tx.pending()) as usize;
+        q.free_tx.len().min(ring_free)
+    }
+
+    /// Hands the kernel everything on the TX rings, then reaps completions. In copy mode the
+    /// kernel transmits at most 32 frames per `sendto` (its TX batch), so a [`Datapath::send`]
+    /// of more, or one it cut short (device busy), leaves frames on the ring until the next
+    /// kick: this kicks each copy-mode queue until its ring is empty, stopping early when a
+    /// kick moves nothing (at most 64 kicks per queue). Zero-copy queues are kicked when the
+    /// driver asks to be woken.
+    pub fn flush_tx(&mut self) -> Result<(), DatapathError> {
+        let io = |source| DatapathError::Io {
+            op: "AF_XDP sendto",
+            source,
+        };
+        for q in &mut self.queues {
+            match q.sock.mode() {
+                BindMode::Copy => {
+                    let mut pending = q.sock.tx.pending();
+                    for _ in 0..64 {
+                        if pending == 0 {
+                            break;
+                        }
+                        q.stats.kicks += 1;
+                        syscall::kick(q.sock.raw_fd()).map_err(io)?;
+                        let now = q.sock.tx.pending();
+                        if now >= pending {
+                            break;
+                        }
+                        pending = now;
+                    }
+                }
+                BindMode::ZeroCopy => {
+                    if q.sock.tx.pending() > 0 && q.sock.tx.needs_wakeup() {
+                        q.stats.kicks += 1;
+                        syscall::kick(q.sock.raw_fd()).map_err(io)?;
+                    }
+                }
+            }
+            q.reap_completions();
+        }
+        Ok(())
+    }
+
     /// Wait for RX on any queue (wake-on-demand) or spin (busy-poll) up to `timeout`.
     fn wait_rx(&mut self, timeout: Duration) -> Result<(), DatapathError> {
         let io = |source| DatapathError::Io {

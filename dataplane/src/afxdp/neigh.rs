@@ -27,6 +27,12 @@ impl Neighbors {
         }
     }
 
+    /// Records the MAC of `ip` (found elsewhere, e.g. by [`resolve`] ahead of time), replacing
+    /// what was known.
+    pub fn insert(&mut self, ip: IpAddr, mac: [u8; 6]) {
+        self.cache.insert(ip, mac);
+    }
+
     /// The MAC of `ip`, resolving (at most one second) on first use.
     pub fn mac(&mut self, ip: IpAddr) -> Result<[u8; 6], DatapathError> {
         if let Some(m) = self.cache.get(&ip) {

@@ -1,8 +1,12 @@
 //! Datagram I/O of an endpoint: one module per kernel mechanism, behind [`DatagramIo`].
 //!
 //! - [`udp`]: kernel UDP with segmentation offload (GSO/GRO) and `sendmmsg`/`recvmmsg`.
+//! - `xdp` (cargo feature `afxdp`): an AF_XDP socket on one queue, over gradwire's AF_XDP
+//!   datapath, with the XDP classifier's allowlist holding the job's peers.
 
 pub mod udp;
+#[cfg(feature = "afxdp")]
+pub mod xdp;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -200,11 +200,29 @@ pub struct Waker {
 }
 
 impl Waker {
+    /// A waker over a new nonblocking eventfd, for a [`super::DatagramIo`] of another kind:
+    /// its `wait` polls the waker's descriptor ([`AsFd`]) for `POLLIN` beside its socket and,
+    /// when it fired, reads the counter back to 0 (an 8-byte `read`; `EAGAIN` when another
+    /// reader drained it first).
+    pub fn new() -> std::io::Result<Waker> {
+        let efd = EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)?;
+        Ok(Waker {
+            fd: Arc::new(OwnedFd::from(efd)),
+        })
+    }
+
     /// Makes the next (or current) [`UdpIo::wait`] return with `woken`. Never blocks, never
     /// panics; a counter already at its maximum stays woken.
     pub fn wake(&self) {
         // EAGAIN only when the counter is about to overflow: it is already signalled.
         let _ = nix::unistd::write(&*self.fd, &1u64.to_ne_bytes());
+    }
+}
+
+impl AsFd for Waker {
+    /// The eventfd: readable while woken.
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
     }
 }
 
