@@ -12,11 +12,16 @@
 //!   the ranks whose contribution to it arrived, never over the full count when some were
 //!   missing; who contributed to which block is reported.
 //! - [`ps`]: MLNET's parameter-server API over a tree: `push`, `pull(staleness)`, `clock`.
+//! - [`algo`] and [`group`]: the collectives on the message layer (`gradwire-msg`): ring,
+//!   two-phase and tree all-reduce, reduce-scatter, all-gather, broadcast, barrier and
+//!   point-to-point as operations on one endpoint per rank, blocking or with handles.
 //! - [`link`] and [`comm`]: one directed transport connection per pair of ranks that talk,
-//!   and the operations over them (ring and tree all-reduce, broadcast, barrier).
+//!   and the operations over them on the flow transport (authenticated jobs, the parameter
+//!   server, point-to-point by tensor id).
 //!
-//! Everything here reaches the transport only through its public API (`send_tensor`,
-//! `recv_tensor`, the `Datapath` and `CtrlChannel` traits and the reports).
+//! Everything here reaches the transports only through their public APIs (`send_tensor`,
+//! `recv_tensor`, the `Datapath` and `CtrlChannel` traits and the reports; the message
+//! layer's `Endpoint`, `Op` and `Handle`).
 #![deny(unsafe_code)]
 
 pub mod aggregate;
