@@ -45,6 +45,7 @@ import inspect
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -58,8 +59,11 @@ import torch.distributed as dist
 import gradwire
 from gradwire.ddp import local_ip_towards
 
-# Names tried when the session takes ``algorithm=`` but does not list its algorithms.
+# Names tried when the session takes ``algorithm=`` but names no algorithms of its own.
 ALGORITHM_CANDIDATES = ("ring", "direct", "tree")
+# Names that pick one of the others (the session's "auto": two-phase for small worlds or
+# tensors, ring otherwise): not run unless --algorithms names them.
+DISPATCHERS = ("auto",)
 # float32 holds every integer up to 2**24 exactly.
 EXACT_LIMIT = float(1 << 24)
 
@@ -217,7 +221,7 @@ def gather(obj: Any) -> list[Any]:
 
 class Sessions:
     """This rank's gradwire sessions: one, or one per algorithm when the algorithm is chosen
-    at set-up. Built collectively; a broken one is built again by ``rebuild``."""
+    at set-up. Built collectively; a broken one is dropped and built again."""
 
     def __init__(self, cfg: dict, rank: int, world: int, ip: str) -> None:
         self.cfg, self.rank, self.world, self.ip = cfg, rank, world, ip
@@ -241,17 +245,28 @@ class Sessions:
             self.by_key[k] = self._init(algorithm)
         return self.by_key[k]
 
-    def rebuild(self, algorithm: str | None) -> None:
+    def drop(self, algorithm: str | None) -> None:
+        """Closes the session `algorithm` runs on (after an error: its peers, still waiting in
+        the operation, see it gone instead of a live peer that sends nothing)."""
         old = self.by_key.pop(self.key(algorithm), None)
         if old is not None:
             old.close()
-        self.get(algorithm)
+
+    def named(self) -> list[str]:
+        """The algorithms the session names when it refuses an unknown one (``algorithm=``
+        of ``all_reduce`` only: a session is not built to be refused)."""
+        if self.where != "op":
+            return []
+        try:
+            self.get(None).all_reduce(np.ones(1, np.float32), algorithm="?")
+        except ValueError as e:
+            return re.findall(r"'([A-Za-z0-9_-]+)'", str(e))
+        return []
 
     def probe(self, candidates: list[str]) -> list[str]:
-        """The candidates every rank's session accepts: a ConfigError is raised before
-        anything is sent, so every rank refuses the same names."""
-        if self.where is None:
-            return []
+        """The candidates every rank's session accepts. A refusal is raised before anything
+        is sent, so every rank refuses the same names; it is a ValueError (today a plain one
+        for ``algorithm=``, not gradwire.ConfigError, which is one too)."""
         accepted = []
         for a in candidates:
             try:
@@ -260,7 +275,7 @@ class Sessions:
                 else:
                     self.get(None).all_reduce(np.ones(1, np.float32), algorithm=a)
                 ok = True
-            except gradwire.ConfigError:
+            except ValueError:
                 ok = False
             if all(gather(ok)):
                 accepted.append(a)
@@ -282,7 +297,9 @@ def variants(cfg: dict, sessions: Sessions) -> tuple[list[dict], dict]:
     if "gradwire" in cfg["impls"]:
         algorithms: list[str | None] = [None]
         if sessions.where is not None:
-            candidates = cfg.get("algorithms") or listed_algorithms() or list(ALGORITHM_CANDIDATES)
+            candidates = cfg.get("algorithms") or [
+                a for a in (listed_algorithms() or sessions.named() or ALGORITHM_CANDIDATES) if a not in DISPATCHERS
+            ]
             accepted = sessions.probe(candidates)
             info.update(candidates=candidates, accepted=accepted)
             algorithms = list(accepted) or [None]
@@ -409,6 +426,7 @@ def checked_op(v: dict, pat: Pattern, sessions: Sessions, chk: Check, world: int
         report = run_op(v, pat, sessions)
         ns = time.perf_counter_ns() - t0
     except gradwire.GradwireError as e:
+        sessions.drop(v["algorithm"])
         return -1, f"{type(e).__name__}: {e}"
     step = Step.of(report, world, True, pat.base.size)
     note(chk, report, step)
@@ -451,6 +469,7 @@ def counted_loop(v: dict, pat: Pattern, sessions: Sessions, chk: Check, world: i
         try:
             report = run_op(v, pat, sessions)
         except gradwire.GradwireError as e:
+            sessions.drop(v["algorithm"])
             error = f"{type(e).__name__}: {e}"
             break
         t0 = time.thread_time()
@@ -498,7 +517,8 @@ def run_case(v: dict, size: int, iters: int, warmup: int, pat: Pattern, sessions
             "partial_blocks": chk.partial_blocks, "delivered_min": chk.delivered_min}  # fmt: skip
     ranks = gather(mine)
     if v["impl"] == "gradwire" and any(r["error"] for r in ranks):
-        sessions.rebuild(v["algorithm"])
+        sessions.drop(v["algorithm"])  # on every rank: build it again, together
+        sessions.get(v["algorithm"])
     if rank != 0:
         return None
     whole = delta(start, end) if start and end else None
