@@ -1250,6 +1250,8 @@ struct Sniffed {
 /// end datagram.
 fn sniff_until_end(sock: &std::net::UdpSocket) -> Vec<Sniffed> {
     use gradwire::wire::header::{field, HEADER_LEN, VERSION};
+    // Flow packets (kinds 1, 2) carry the point-to-point tensor id below kind 7's bits;
+    // message-layer segments (kind 3) carry it in their meta word.
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut pkt = vec![0u8; 65_536];
     let mut seen = Vec::new();
@@ -1269,23 +1271,52 @@ fn sniff_until_end(sock: &std::net::UdpSocket) -> Vec<Sniffed> {
             return seen;
         }
         assert!(
-            payload.len() >= HEADER_LEN && payload[field::VERSION] == VERSION,
-            "a UDP packet that is not a gradwire data packet: {payload:?}"
+            payload.len() >= 8 && payload[field::VERSION] == VERSION,
+            "a UDP packet that is not a gradwire packet: {payload:?}"
         );
-        let be32 = |r: std::ops::Range<usize>| u32::from_be_bytes(payload[r].try_into().unwrap());
+        let tensor = match payload[field::KIND] {
+            // The message layer (the session's transfers): the tensor id rides in each
+            // segment's meta word; control frames go at the control DSCP, not checked here.
+            // On loopback a raw socket sees a GSO bundle whole: its segments back to back.
+            gradwire_msg::wire::KIND_DATA => {
+                let mut rest = payload;
+                while !rest.is_empty() {
+                    let len = gradwire_msg::wire::DATA_HEADER_LEN
+                        + usize::from(u16::from_be_bytes([rest[28], rest[29]]));
+                    let (seg, tail) = rest.split_at(len.min(rest.len()));
+                    let (h, _) = gradwire_msg::wire::DataHeader::parse(seg).unwrap_or_else(|e| {
+                        panic!("a bad message-layer segment ({e}), {} bytes", seg.len())
+                    });
+                    seen.push(Sniffed {
+                        tensor: h.meta as u32,
+                        offset: h.offset,
+                        pass: h.pass,
+                        dscp: tos >> 2,
+                        ecn: tos & 0b11,
+                    });
+                    rest = tail;
+                }
+                continue;
+            }
+            gradwire_msg::wire::KIND_CTRL => continue,
+            _ => {
+                assert!(
+                    payload.len() >= HEADER_LEN,
+                    "a short flow packet: {payload:?}"
+                );
+                let be32 =
+                    |r: std::ops::Range<usize>| u32::from_be_bytes(payload[r].try_into().unwrap());
+                be32(field::TENSOR_ID) & !(7 << 27)
+            }
+        };
         seen.push(Sniffed {
-            tensor: be32(field::TENSOR_ID),
+            tensor,
             offset: u64::from_be_bytes(payload[field::OFFSET].try_into().unwrap()),
             pass: payload[field::PASS],
             dscp: tos >> 2,
             ecn: tos & 0b11,
         });
     }
-}
-
-/// The wire's tensor id of point-to-point tensor `tensor` (`comm::KIND_P2P` in the top bits).
-fn p2p_flow(tensor: u32) -> u32 {
-    (7 << 27) | tensor
 }
 
 /// What `record_tags` returned for each segment offset.
@@ -1424,15 +1455,12 @@ fn check_dscp_on_the_wire(test: &str, cases: &[Tagging]) {
 
     for p in &sniffed {
         assert!(
-            (0..cases.len() as u32).any(|i| p.tensor == p2p_flow(i)),
+            (0..cases.len() as u32).any(|i| p.tensor == i),
             "a packet of no case's flow: {p:?}"
         );
     }
     for (i, case) in cases.iter().enumerate() {
-        let pkts: Vec<&Sniffed> = sniffed
-            .iter()
-            .filter(|p| p.tensor == p2p_flow(i as u32))
-            .collect();
+        let pkts: Vec<&Sniffed> = sniffed.iter().filter(|p| p.tensor == i as u32).collect();
         assert!(pkts.len() > 1, "case {i}: {} packets seen", pkts.len());
         match *case {
             Tagging::Default {

@@ -358,12 +358,25 @@ impl Group {
         self.guard(|| self.ep.run(Barrier::new(), self.cfg.op_timeout))
     }
 
-    /// Sends `bytes` to `peer` (copied once into an owned buffer).
-    pub fn send(&self, peer: usize, bytes: &[u8], dscp: u8) -> Result<(), CollectiveError> {
+    /// Sends `bytes` to `peer` (copied once into an owned buffer) as tensor `tensor`, each
+    /// segment with its own TOS byte (`tos_per_segment`, one per [`Group::block_bytes`]
+    /// segment; empty: `dscp` and ECN-capable for all). Returns the segments resent.
+    pub fn send(
+        &self,
+        peer: usize,
+        bytes: &[u8],
+        tensor: u32,
+        dscp: u8,
+        tos_per_segment: Vec<u8>,
+    ) -> Result<u64, CollectiveError> {
+        let segs = bytes.len().div_ceil(self.block_bytes()).max(1);
         let opts = SendOpts {
             tos: (dscp << 2) | 0b10,
+            meta: vec![u64::from(tensor); segs],
+            tos_per_segment,
             ..SendOpts::default()
         };
+        let before = self.stats().core.data_resent;
         self.guard(|| {
             self.ep
                 .run(
@@ -371,26 +384,43 @@ impl Group {
                     self.cfg.op_timeout,
                 )
                 .map(|_| ())
-        })
+        })?;
+        Ok(self.stats().core.data_resent.saturating_sub(before))
     }
 
-    /// Receives from `peer` into `bytes` (the sender's length), under `loss_bound`.
+    /// Receives tensor `tensor` from `peer` into `bytes` (the sender's length), under
+    /// `loss_bound`. Transfers between two ranks match in the order both call them; a
+    /// tensor id that differs from the sender's is an error naming both.
     pub fn recv(
         &self,
         peer: usize,
         bytes: &mut [u8],
+        tensor: u32,
         loss_bound: f64,
     ) -> Result<RecvReport, CollectiveError> {
         let opts = RecvOpts {
             loss_bound,
+            keep_meta: true,
             ..RecvOpts::default()
         };
         self.guard(|| {
-            self.ep
-                .run_borrowed(bytes, self.cfg.op_timeout, |r| {
-                    Recv::new(r, peer as u16, opts)
-                })
-                .map(|(_, report)| report)
+            let (_, report) = self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
+                Recv::new(r, peer as u16, opts)
+            })?;
+            let theirs = (0..report.segments as usize)
+                .filter(|&s| report.has(s))
+                .map(|s| report.meta.get(s).copied().unwrap_or(0))
+                .find(|&m| m != u64::from(tensor));
+            match theirs {
+                None => Ok(report),
+                Some(m) => Err(OpError::Data {
+                    peer: peer as u16,
+                    reason: format!(
+                        "it sent tensor {m} where this rank receives tensor {tensor}: call \
+                         send and recv for the same tensors in the same order on both ranks"
+                    ),
+                }),
+            }
         })
     }
 }

@@ -343,7 +343,19 @@ def sniffer():
         payload = udp[8:]
         if struct.unpack("!H", udp[2:4])[0] == 9 and payload == END:
             return
-        assert len(payload) >= 32 and payload[0] == 1, f"not a gradwire data packet: {payload!r}"
+        assert len(payload) >= 8 and payload[0] == 1, f"not a gradwire packet: {len(payload)} bytes"
+        if payload[1] == 5:
+            continue  # a message-layer control frame (control DSCP, not checked here)
+        if payload[1] == 3:
+            # Message-layer segments, a GSO bundle whole on loopback: the point-to-point
+            # tensor id rides in each segment's meta word (bytes 32..40).
+            while payload:
+                n = 40 + struct.unpack("!H", payload[28:30])[0]
+                seg, payload = payload[:n], payload[n:]
+                offset, = struct.unpack("!Q", seg[16:24])
+                meta, = struct.unpack("!Q", seg[32:40])
+                seen.append(((7 << 27) | meta, offset, seg[3], tos >> 2, tos & 3))
+            continue
         tensor, = struct.unpack("!I", payload[8:12])
         offset, = struct.unpack("!Q", payload[16:24])
         seen.append((tensor, offset, payload[3], tos >> 2, tos & 3))

@@ -623,6 +623,53 @@ impl Session {
             t
         })?;
         let o = p2p_options(opts)?;
+        if let Some(g) = &self.group {
+            self.check_peer(peer)?;
+            // Each segment of the layer tagged by the priority function (DLCP's default:
+            // the layer's DSCP, ECN-capable when its gradients are large).
+            let tagger;
+            let f: &PriorityFn<'_> = match priority {
+                Some(f) => f,
+                None => {
+                    tagger = DlcpTagger {
+                        dscp: data_dscp(&ReduceOptions {
+                            layer: opts.layer,
+                            num_layers: opts.num_layers,
+                            ..ReduceOptions::default()
+                        })?,
+                        threshold: gradwire::tagging::magnitude_threshold(
+                            &tensor,
+                            &gradwire::tagging::MagnitudeConfig::default(),
+                        ),
+                    };
+                    &tagger.priority_fn()
+                }
+            };
+            let seg = g.block_bytes();
+            let tags: Vec<u8> = bytes
+                .chunks(seg)
+                .enumerate()
+                .map(|(i, payload)| {
+                    f(&SegmentInfo {
+                        index: i as u32,
+                        offset: (i * seg) as u64,
+                        layer: opts.layer,
+                        dtype,
+                        payload,
+                    })
+                    .tos()
+                })
+                .collect();
+            let started = std::time::Instant::now();
+            let resent = g.send(peer, bytes, opts.tensor, 0, tags)?;
+            return Ok(SendSummary {
+                segments: bytes.len().div_ceil(seg).max(1) as u32,
+                bytes: bytes.len() as u64,
+                retransmitted_segments: resent,
+                elapsed_s: started.elapsed().as_secs_f64(),
+                final_rate_bps: 0,
+            });
+        }
         let report = match priority {
             Some(f) => self.comm.send(peer, &tensor, &o, f)?,
             None => {
@@ -660,6 +707,40 @@ impl Session {
         self.check_p2p_link(peer, false)?;
         let mut tensor = p2p_tensor(dtype, bytes.len())?;
         let o = p2p_options(opts)?;
+        if let Some(g) = &self.group {
+            self.check_peer(peer)?;
+            let bound = opts.loss_bound.unwrap_or(self.cfg.loss_bound);
+            loss_bound(bound)?;
+            let started = std::time::Instant::now();
+            let r = g.recv(peer, bytes, opts.tensor, bound)?;
+            let seg = g.block_bytes();
+            let missing = (0..r.segments as usize)
+                .filter(|&s| !r.has(s))
+                .map(|s| {
+                    (
+                        (s * seg) as u64,
+                        seg.min(bytes.len().saturating_sub(s * seg)),
+                    )
+                })
+                .collect();
+            // Segments that never arrived are zero, as on the flow transport.
+            for s in (0..r.segments as usize).filter(|&s| !r.has(s)) {
+                let end = ((s + 1) * seg).min(bytes.len());
+                if let Some(b) = bytes.get_mut(s * seg..end) {
+                    b.fill(0);
+                }
+            }
+            let received = r.segments - r.missing;
+            return Ok(RecvSummary {
+                missing,
+                segments: r.segments,
+                received_segments: received,
+                delivered_fraction: f64::from(received) / f64::from(r.segments.max(1)),
+                loss_bound: bound,
+                rounds: r.passes.saturating_sub(1),
+                elapsed_s: started.elapsed().as_secs_f64(),
+            });
+        }
         let r = self.comm.recv(peer, &mut tensor, &o)?;
         bytes.copy_from_slice(tensor.as_bytes());
         Ok(RecvSummary {
@@ -675,6 +756,17 @@ impl Session {
 }
 
 impl Session {
+    /// A peer of a point-to-point transfer on the message layer: another rank of the job.
+    fn check_peer(&self, peer: usize) -> Result<(), SessionError> {
+        if peer >= self.cfg.world || peer == self.cfg.rank {
+            return Err(SessionError::InvalidArgument(format!(
+                "rank {peer} is not another rank of this {}-rank job (this is rank {})",
+                self.cfg.world, self.cfg.rank
+            )));
+        }
+        Ok(())
+    }
+
     /// Without `point_to_point` a session has its ring links only: send to the next rank,
     /// receive from the previous one.
     fn check_p2p_link(&self, peer: usize, sending: bool) -> Result<(), SessionError> {

@@ -84,6 +84,7 @@ impl Direct {
                 tos: self.spec.tos,
                 layer: self.spec.layer,
                 meta: meta.clone(),
+                tos_per_segment: Vec::new(),
             };
             cx.send(q as u16, self.send_base[q] + 1, buf, range.clone(), opts)?;
             self.sends_left += 1;
@@ -170,6 +171,7 @@ impl Op for Direct {
                     tos: self.spec.tos,
                     layer: self.spec.layer,
                     meta,
+                    tos_per_segment: Vec::new(),
                 };
                 cx.send(peer, self.send_base[q], buf, theirs, opts)?;
                 self.sends_left += 1;

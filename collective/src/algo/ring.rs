@@ -91,6 +91,7 @@ impl Ring {
             tos: self.spec.tos,
             layer: self.spec.layer,
             meta,
+            tos_per_segment: Vec::new(),
         };
         let buf = self
             .buf

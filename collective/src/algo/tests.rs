@@ -192,11 +192,11 @@ fn broadcast_barrier_and_point_to_point() {
             let mine = vec![r as u8; 5000];
             let mut got = vec![0u8; 5000];
             if r % 2 == 0 {
-                g.send(next, &mine, 0).expect("send");
-                g.recv(prev, &mut got, 0.0).expect("recv");
+                g.send(next, &mine, 9, 0, Vec::new()).expect("send");
+                g.recv(prev, &mut got, 9, 0.0).expect("recv");
             } else {
-                g.recv(prev, &mut got, 0.0).expect("recv");
-                g.send(next, &mine, 0).expect("send");
+                g.recv(prev, &mut got, 9, 0.0).expect("recv");
+                g.send(next, &mine, 9, 0, Vec::new()).expect("send");
             }
             (b, got)
         },
@@ -475,4 +475,25 @@ fn trees_sum_exactly_and_agree_under_loss() {
             }
         }
     }
+}
+
+#[test]
+fn a_tensor_received_for_another_is_an_error_naming_both() {
+    let out = with_groups(
+        2,
+        |_| {},
+        move |g| {
+            let mut b = vec![0u8; 3000];
+            if g.rank() == 0 {
+                g.send(1, &b, 4, 0, Vec::new())
+                    .map(|_| String::new())
+                    .unwrap_or_else(|e| e.to_string())
+            } else {
+                g.recv(0, &mut b, 5, 0.0)
+                    .map(|_| String::new())
+                    .unwrap_or_else(|e| e.to_string())
+            }
+        },
+    );
+    assert!(out[1].contains("rank 0 sent invalid aggregation data: it sent tensor 4 where this rank receives tensor 5"), "{}", out[1]);
 }

@@ -96,6 +96,7 @@ impl TreeAllReduce {
                     tos: self.spec.tos,
                     layer: self.spec.layer,
                     meta: self.meta(k),
+                    tos_per_segment: Vec::new(),
                 };
                 cx.send(parent, self.up_to + k as u32, buf, bytes, opts)?;
                 self.sends_left += 1;
@@ -127,6 +128,7 @@ impl TreeAllReduce {
                 tos: self.spec.tos,
                 layer: self.spec.layer,
                 meta: self.meta(k),
+                tos_per_segment: Vec::new(),
             };
             cx.send(c, self.down_to[i] + k as u32, buf, bytes.clone(), opts)?;
             self.sends_left += 1;

@@ -120,6 +120,9 @@ pub struct SendOpts {
     pub layer: u16,
     /// One word per segment for the receiver (a contributor set); empty: zeros.
     pub meta: Vec<u64>,
+    /// One TOS byte per segment (DLCP's priority function: DSCP by layer, ECN-capable by
+    /// gradient magnitude); empty: `tos` for all.
+    pub tos_per_segment: Vec<u8>,
 }
 
 /// Options of a posted receive.
@@ -252,8 +255,8 @@ pub enum PostError {
     /// Too long for one message.
     #[error("a message of {0} bytes is longer than the 4 GiB a message can hold")]
     TooLong(usize),
-    /// Meta words do not match the segments.
-    #[error("{got} meta words for a message of {want} segments")]
+    /// Per-segment words (meta or TOS) do not match the segments.
+    #[error("{got} per-segment values (meta words or TOS bytes) for a message of {want} segments")]
     Meta {
         /// Given.
         got: usize,
@@ -533,11 +536,13 @@ impl Core {
         }
         let total = u32::try_from(range.len()).map_err(|_| PostError::TooLong(range.len()))?;
         let nsegs = self.segments(range.len());
-        if !opts.meta.is_empty() && opts.meta.len() != nsegs {
-            return Err(PostError::Meta {
-                got: opts.meta.len(),
-                want: nsegs,
-            });
+        for given in [opts.meta.len(), opts.tos_per_segment.len()] {
+            if given != 0 && given != nsegs {
+                return Err(PostError::Meta {
+                    got: given,
+                    want: nsegs,
+                });
+            }
         }
         let p = &mut self.peers[i];
         if p.sends.contains_key(&msg) {

@@ -21,6 +21,8 @@ pub struct RecvReport {
     pub arrived: Option<Vec<u64>>,
     /// Each segment's meta word (0 where missing), when the receive asked to keep them.
     pub meta: Vec<u64>,
+    /// Passes the sender made (1: nothing resent).
+    pub passes: u32,
 }
 
 impl RecvReport {
@@ -326,6 +328,7 @@ impl Core {
                 ended,
                 arrived: if missing == 0 { None } else { Some(r.got) },
                 meta: r.meta,
+                passes: r.pass_end.map_or(1, |p| u32::from(p) + 1),
             },
         });
     }

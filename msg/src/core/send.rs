@@ -85,6 +85,15 @@ impl SendMsg {
         (off, len)
     }
 
+    /// The TOS byte of segment `seg`: its own tag, or the message's.
+    fn tos_of(&self, seg: u32) -> u8 {
+        self.opts
+            .tos_per_segment
+            .get(seg as usize)
+            .copied()
+            .unwrap_or(self.opts.tos)
+    }
+
     fn is_queued(&self, seg: u32) -> bool {
         self.queued
             .get(seg as usize / 64)
@@ -122,27 +131,38 @@ impl Core {
                     let first = out.headers.len();
                     let retransmit = !s.resend.is_empty();
                     let mut last_seg_len = None;
+                    let mut bundle_tos = None;
                     while out.headers.len() - first < max_bundle && last_seg_len.is_none() {
-                        let (seg, is_last) = if retransmit {
-                            let Some(seg) = s.resend.pop_front() else {
-                                break;
-                            };
-                            (seg, s.resend.is_empty())
+                        let next = if retransmit {
+                            s.resend.front().copied()
+                        } else if room > 0 && s.next < s.nsegs {
+                            Some(s.next)
                         } else {
-                            if room == 0 || s.next >= s.nsegs {
-                                break;
-                            }
-                            let seg = s.next;
+                            None
+                        };
+                        let Some(seg) = next else {
+                            break;
+                        };
+                        // A bundle has one TOS byte: a segment tagged otherwise starts the next.
+                        let tos = s.tos_of(seg);
+                        if bundle_tos.is_some_and(|t| t != tos) {
+                            break;
+                        }
+                        bundle_tos = Some(tos);
+                        let is_last = if retransmit {
+                            s.resend.pop_front();
+                            s.resend.is_empty()
+                        } else {
                             s.next += 1;
                             room -= 1;
-                            (seg, s.next == s.nsegs)
+                            s.next == s.nsegs
                         };
                         let (off, len) = s.seg_range(seg, seg_payload);
                         let mut fl = if retransmit { flags::RETRANSMIT } else { 0 };
                         if is_last {
                             fl |= flags::LAST;
                         }
-                        if s.opts.tos & 3 != 0 {
+                        if tos & 3 != 0 {
                             fl |= flags::IMPORTANT;
                         }
                         let h = DataHeader {
@@ -186,7 +206,7 @@ impl Core {
                     }
                     out.bundles.push(Bundle {
                         peer: i as u16,
-                        tos: s.opts.tos,
+                        tos: bundle_tos.unwrap_or(s.opts.tos),
                         segment_size: if n == 1 {
                             wire::DATA_HEADER_LEN + last_seg_len.unwrap_or(seg_payload)
                         } else {

@@ -481,3 +481,39 @@ fn a_live_peer_that_never_receives_fails_the_send_as_alive_not_dead() {
     }
     assert!(failed[0].to_string().contains("alive but made no progress"));
 }
+
+#[test]
+fn segments_tagged_differently_go_in_separate_bundles_with_their_own_tos() {
+    let mut cfg = CoreConfig::new(9, 0, 2);
+    cfg.seg_payload = 64;
+    let mut core = Core::new(cfg);
+    let now = Instant::now();
+    let buf = core.register(Region::owned(pattern(64 * 5, 1)));
+    core.reserve_sends(1, 1).expect("peer");
+    let tags = vec![0x0a, 0x0a, 0xb8, 0xb8, 0x0a];
+    let opts = SendOpts {
+        tos: 0,
+        tos_per_segment: tags.clone(),
+        ..SendOpts::default()
+    };
+    core.post_send(now, 1, 0, buf, 0..64 * 5, opts)
+        .expect("send");
+    let mut tx = TxBatch::default();
+    core.poll_transmit(now, &mut tx, 16);
+    let got: Vec<(u8, usize)> = tx.bundles.iter().map(|b| (b.tos, b.segs.len())).collect();
+    assert_eq!(got, vec![(0x0a, 2), (0xb8, 2), (0x0a, 1)]);
+    for (s, hb) in tx.headers.iter().enumerate() {
+        let (h, _) = DataHeader::parse(&[&hb[..], &vec![0u8; 64][..]].concat()).expect("header");
+        let important = h.flags & wire::flags::IMPORTANT != 0;
+        assert_eq!(important, tags[s] & 3 != 0, "segment {s}");
+    }
+    let bad = SendOpts {
+        tos_per_segment: vec![0; 3],
+        ..SendOpts::default()
+    };
+    core.reserve_sends(1, 1).expect("peer");
+    assert!(matches!(
+        core.post_send(now, 1, 1, buf, 0..64 * 5, bad),
+        Err(PostError::Meta { got: 3, want: 5 })
+    ));
+}
