@@ -92,6 +92,8 @@ pub struct EndpointStats {
     pub unknown_source: u64,
     /// Data segments dropped by `inject_loss`.
     pub injected_drops: u64,
+    /// Peers' hosts reporting their socket closed (ICMP port unreachable).
+    pub unreachable_reports: u64,
     /// Datagrams received.
     pub datagrams_in: u64,
     /// Datagrams sent.
@@ -389,6 +391,7 @@ impl Driver {
                 got += n;
                 self.dispatch(now);
             }
+            self.check_unreachable();
             if self.core.next_timeout().is_some_and(|t| t <= now) {
                 self.core.handle_timeout(now);
             }
@@ -403,7 +406,19 @@ impl Driver {
                     .map(|t| t.saturating_duration_since(Instant::now()))
                     .unwrap_or(Duration::from_millis(100))
                     .min(Duration::from_millis(100));
-                self.io.wait(Some(timeout), false)?;
+                if self.io.wait(Some(timeout), false)?.errors {
+                    self.check_unreachable();
+                }
+            }
+        }
+    }
+
+    /// Peers whose host reports their socket closed fail their messages now.
+    fn check_unreachable(&mut self) {
+        for a in self.io.take_unreachable() {
+            if let Some(&r) = self.by_addr.get(&a) {
+                self.stats.unreachable_reports += 1;
+                self.core.peer_unreachable(r);
             }
         }
     }

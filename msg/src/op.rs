@@ -46,7 +46,11 @@ impl OpError {
     /// The rank to blame, if a peer failed.
     pub fn peer(&self) -> Option<u16> {
         match self {
-            OpError::Peer(MsgError::PeerSilent { peer, .. } | MsgError::Aborted { peer, .. })
+            OpError::Peer(
+                MsgError::PeerSilent { peer, .. }
+                | MsgError::Aborted { peer, .. }
+                | MsgError::Unreachable { peer, .. },
+            )
             | OpError::Data { peer, .. } => Some(*peer),
             _ => None,
         }

@@ -582,3 +582,49 @@ fn socket_buffers_are_reported() {
         eprintln!("SO_RCVBUFFORCE refused (no CAP_NET_ADMIN?): got {r} bytes");
     }
 }
+
+#[test]
+fn a_destination_whose_socket_closed_is_reported_unreachable() {
+    for lo in [lo4(), lo6()] {
+        let mut io = bind(lo, true, true);
+        let gone = bind(lo, true, true).local_addr(); // bound, then closed at once
+        let live = bind(lo, true, true);
+        let bytes = [7u8; 100];
+        let iov = [IoSlice::new(&bytes)];
+        for dst in [gone, live.local_addr()] {
+            let t = Transmit {
+                dst,
+                tos: 0,
+                segment_size: bytes.len(),
+                iov: &iov,
+            };
+            assert_eq!(io.send(&[t]).expect("send"), 1);
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut seen = Vec::new();
+        while seen.is_empty() && Instant::now() < deadline {
+            let r = io
+                .wait(Some(Duration::from_millis(50)), false)
+                .expect("wait");
+            if r.readable {
+                io.recv(&mut |_, _| {}).expect("recv");
+            }
+            seen.extend(io.take_unreachable());
+        }
+        assert_eq!(
+            seen,
+            vec![gone],
+            "{lo}: only the closed port is unreachable"
+        );
+        assert!(io.stats().icmp_errors >= 1);
+        // The error is consumed: the socket is quiet again and keeps working.
+        assert!(io.take_unreachable().is_empty());
+        let r = io
+            .wait(Some(Duration::from_millis(50)), false)
+            .expect("wait");
+        assert!(
+            !r.errors,
+            "{lo}: an error left queued would wake every wait"
+        );
+    }
+}

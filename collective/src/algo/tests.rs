@@ -497,3 +497,32 @@ fn a_tensor_received_for_another_is_an_error_naming_both() {
     );
     assert!(out[1].contains("rank 0 sent invalid aggregation data: it sent tensor 4 where this rank receives tensor 5"), "{}", out[1]);
 }
+
+#[test]
+fn a_rank_whose_socket_closed_is_named_at_once_not_after_the_timeout() {
+    let world = 3;
+    let out = with_groups(
+        world,
+        |c| c.endpoint.core.peer_timeout = Duration::from_secs(20),
+        move |g| {
+            if g.rank() == 1 {
+                drop(g); // its process "exits": the socket closes
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            let started = std::time::Instant::now();
+            let mut b = f32s(&input(g.rank(), 10_000));
+            let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+            let e = g
+                .all_reduce(t, &GroupReduceOptions::default())
+                .expect_err("rank 1 is gone");
+            Some((e.to_string(), started.elapsed()))
+        },
+    );
+    for (rank, r) in out.into_iter().enumerate() {
+        if let Some((e, took)) = r {
+            assert!(e.contains("rank 1's socket is closed"), "rank {rank}: {e}");
+            assert!(took < Duration::from_secs(2), "rank {rank} took {took:?}");
+        }
+    }
+}

@@ -177,6 +177,14 @@ pub enum MsgError {
         /// another rank) rather than being dead or cut off.
         alive: bool,
     },
+    /// The peer's socket is closed: its host answered a datagram with ICMP port unreachable.
+    #[error("rank {peer}'s socket is closed (its host reports the port unreachable): the process exited or left the job")]
+    Unreachable {
+        /// The peer.
+        peer: u16,
+        /// The message.
+        msg: u32,
+    },
     /// The sender gave the message up.
     #[error("rank {peer} aborted message {msg}")]
     Aborted {
@@ -729,6 +737,31 @@ impl Core {
                 }
             )
         });
+        self.events.extend(failed);
+    }
+
+    /// The host of `peer` reports its socket closed: every message with it fails now (rather
+    /// than after the peer timeout).
+    pub fn peer_unreachable(&mut self, peer: u16) {
+        let Ok(i) = self.peer_index(peer) else {
+            return;
+        };
+        let p = &mut self.peers[i];
+        let sends: Vec<u32> = std::mem::take(&mut p.sends).into_keys().collect();
+        let recvs: Vec<u32> = p.recvs.drain().map(|(m, _)| m).collect();
+        for &m in &recvs {
+            p.mark_done(m);
+        }
+        let failed = sends
+            .into_iter()
+            .map(|m| (m, true))
+            .chain(recvs.into_iter().map(|m| (m, false)))
+            .map(|(msg, send)| Event::Failed {
+                peer,
+                msg,
+                send,
+                error: MsgError::Unreachable { peer, msg },
+            });
         self.events.extend(failed);
     }
 

@@ -31,6 +31,10 @@ pub trait DatagramIo: Send + 'static {
     fn wait(&self, timeout: Option<Duration>, want_write: bool) -> Result<Readiness, BoxError>;
     /// Wakes [`DatagramIo::wait`] from another thread.
     fn waker(&self) -> Waker;
+    /// Destinations reported unreachable since the last call (a peer whose socket closed).
+    fn take_unreachable(&mut self) -> Vec<SocketAddr> {
+        Vec::new()
+    }
 }
 
 impl DatagramIo for udp::UdpIo {
@@ -56,5 +60,9 @@ impl DatagramIo for udp::UdpIo {
 
     fn waker(&self) -> Waker {
         udp::UdpIo::waker(self)
+    }
+
+    fn take_unreachable(&mut self) -> Vec<SocketAddr> {
+        udp::UdpIo::take_unreachable(self)
     }
 }

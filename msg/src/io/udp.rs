@@ -155,6 +155,8 @@ pub struct Readiness {
     pub writable: bool,
     /// A [`Waker`] fired (its eventfd is drained).
     pub woken: bool,
+    /// The socket's error queue holds ICMP errors ([`UdpIo::take_unreachable`] reads them).
+    pub errors: bool,
 }
 
 /// Counters of one socket, for tests and benchmarks.
@@ -190,6 +192,8 @@ pub struct UdpStats {
     /// Datagrams the kernel dropped because the receive buffer was full (`SO_RXQ_OVFL`), as of
     /// the latest datagram received.
     pub recv_kernel_drops: u64,
+    /// ICMP errors read from the socket's error queue.
+    pub icmp_errors: u64,
 }
 
 /// Wakes a thread blocked in [`UdpIo::wait`]. Cheap to clone, `Send + Sync`; keeps the eventfd
@@ -642,6 +646,11 @@ pub struct UdpIo {
     tx: TxState,
     rx: RxState,
     stats: UdpStats,
+    /// `IP_RECVERR`/`IPV6_RECVERR` is on: ICMP errors are queued for us to read.
+    recverr: bool,
+    /// Destinations the kernel reported unreachable (ICMP port unreachable: no socket there
+    /// any more), for [`UdpIo::take_unreachable`].
+    unreachable: Vec<SocketAddr>,
     /// Test hook: the next GSO `sendmmsg` fails with `EIO`.
     #[cfg(test)]
     fail_gso_once: bool,
@@ -747,6 +756,18 @@ impl UdpIo {
             );
         }
 
+        // ICMP errors for our datagrams (a peer's socket closed: port unreachable) are queued
+        // on the socket's error queue rather than dropped, so a dead peer is noticed at once.
+        let recverr = if v6 {
+            setsockopt(&sock, sockopt::Ipv6RecvErr, &true)
+        } else {
+            setsockopt(&sock, sockopt::Ipv4RecvErr, &true)
+        };
+        if let Err(e) = &recverr {
+            log::debug!("UDP {local}: IP_RECVERR: {e}; dead peers are noticed by timeout only");
+        }
+        let recverr = recverr.is_ok();
+
         let efd = EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
             .map_err(|e| setup("eventfd")(e.into()))?;
         let waker = Waker {
@@ -777,6 +798,8 @@ impl UdpIo {
                 drops_seen: 0,
             },
             stats: UdpStats::default(),
+            recverr,
+            unreachable: Vec::new(),
             #[cfg(test)]
             fail_gso_once: false,
         })
@@ -1051,6 +1074,16 @@ impl UdpIo {
                     self.stats.send_would_block += 1;
                     return Ok(bundle);
                 }
+                // A pending ICMP error for an earlier datagram is reported by the next call,
+                // which then sends nothing: read the error queue and send again.
+                Err(
+                    Errno::ECONNREFUSED
+                    | Errno::EHOSTUNREACH
+                    | Errno::ENETUNREACH
+                    | Errno::EHOSTDOWN,
+                ) if self.recverr => {
+                    self.drain_errors();
+                }
                 Err(Errno::EIO)
                     if self.gso && self.tx.pieces.first().is_some_and(|p| p.segs > 1) =>
                 {
@@ -1138,6 +1171,17 @@ impl UdpIo {
                     self.stats.recv_empty += 1;
                     return Ok(0);
                 }
+                // An ICMP error for one of our datagrams, reported once on the next call: read
+                // the error queue (which destination) and carry on receiving.
+                Errno::ECONNREFUSED
+                | Errno::EHOSTUNREACH
+                | Errno::ENETUNREACH
+                | Errno::EHOSTDOWN
+                    if self.recverr =>
+                {
+                    self.drain_errors();
+                    return Ok(0);
+                }
                 e => {
                     return Err(IoError::Recv {
                         local: self.local,
@@ -1200,6 +1244,62 @@ impl UdpIo {
         Ok(datagrams)
     }
 
+    /// Destinations the kernel reported unreachable since the last call (ICMP port
+    /// unreachable: nothing listens there any more, e.g. the peer's process exited).
+    pub fn take_unreachable(&mut self) -> Vec<SocketAddr> {
+        if self.recverr {
+            self.drain_errors();
+        }
+        std::mem::take(&mut self.unreachable)
+    }
+
+    /// Reads the socket's error queue (at most 64 entries per call): each entry is one ICMP
+    /// error with the original destination as its address.
+    fn drain_errors(&mut self) {
+        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags, SockaddrStorage};
+        let mut payload = [0u8; 64];
+        // Room for the extended error and its offender address, and for the TOS/TCLASS and
+        // other control messages the socket asks for on every message (an IPv6 socket gets
+        // several): a truncated control area would hide the error.
+        // Aligned like `struct cmsghdr`, which the kernel writes and nix reads in place.
+        #[repr(align(8))]
+        struct Control([u8; 512]);
+        let mut cmsg = Control([0u8; 512]);
+        for _ in 0..64 {
+            let mut iov = [std::io::IoSliceMut::new(&mut payload)];
+            let msg = match recvmsg::<SockaddrStorage>(
+                self.sock.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg.0),
+                MsgFlags::MSG_ERRQUEUE | MsgFlags::MSG_DONTWAIT,
+            ) {
+                Ok(m) => m,
+                Err(Errno::EINTR) => continue,
+                Err(_) => return, // EAGAIN: the queue is empty
+            };
+            let dst = msg.address.and_then(|a| {
+                a.as_sockaddr_in()
+                    .map(|v4| SocketAddr::V4(SocketAddrV4::from(*v4)))
+                    .or_else(|| {
+                        a.as_sockaddr_in6()
+                            .map(|v6| SocketAddr::V6(SocketAddrV6::from(*v6)))
+                    })
+            });
+            let refused = msg.cmsgs().into_iter().flatten().any(|c| match c {
+                ControlMessageOwned::Ipv4RecvErr(e, _) | ControlMessageOwned::Ipv6RecvErr(e, _) => {
+                    e.ee_errno == libc::ECONNREFUSED as u32
+                }
+                _ => false,
+            });
+            self.stats.icmp_errors += 1;
+            if let (Some(dst), true) = (dst, refused) {
+                if !self.unreachable.contains(&dst) {
+                    self.unreachable.push(dst);
+                }
+            }
+        }
+    }
+
     /// Blocks until the socket is readable (or writable, when `want_write`), the [`Waker`]
     /// fires, or `timeout` passes (`None`: forever). Drains the waker. A signal ends the wait
     /// early with nothing set.
@@ -1239,6 +1339,7 @@ impl UdpIo {
             readable: sock.intersects(PollFlags::POLLIN | PollFlags::POLLERR),
             writable: want_write && sock.contains(PollFlags::POLLOUT),
             woken,
+            errors: sock.contains(PollFlags::POLLERR),
         })
     }
 }

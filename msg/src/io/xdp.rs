@@ -1095,6 +1095,7 @@ impl XdpIo {
             readable: sock.intersects(PollFlags::POLLIN | PollFlags::POLLERR),
             writable: want_write && sock.contains(PollFlags::POLLOUT),
             woken,
+            errors: false,
         })
     }
 }
