@@ -18,13 +18,13 @@ use crate::aggregate::ReduceOp;
 use crate::algo::barrier::Barrier;
 use crate::algo::bcast::Broadcast;
 use crate::algo::direct::Direct;
-use crate::algo::p2p::{Recv, Send};
 use crate::algo::ring::{Halves, Ring};
 use crate::algo::tree::TreeAllReduce;
 use crate::algo::{ReduceOutcome, ReduceSpec};
 use crate::comm::TensorMut;
 use crate::error::CollectiveError;
 use crate::tree::Tree;
+use gradwire_msg::p2p::{Recv, Send};
 
 /// How a group is set up.
 #[derive(Debug, Clone)]

@@ -8,6 +8,8 @@
 //!   with the `afxdp` feature).
 //! - [`op`]: operations (state machines on the progress thread) and their handles.
 //! - [`endpoint`]: one endpoint per rank: the socket, the core and the progress thread.
+//! - [`p2p`]: the simplest operations: one message to or from one peer (fixed or variable
+//!   length), for anything built on the layer that is not a collective.
 #![deny(unsafe_code)]
 
 pub mod core;
@@ -15,5 +17,6 @@ pub mod endpoint;
 pub mod io;
 pub mod mem;
 pub mod op;
+pub mod p2p;
 pub mod reduce;
 pub mod wire;

@@ -145,6 +145,7 @@ impl Op for Direct {
                     loss_bound: self.spec.loss_bound,
                     keep_meta: lossy,
                     deadline: self.spec.step_deadline.map(|d| cx.now() + d),
+                    up_to: false,
                 };
                 cx.recv(peer, self.recv_base[q], buf, own.clone(), opts)?;
                 self.phase1_left += 1;

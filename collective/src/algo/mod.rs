@@ -7,7 +7,7 @@
 //!   sends it to everyone): two message rounds, for small worlds and small tensors;
 //! - [`tree`]: MLNET's aggregation and multicast trees, pipelined in chunks;
 //! - [`bcast`]: binomial-tree broadcast; [`barrier`]: dissemination barrier;
-//!   [`p2p`]: one tensor to or from one peer.
+//!   point-to-point transfers are `gradwire_msg::p2p`.
 //!
 //! Bounded loss (DLCP): with a loss bound p > 0 the reduce-scatter half may end a step with
 //! up to p of its segments missing; who is summed in each block travels in the segments'
@@ -18,7 +18,6 @@
 pub mod barrier;
 pub mod bcast;
 pub mod direct;
-pub mod p2p;
 pub mod ring;
 pub mod tree;
 

@@ -171,6 +171,7 @@ impl Op for Ring {
                 loss_bound: self.spec.loss_bound,
                 deadline: None,
                 keep_meta: lossy,
+                up_to: false,
             };
             cx.recv(
                 prev,

@@ -218,6 +218,7 @@ impl Op for TreeAllReduce {
                     loss_bound: self.spec.loss_bound,
                     keep_meta: lossy,
                     deadline: self.spec.step_deadline.map(|d| cx.now() + d),
+                    up_to: false,
                 };
                 cx.recv(c, self.up_from[i] + k as u32, buf, bytes.clone(), opts)?;
                 self.recvs_left += 1;

@@ -137,6 +137,9 @@ pub struct RecvOpts {
     pub deadline: Option<Instant>,
     /// Keep each segment's meta word for the report.
     pub keep_meta: bool,
+    /// The message may be shorter than the posted range (variable-length messages: headers,
+    /// chunks): its length comes with its first segment, and the report gives it.
+    pub up_to: bool,
 }
 
 impl Default for RecvOpts {
@@ -146,6 +149,7 @@ impl Default for RecvOpts {
             loss_bound: 0.0,
             deadline: None,
             keep_meta: false,
+            up_to: false,
         }
     }
 }

@@ -23,6 +23,8 @@ pub struct RecvReport {
     pub meta: Vec<u64>,
     /// Passes the sender made (1: nothing resent).
     pub passes: u32,
+    /// The message's length (the posted range's, or less for an `up_to` receive).
+    pub len: u32,
 }
 
 impl RecvReport {
@@ -42,6 +44,8 @@ pub(super) struct RecvMsg {
     start: usize,
     total: u32,
     nsegs: u32,
+    /// The length is known: the posted one, or (`up_to`) learned from the first segment.
+    known: bool,
     opts: RecvOpts,
     need: u32,
     got: Vec<u64>,
@@ -72,6 +76,7 @@ impl RecvMsg {
             start,
             total,
             nsegs,
+            known: !opts.up_to,
             need: nsegs - lose.min(nsegs),
             got: vec![0; (nsegs as usize).div_ceil(64)],
             count: 0,
@@ -106,6 +111,28 @@ impl RecvMsg {
         self.pinged.unwrap_or(self.heard).max(self.heard) + every
     }
 
+    /// An `up_to` receive learns its length from its first segment (at most the posted
+    /// range's); `false` if the sender's length does not fit.
+    fn learn(&mut self, total: u32, seg_payload: usize) -> bool {
+        if self.known {
+            return true;
+        }
+        if total > self.total {
+            return false;
+        }
+        let nsegs = (total as usize).div_ceil(seg_payload).max(1) as u32;
+        let lose = (self.opts.loss_bound * f64::from(nsegs)).floor() as u32;
+        self.total = total;
+        self.nsegs = nsegs;
+        self.need = nsegs - lose.min(nsegs);
+        self.got = vec![0; (nsegs as usize).div_ceil(64)];
+        if self.opts.keep_meta {
+            self.meta = vec![0; nsegs as usize];
+        }
+        self.known = true;
+        true
+    }
+
     pub(super) fn set_deadline(&mut self, at: Instant) {
         self.opts.deadline = Some(at);
     }
@@ -114,8 +141,12 @@ impl RecvMsg {
         self.got[seg as usize / 64] & (1 << (seg % 64)) != 0
     }
 
-    /// Missing segments from the first one, as a NACK bitmap of at most MAX_BITMAP bytes.
+    /// Missing segments from the first one, as a NACK bitmap of at most MAX_BITMAP bytes
+    /// (segment 0 alone while an `up_to` receive does not know its length yet).
     fn missing_bitmap(&self) -> Option<(u32, Vec<u8>, u32)> {
+        if !self.known {
+            return Some((0, vec![1], 1));
+        }
         let first = (0..self.nsegs).find(|&s| !self.has(s))?;
         let bits = (self.nsegs - first).min(MAX_BITMAP as u32 * 8);
         let mut map = vec![0u8; (bits as usize).div_ceil(8)];
@@ -217,6 +248,10 @@ impl Core {
         let Some(r) = self.peers[i].recvs.get_mut(&msg) else {
             return;
         };
+        if !r.learn(h.total, seg_payload) {
+            self.stats.refused += 1;
+            return;
+        }
         let seg = (h.offset / seg_payload as u64) as u32;
         let want_len = (r.total as usize)
             .saturating_sub(seg as usize * seg_payload)
@@ -329,6 +364,7 @@ impl Core {
                 arrived: if missing == 0 { None } else { Some(r.got) },
                 meta: r.meta,
                 passes: r.pass_end.map_or(1, |p| u32::from(p) + 1),
+                len: r.total,
             },
         });
     }

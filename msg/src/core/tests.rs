@@ -517,3 +517,54 @@ fn segments_tagged_differently_go_in_separate_bundles_with_their_own_tos() {
         Err(PostError::Meta { got: 3, want: 5 })
     ));
 }
+
+#[test]
+fn an_up_to_receive_learns_its_length_even_when_the_first_segments_are_lost() {
+    // Every segment of the first pass is lost: the receiver knows no length when the
+    // sender polls, asks for segment 0, learns the length from it and NACKs the rest.
+    let mut net = Net::new(2, Box::new(|_, d| d[1] == wire::KIND_DATA && d[3] == 0));
+    let data = pattern(64 * 10 + 5, 6);
+    let now = net.now;
+    let src = net.cores[0].register(Region::owned(data.clone()));
+    let dst = net.cores[1].register(Region::owned(vec![0; 64 * 100]));
+    net.cores[0].reserve_sends(1, 1).expect("peer");
+    net.cores[1].reserve_recvs(0, 1).expect("peer");
+    let opts = RecvOpts {
+        up_to: true,
+        ..RecvOpts::default()
+    };
+    net.cores[1]
+        .post_recv(now, 0, 0, dst, 0..64 * 100, opts)
+        .expect("recv");
+    net.cores[0]
+        .post_send(now, 1, 0, src, 0..data.len(), SendOpts::default())
+        .expect("send");
+    net.run(Duration::from_secs(2));
+    let r = received(&net, 1);
+    assert_eq!(r.len(), 1);
+    assert_eq!((r[0].len, r[0].segments, r[0].missing), (645, 11, 0));
+    assert_eq!(&net.cores[1].buffer(dst).expect("buffer")[..645], &data[..]);
+    assert_eq!(sent(&net, 0), 1);
+
+    // A message longer than the posted range is refused, never placed.
+    let mut net = Net::new(2, Box::new(|_, _| false));
+    let now = net.now;
+    let src = net.cores[0].register(Region::owned(pattern(200, 1)));
+    let dst = net.cores[1].register(Region::owned(vec![0; 100]));
+    net.cores[0].reserve_sends(1, 1).expect("peer");
+    net.cores[1].reserve_recvs(0, 1).expect("peer");
+    let opts = RecvOpts {
+        up_to: true,
+        ..RecvOpts::default()
+    };
+    net.cores[1]
+        .post_recv(now, 0, 0, dst, 0..100, opts)
+        .expect("recv");
+    net.cores[0]
+        .post_send(now, 1, 0, src, 0..200, SendOpts::default())
+        .expect("send");
+    net.run(Duration::from_millis(50));
+    assert!(net.cores[1].stats().refused > 0);
+    assert_eq!(net.cores[1].stats().data_placed, 0);
+    assert!(received(&net, 1).is_empty());
+}

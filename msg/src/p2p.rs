@@ -1,8 +1,9 @@
-//! One tensor to or from one peer, reliable or under a loss bound.
+//! One message to or from one peer, reliable or under a loss bound; a receive may accept a
+//! shorter message (`RecvOpts::up_to`, the report's `len`).
 
-use gradwire_msg::core::{RecvOpts, RecvReport, SendOpts};
-use gradwire_msg::mem::{BufId, Region};
-use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
+use crate::core::{RecvOpts, RecvReport, SendOpts};
+use crate::mem::{BufId, Region};
+use crate::op::{Op, OpCx, OpError, OpEvent, Step};
 
 /// A send of one region to `peer`.
 #[derive(Debug)]
