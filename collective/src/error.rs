@@ -46,6 +46,14 @@ pub enum CollectiveError {
         /// What was wrong.
         reason: String,
     },
+    /// Set-up failed because of what a peer published (another transport or authentication).
+    #[error("set-up with rank {peer}: {reason}")]
+    PeerSetup {
+        /// The rank.
+        peer: usize,
+        /// What was wrong.
+        reason: String,
+    },
     /// A peer of a message-layer operation died, hung or aborted.
     #[error("rank {peer}: {reason}")]
     Peer {

@@ -342,14 +342,21 @@ impl Group {
         )
     }
 
-    /// Broadcast from `root` in place.
-    pub fn broadcast(&self, bytes: &mut [u8], root: usize) -> Result<(), CollectiveError> {
+    /// Broadcast from `root` in place, each hop under `loss_bound` (0: reliable). Returns,
+    /// for each block ([`Group::block_bytes`]), whether it holds the root's values (the
+    /// others keep what they held).
+    pub fn broadcast(
+        &self,
+        bytes: &mut [u8],
+        root: usize,
+        loss_bound: f64,
+    ) -> Result<Vec<bool>, CollectiveError> {
         self.guard(|| {
             self.ep
                 .run_borrowed(bytes, self.cfg.op_timeout, |r| {
-                    Broadcast::new(r, root, 0b10)
+                    Broadcast::new(r, root, 0b10, loss_bound)
                 })
-                .map(|_| ())
+                .map(|o| o.received)
         })
     }
 

@@ -649,10 +649,13 @@ impl PendingLinks {
                 .iter()
                 .find(|(from, _)| *from == rank)
                 .map(|(_, port)| *port)
-                .ok_or_else(|| {
-                    CollectiveError::Setup(format!(
-                        "rank {q} published no listener for rank {rank}: do all ranks run the same algorithm and job file?"
-                    ))
+                .ok_or_else(|| CollectiveError::PeerSetup {
+                    peer: q,
+                    reason: format!(
+                        "it published no listener for rank {rank}: do all ranks run the same \
+                         algorithm and job file, and the same authentication (a job secret \
+                         everywhere or nowhere: a rank without one runs the message layer)?"
+                    ),
                 })?;
             let addr = SocketAddr::new(endpoints[q].ip, port);
             let ctrl = TcpCtrl::connect_from(

@@ -475,12 +475,15 @@ impl Driver {
             .filter(|(_, o)| **o == id)
             .map(|(k, _)| *k)
             .collect();
+        // A failed (or cancelled) operation tells the peers of its unfinished messages, naming
+        // the rank it failed on, so theirs fail now and name that rank too.
+        let culprit = r.as_ref().err().map(|e| e.peer());
         for (peer, msg, send) in mine {
             self.routes.remove(&(peer, msg, send));
-            if send {
-                self.core.cancel_send(peer, msg);
-            } else {
-                self.core.cancel_recv(peer, msg);
+            match culprit {
+                Some(c) => self.core.abort(peer, msg, send, c),
+                None if send => self.core.cancel_send(peer, msg),
+                None => self.core.cancel_recv(peer, msg),
             }
         }
         for b in run.bufs.drain(..) {

@@ -43,9 +43,13 @@ pub enum OpError {
 }
 
 impl OpError {
-    /// The rank to blame, if a peer failed.
+    /// The rank to blame, if a peer failed (for a peer that gave up because of a third rank,
+    /// that rank).
     pub fn peer(&self) -> Option<u16> {
         match self {
+            OpError::Peer(MsgError::Aborted {
+                culprit: Some(c), ..
+            }) => Some(*c),
             OpError::Peer(
                 MsgError::PeerSilent { peer, .. }
                 | MsgError::Aborted { peer, .. }

@@ -83,6 +83,7 @@ impl SessionError {
                 }
                 CollectiveError::Job(_) => ErrorKind::InvalidArgument,
                 CollectiveError::Setup(_)
+                | CollectiveError::PeerSetup { .. }
                 | CollectiveError::Rendezvous(_)
                 | CollectiveError::Tree(_) => ErrorKind::Setup,
                 CollectiveError::Unusable(_) => ErrorKind::Unusable,
@@ -98,7 +99,8 @@ impl SessionError {
                 CollectiveError::Link { peer, .. }
                 | CollectiveError::Aggregate { peer, .. }
                 | CollectiveError::Peer { peer, .. }
-                | CollectiveError::Data { peer, .. },
+                | CollectiveError::Data { peer, .. }
+                | CollectiveError::PeerSetup { peer, .. },
             ) => Some(*peer),
             _ => None,
         }

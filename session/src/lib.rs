@@ -27,6 +27,7 @@ use gradwire::message::LossBound;
 use gradwire::tagging::DlcpTagger;
 use gradwire::transport::TransferConfig;
 use gradwire_collective::comm::{Algorithm, AllReduceOptions, CommConfig, Communicator, TensorMut};
+use gradwire_collective::error::CollectiveError;
 use gradwire_collective::group::{Group, GroupConfig, GroupReduceOptions, PendingGroup};
 use gradwire_collective::job::MAX_RANKS;
 use gradwire_collective::link::{Links, NetLinkConfig, PendingLinks};
@@ -138,11 +139,15 @@ impl SessionConfig {
         Ok(())
     }
 
-    /// This rank's links: to and from every other rank with `point_to_point`, else its
-    /// ring neighbours (only this rank's edges: a big world costs no more than its peers).
+    /// This rank's flow-transport links: none when the message layer runs everything (its one
+    /// socket reaches every peer); else to and from every other rank with `point_to_point`,
+    /// else its ring neighbours (only this rank's edges: a big world costs no more than its
+    /// peers).
     fn edges(&self) -> Vec<(usize, usize)> {
         let (r, n) = (self.rank, self.world);
-        if self.point_to_point {
+        if self.uses_message_layer() {
+            Vec::new()
+        } else if self.point_to_point {
             (0..n)
                 .filter(|&q| q != r)
                 .flat_map(|q| [(r, q), (q, r)])
@@ -425,14 +430,23 @@ impl Session {
                     .enumerate()
                     .map(|(r, a)| {
                         a.ok_or_else(|| {
-                            SessionError::InvalidArgument(format!(
-                                "rank {r} runs no message layer (an older gradwire, or \
-                                 message_layer off there): give every rank the same settings"
-                            ))
+                            SessionError::from(CollectiveError::PeerSetup {
+                                peer: r,
+                                reason: "it runs no message layer: it is authenticated (a job \
+                                         secret there, none here), has message_layer off, or \
+                                         runs an older gradwire; give every rank the same \
+                                         secret and settings"
+                                    .into(),
+                            })
                         })
                     })
                     .collect::<Result<Vec<_>, _>>()?;
-                Some(g.start(table)?)
+                let g = g.start(table)?;
+                // No connection is made on the layer: a barrier proves every rank is there
+                // (a rank whose socket is gone is named at once, a silent one after the
+                // timeout).
+                g.barrier()?;
+                Some(g)
             }
         };
         let comm = Communicator::new(links, cfg.job, comm_cfg)?;
@@ -565,27 +579,23 @@ impl Session {
     ) -> Result<BroadcastReport, SessionError> {
         let tensor = TensorMut::new(dtype, bytes)?;
         let bound = opts.loss_bound.map(loss_bound).transpose()?;
-        // A bounded broadcast (the call's bound, or the session's) runs on the flow transport,
-        // which can leave blocks out; the message layer's broadcast is reliable.
-        let reliable = opts.loss_bound.unwrap_or(self.cfg.loss_bound) == 0.0;
-        if let (Some(g), true) = (&self.group, reliable) {
+        if let Some(g) = &self.group {
             if root >= self.cfg.world {
                 return Err(SessionError::InvalidArgument(format!(
                     "root {root} is not a rank of this {}-rank job",
                     self.cfg.world
                 )));
             }
+            let p = opts.loss_bound.unwrap_or(self.cfg.loss_bound);
             let started = std::time::Instant::now();
-            let len = tensor.as_bytes().len();
             let mut tensor = tensor;
-            g.broadcast(tensor.as_bytes_mut(), root)?;
-            let block_elems = g.block_bytes() / dtype.elem_size();
-            let blocks = len.div_ceil(g.block_bytes());
+            let received = g.broadcast(tensor.as_bytes_mut(), root, p)?;
+            let blocks = received.len();
             return Ok(BroadcastReport {
-                block_elems,
-                block_received: vec![true; blocks],
+                block_elems: g.block_bytes() / dtype.elem_size(),
+                received_blocks: received.iter().filter(|&&r| r).count(),
+                block_received: received,
                 blocks,
-                received_blocks: blocks,
                 elapsed_s: started.elapsed().as_secs_f64(),
             });
         }

@@ -29,7 +29,8 @@ pub struct ForgedRank {
 }
 
 impl ForgedRank {
-    /// Rank 1 of a 2-rank job `job` at `ip`, with every pair linked (a session's default).
+    /// Rank 1 of a 2-rank job `job` at `ip`: a message-layer socket and no flow links (as a
+    /// session on the message layer makes it).
     pub fn bind(job: u32, ip: IpAddr, timeout: Duration) -> ForgedRank {
         let group = PendingGroup::bind(GroupConfig::new(job, 1, 2, ip, timeout))
             .expect("forged rank: message-layer socket");
@@ -38,8 +39,7 @@ impl ForgedRank {
             msg_port: Some(group.address().port()),
             ..NetLinkConfig::default()
         };
-        let pending =
-            Links::bind(job, 1, 2, ip, &[(0, 1), (1, 0)], None, &cfg).expect("forged rank: bind");
+        let pending = Links::bind(job, 1, 2, ip, &[], None, &cfg).expect("forged rank: bind");
         ForgedRank {
             pending,
             group,

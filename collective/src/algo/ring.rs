@@ -172,6 +172,7 @@ impl Op for Ring {
                 deadline: None,
                 keep_meta: lossy,
                 up_to: false,
+                skip_meta_zero: false,
             };
             cx.recv(
                 prev,

@@ -140,6 +140,9 @@ pub struct RecvOpts {
     /// The message may be shorter than the posted range (variable-length messages: headers,
     /// chunks): its length comes with its first segment, and the report gives it.
     pub up_to: bool,
+    /// A segment whose meta word is 0 counts as arrived but its bytes are not placed (a
+    /// relay's "I do not hold this block": the receiver keeps its own).
+    pub skip_meta_zero: bool,
 }
 
 impl Default for RecvOpts {
@@ -150,6 +153,7 @@ impl Default for RecvOpts {
             deadline: None,
             keep_meta: false,
             up_to: false,
+            skip_meta_zero: false,
         }
     }
 }
@@ -189,14 +193,26 @@ pub enum MsgError {
         /// The message.
         msg: u32,
     },
-    /// The sender gave the message up.
-    #[error("rank {peer} aborted message {msg}")]
+    /// The peer gave the message up because its operation failed.
+    #[error("{}", aborted_text(*.peer, *.msg, *.culprit))]
     Aborted {
         /// The peer.
         peer: u16,
         /// The message.
         msg: u32,
+        /// The rank the peer's operation failed on, if it named one.
+        culprit: Option<u16>,
     },
+}
+
+fn aborted_text(peer: u16, msg: u32, culprit: Option<u16>) -> String {
+    match culprit {
+        Some(c) if c != peer => format!(
+            "rank {peer} gave up message {msg}: its operation failed on rank {c} (see the \
+             error about rank {c})"
+        ),
+        _ => format!("rank {peer} gave up message {msg}: its operation failed or was cancelled"),
+    }
 }
 
 fn silent_text(peer: u16, msg: u32, waited: Duration, alive: bool) -> String {
@@ -742,6 +758,31 @@ impl Core {
             )
         });
         self.events.extend(failed);
+    }
+
+    /// Gives up a message of an operation that failed and tells the peer (ABORT, naming
+    /// `culprit`, the rank the operation failed on), so the peer's operation fails now with
+    /// the culprit's name instead of waiting for a timeout.
+    pub fn abort(&mut self, peer: u16, msg: u32, send: bool, culprit: Option<u16>) {
+        let Ok(i) = self.peer_index(peer) else {
+            return;
+        };
+        let p = &mut self.peers[i];
+        let posted = if send {
+            p.sends.remove(&msg).is_some()
+        } else {
+            let r = p.recvs.remove(&msg).is_some();
+            p.mark_done(msg);
+            r
+        };
+        if posted {
+            let mut c = self.ctrl_to(i, CtrlOp::Abort, msg, 0);
+            // a: the culprit + 1 (0: none); b: 1 = about the receiver's side of the message
+            // (our send), 0 = about the sender's side (our receive).
+            c.a = culprit.map_or(0, |r| u32::from(r) + 1);
+            c.b = u32::from(send);
+            self.ctrl_frame(i, c, &[]);
+        }
     }
 
     /// The host of `peer` reports its socket closed: every message with it fails now (rather

@@ -274,7 +274,9 @@ impl Core {
             self.stats.refused += 1;
             return;
         };
+        let skip = r.opts.skip_meta_zero && h.meta == 0;
         match r.opts.place {
+            _ if skip => {}
             Place::Copy => dst.copy_from_slice(payload),
             Place::Sum(dtype) => {
                 if !add_into(dtype, dst, payload) {
@@ -372,6 +374,31 @@ impl Core {
     /// A control frame about one of our receives (POLL, ABORT).
     pub(super) fn on_recv_ctrl(&mut self, now: Instant, i: usize, c: &Ctrl) {
         let p = &mut self.peers[i];
+        if c.op == CtrlOp::Abort {
+            // b = 1: the peer gave up receiving our send; 0: sending to our receive.
+            let culprit = c.a.checked_sub(1).and_then(|r| u16::try_from(r).ok());
+            let send = c.b == 1;
+            let posted = if send {
+                p.sends.remove(&c.msg).is_some()
+            } else {
+                let r = p.recvs.remove(&c.msg).is_some();
+                p.mark_done(c.msg);
+                r
+            };
+            if posted {
+                self.events.push_back(Event::Failed {
+                    peer: i as u16,
+                    msg: c.msg,
+                    send,
+                    error: MsgError::Aborted {
+                        peer: i as u16,
+                        msg: c.msg,
+                        culprit,
+                    },
+                });
+            }
+            return;
+        }
         if let Some(r) = p.recvs.get_mut(&c.msg) {
             // A POLL is the sender working on the message; a PONG only says it is alive.
             if c.op != CtrlOp::Pong {
@@ -381,19 +408,6 @@ impl Core {
                 CtrlOp::Poll if c.c != 0 => self.end_of_pass(now, i, c.msg, c.pass),
                 CtrlOp::Poll => self.send_ack(i, c.msg),
                 CtrlOp::Pong => {}
-                CtrlOp::Abort => {
-                    p.recvs.remove(&c.msg);
-                    p.mark_done(c.msg);
-                    self.events.push_back(Event::Failed {
-                        peer: i as u16,
-                        msg: c.msg,
-                        send: false,
-                        error: MsgError::Aborted {
-                            peer: i as u16,
-                            msg: c.msg,
-                        },
-                    });
-                }
                 _ => {}
             }
             return;
