@@ -568,3 +568,34 @@ fn an_up_to_receive_learns_its_length_even_when_the_first_segments_are_lost() {
     assert_eq!(net.cores[1].stats().data_placed, 0);
     assert!(received(&net, 1).is_empty());
 }
+
+#[test]
+fn an_abort_fails_the_peers_side_at_once_naming_the_culprit() {
+    let mut net = Net::new(3, Box::new(|_, d| d[1] == wire::KIND_DATA));
+    let data = pattern(64 * 8, 2);
+    one_message(&mut net, &data, RecvOpts::default());
+    net.run(Duration::from_millis(2));
+    // Rank 1's operation failed on rank 2: it gives up its receive and says why.
+    net.cores[1].abort(0, 0, false, Some(2));
+    net.run(Duration::from_millis(2));
+    let failed: Vec<_> = net.events[0]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Failed { error, send: true, .. } => Some(error.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        failed,
+        vec![MsgError::Aborted {
+            peer: 1,
+            msg: 0,
+            culprit: Some(2)
+        }]
+    );
+    assert!(failed[0].to_string().contains("failed on rank 2"));
+    // Idempotent: the message is gone on both sides; a second abort sends nothing.
+    let before = net.cores[1].stats().ctrl_sent;
+    net.cores[1].abort(0, 0, false, Some(2));
+    assert_eq!(net.cores[1].stats().ctrl_sent, before);
+}
