@@ -62,10 +62,10 @@ from typing import Any
 from gradwire.experiments import convergence as conv
 
 FULL = {"ranks": "2,4,8", "sizes": "4:64M", "iters": 50, "warmup": 5, "repeats": 2, "counted_target_s": 0.5,
-        "quiet_wait_s": 60.0}
+        "quiet_wait_s": 60.0, "peer_timeout_s": 30.0}
 # The counted loop's CPU time is read in 10 ms ticks: 0.2 s of it keeps that to a few percent.
 QUICK = {"ranks": "2,3", "sizes": "4:1M", "iters": 8, "warmup": 1, "repeats": 1, "counted_target_s": 0.2,
-         "quiet_wait_s": 0.0}
+         "quiet_wait_s": 0.0, "peer_timeout_s": 10.0}
 # A case during which other programs took more than this share of the machine is "disturbed":
 # kept in the JSON, left out of the ratios and the plot.
 MAX_OTHER_CPU = 0.10
@@ -74,8 +74,6 @@ SCALE_FROM = 256 << 10
 MIN_ITERS, MIN_WARMUP = 5, 1
 # Back-to-back operations of the counted loop: at most this many.
 COUNTED_MAX_OPS = 20000
-# gradwire's peer timeout: a dead or silent peer fails the case this long after it stopped.
-PEER_TIMEOUT_S = 30.0
 FABRIC_NAME = "arbench"
 # The convergence testbed's rate: 4 ranks of Gloo at 200 Mbit/s (~67 k frames/s through the
 # switch while 4 busy ranks share the 2 cores with it) left 1.3 % of departures late at 4 MiB
@@ -149,7 +147,7 @@ def launch(world: int, cfg_path: Path, out: Path, logdir: Path, tag: str, master
     return procs
 
 
-def wait(procs: list[subprocess.Popen], timeout: float) -> str | None:
+def wait(procs: list[subprocess.Popen], timeout: float, peer_timeout: float) -> str | None:
     """Waits for every rank; an error message when one failed or time ran out (the others
     get the peer timeout to notice before they are killed)."""
     deadline = time.monotonic() + timeout
@@ -160,7 +158,7 @@ def wait(procs: list[subprocess.Popen], timeout: float) -> str | None:
             return f"timed out after {timeout:.0f} s"
         if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
             failed_at = now
-        if failed_at is not None and now - failed_at > 3 * PEER_TIMEOUT_S + 10:
+        if failed_at is not None and now - failed_at > 3 * peer_timeout + 10:
             break
         time.sleep(0.2)
     codes = [p.poll() for p in procs]
@@ -216,7 +214,7 @@ def run_one(net: str, loss: float, ranks: int, cfg: dict, timeout: float, rate: 
             procs = launch(ranks, cfg_path, rows_path, logdir, tag, "127.0.0.1", reservation.getsockname()[1],
                            "lo", None)
             try:
-                record["error"] = wait(procs, timeout)
+                record["error"] = wait(procs, timeout, cfg["timeout_s"])
             finally:
                 conv._kill(procs)
         finally:
@@ -234,7 +232,7 @@ def run_one(net: str, loss: float, ranks: int, cfg: dict, timeout: float, rate: 
             procs = launch(ranks, cfg_path, rows_path, logdir, tag, hosts[0]["ip"], MASTER_PORT, "eth0",
                            [h["netns"] for h in hosts])
             try:
-                record["error"] = wait(procs, timeout)
+                record["error"] = wait(procs, timeout, cfg["timeout_s"])
             finally:
                 conv._kill(procs)
             stats = tb.stats()
@@ -254,12 +252,16 @@ def run_one(net: str, loss: float, ranks: int, cfg: dict, timeout: float, rate: 
 
 
 def git(*args: str) -> str | None:
-    try:
-        r = subprocess.run(["git", *args], capture_output=True, text=True, timeout=20,
-                           cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return r.stdout.strip() if r.returncode == 0 else None
+    """`git args` in the checkout this module is in, else in the one the benchmark runs from
+    (an installed copy may be outside any checkout); None when neither is one."""
+    for where in (Path(__file__).resolve().parent, Path.cwd()):
+        try:
+            r = subprocess.run(["git", *args], capture_output=True, text=True, timeout=20, cwd=where)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if r.returncode == 0:
+            return r.stdout.strip()
+    return None
 
 
 def metadata(argv: list[str]) -> dict:
@@ -289,7 +291,7 @@ def metadata(argv: list[str]) -> dict:
         "timing": "per iteration the slowest rank's time (each rank times its own call after a barrier); "
                   "p50/p99 over iterations",
         "cpu": "(user+nice+system+irq+softirq) of /proc/stat over a loop of back-to-back operations, "
-               "minus the ranks' result checking and its two barriers, per operation",
+               "minus the ranks' result checking (thread time), per operation (its two barriers left in)",
         "frames": "loopback: lo packets (/proc/net/dev); fabric: frames the switch received; over the same "
                   "loop, minus its two barriers, per operation",
     }  # fmt: skip
@@ -492,8 +494,9 @@ def make_config(a: argparse.Namespace) -> tuple[dict, list[int], list[str]]:
         "warmup": {str(s): scaled(warmup, MIN_WARMUP, s) if warmup else 0 for s in sizes},
         "repeats": a.repeats or preset["repeats"],
         "counted_target_s": a.counted_target_s or preset["counted_target_s"],
-        "counted_max_ops": COUNTED_MAX_OPS, "timeout_s": PEER_TIMEOUT_S, "settle_s": 0.5,
-        # Below the workers' barrier timeout (3 x PEER_TIMEOUT_S): the ranks wait in one.
+        # gradwire's peer timeout: a dead or silent peer fails the case this long after it stopped.
+        "counted_max_ops": COUNTED_MAX_OPS, "timeout_s": preset["peer_timeout_s"], "settle_s": 0.5,
+        # Below the workers' barrier timeout (3 x the peer timeout): the ranks wait in one.
         "quiet_wait_s": min(60.0, preset["quiet_wait_s"] if a.quiet_wait is None else a.quiet_wait),
         "max_other_cpu": a.max_other_cpu,
     }  # fmt: skip
@@ -501,11 +504,13 @@ def make_config(a: argparse.Namespace) -> tuple[dict, list[int], list[str]]:
 
 
 def run_timeout(cfg: dict, net: str, rate: str) -> float:
-    """A bound on one run, against hangs: generous guesses of a case's fixed cost and of the
-    slowest variant's bytes per second (loopback 20 MB/s; fabric a tenth of a link)."""
+    """A bound on one run, against hangs: generous guesses of a case's fixed cost (a failing
+    one waits out the peer timeout), of the slowest variant's bytes per second (loopback
+    20 MB/s; fabric a tenth of a link) and of the algorithms the session will offer (3)."""
     bps = 2e7 if net == "loopback" else conv._rate_bps(rate) / 8 / 10
-    per_variant = sum(3.0 + s * (cfg["iters"][str(s)] + cfg["warmup"][str(s)] + 2) / bps for s in cfg["sizes"])
-    variants = 1 + len(cfg["loss_bounds"]) * len(cfg["algorithms"] or [None])
+    per_variant = sum(3.0 + cfg["timeout_s"] + s * (cfg["iters"][str(s)] + cfg["warmup"][str(s)] + 2) / bps
+                      for s in cfg["sizes"])
+    variants = 1 + len(cfg["loss_bounds"]) * (len(cfg["algorithms"] or ()) or 3)
     return 120 + cfg["repeats"] * (variants * per_variant + cfg["quiet_wait_s"] * len(cfg["sizes"]))
 
 

@@ -18,8 +18,9 @@ or gradwire with an algorithm and a loss bound), one case is
    place (the sum of identical buffers is ``world`` times the buffer), so every rank checks
    and refills after at most ``chunk`` operations, while the values are still exact integers,
    or at once after an operation that scaled a block (below); the CPU time of that checking
-   (each rank's thread time) and of the two barriers is taken off the window's CPU time, the
-   barriers' frames off its frames. The row also says how much of the machine other programs
+   (each rank's thread time) is taken off the window's CPU time (its two barriers, each about
+   one small operation's cost, are left in: at most 2/``ops`` of an operation's), their frames
+   off its frames. The row also says how much of the machine other programs
    took during the case (``other_cpu_share``); before each size the ranks wait, up to
    ``quiet_wait_s``, for that share to drop to ``max_other_cpu``.
 
@@ -561,7 +562,6 @@ def make_row(v: dict, size: int, iters: int, warmup: int, ops: int, per_iter: li
         return row  # a failed case has no times
     p50, p99 = pct(per_iter, 0.5), pct(per_iter, 0.99)
     algbw = size / (p50 / 1e6) / 1e9
-    b_cpu = 2 * barrier["cpu_s"] if barrier else 0.0
     b_frames = 2 * barrier["frames"] if barrier else 0.0
     checking = sum(r["overhead_s"] for r in ranks)
     row.update(
@@ -569,9 +569,9 @@ def make_row(v: dict, size: int, iters: int, warmup: int, ops: int, per_iter: li
         rank0_p50_us=pct(sorted(t / 1e3 for t in rank0_ns), 0.5),
         algbw_GBps=algbw, busbw_GBps=algbw * 2 * (world - 1) / world,
         frames_per_op=max(counted["frames"] - b_frames, 0.0) / ops,
-        cpu_s_per_op=max(counted["cpu_s"] - b_cpu - checking, 0.0) / ops,
+        cpu_s_per_op=max(counted["cpu_s"] - checking, 0.0) / ops,
         window={"cpu_s": counted["cpu_s"], "frames": counted["frames"], "checking_cpu_s": checking,
-                "barriers_cpu_s": b_cpu, "barriers_frames": b_frames, "other_cpu_s": counted["other_cpu_s"]},
+                "barriers_frames": b_frames, "other_cpu_s": counted["other_cpu_s"]},
     )  # fmt: skip
     return row
 
