@@ -1287,6 +1287,10 @@ fn sniff_until_end(sock: &std::net::UdpSocket) -> Vec<Sniffed> {
                     let (h, _) = gradwire_msg::wire::DataHeader::parse(seg).unwrap_or_else(|e| {
                         panic!("a bad message-layer segment ({e}), {} bytes", seg.len())
                     });
+                    rest = tail;
+                    if h.total == 0 {
+                        continue; // a barrier's empty message (the session's set-up)
+                    }
                     seen.push(Sniffed {
                         tensor: h.meta as u32,
                         offset: h.offset,
@@ -1294,7 +1298,6 @@ fn sniff_until_end(sock: &std::net::UdpSocket) -> Vec<Sniffed> {
                         dscp: tos >> 2,
                         ecn: tos & 0b11,
                     });
-                    rest = tail;
                 }
                 continue;
             }

@@ -477,13 +477,26 @@ impl Driver {
             .collect();
         // A failed (or cancelled) operation tells the peers of its unfinished messages, naming
         // the rank it failed on, so theirs fail now and name that rank too.
-        let culprit = r.as_ref().err().map(|e| e.peer());
+        // Invalid arguments start nothing on the peers' side: no one is told.
+        let culprit = match &r {
+            Ok(()) | Err(OpError::Invalid(_)) => None,
+            Err(e) => Some(e.peer()),
+        };
         for (peer, msg, send) in mine {
             self.routes.remove(&(peer, msg, send));
             match culprit {
                 Some(c) => self.core.abort(peer, msg, send, c),
                 None if send => self.core.cancel_send(peer, msg),
                 None => self.core.cancel_recv(peer, msg),
+            }
+        }
+        // The ranks may now disagree on where they are in their sequence of operations, and
+        // this rank's group refuses further ones: every peer gives up everything with it, now,
+        // naming the rank this operation failed on.
+        if let Some(c) = culprit {
+            let (me, world) = (self.core.config().rank, self.core.config().world);
+            for p in (0..world).filter(|&p| p != me) {
+                self.core.abort_peer(p, c);
             }
         }
         for b in run.bufs.drain(..) {

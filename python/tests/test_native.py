@@ -353,7 +353,10 @@ def sniffer():
                 n = 40 + struct.unpack("!H", payload[28:30])[0]
                 seg, payload = payload[:n], payload[n:]
                 offset, = struct.unpack("!Q", seg[16:24])
+                total, = struct.unpack("!I", seg[24:28])
                 meta, = struct.unpack("!Q", seg[32:40])
+                if total == 0:
+                    continue  # a barrier's empty message (the session's set-up)
                 seen.append(((7 << 27) | meta, offset, seg[3], tos >> 2, tos & 3))
             continue
         tensor, = struct.unpack("!I", payload[8:12])

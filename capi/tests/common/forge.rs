@@ -68,6 +68,8 @@ impl ForgedRank {
             .map(|a| a.expect("forged rank: rank 0 publishes a message-layer socket"))
             .collect();
         let group = self.group.start(addrs).expect("forged rank: endpoint");
+        // A session's set-up ends with a barrier on the layer: take part, as a real rank does.
+        group.barrier().expect("forged rank: set-up barrier");
         group
             .run_op_for_tests(ForgedContribution { elems, value, mask })
             .expect("forged rank: the contribution");

@@ -102,6 +102,13 @@ impl CoreConfig {
     }
 }
 
+/// The message number of an ABORT that gives up every message with its sender.
+pub const ABORT_ALL: u32 = u32::MAX;
+
+/// Aborts remembered per peer for messages not posted yet (a bound on what a peer can make
+/// us hold).
+const MAX_ABORTED: usize = 4096;
+
 /// What a receive does with arriving bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Place {
@@ -390,6 +397,13 @@ struct Peer {
     recv_next: u32,
     /// When a valid datagram last came from this peer.
     alive_at: Option<Instant>,
+    /// Messages the peer gave up (ABORT) before this rank posted them, with the culprit:
+    /// posting one fails it at once.
+    aborted_sends: HashMap<u32, Option<u16>>,
+    aborted_recvs: HashMap<u32, Option<u16>>,
+    /// The peer gave up every message with this rank (its operations failed on this rank,
+    /// `Some(culprit)` naming the rank they failed on).
+    gave_up: Option<Option<u16>>,
     /// Every receive numbered below this is finished; `done` holds finished ones above it.
     done_below: u32,
     done: BTreeSet<u32>,
@@ -442,6 +456,9 @@ impl Core {
                 send_next: 0,
                 recv_next: 0,
                 alive_at: None,
+                aborted_sends: HashMap::new(),
+                aborted_recvs: HashMap::new(),
+                gave_up: None,
                 done_below: 0,
                 done: BTreeSet::new(),
             })
@@ -576,6 +593,15 @@ impl Core {
         if p.sends.contains_key(&msg) {
             return Err(PostError::Busy { peer, msg });
         }
+        if let Some(culprit) = p.aborted_sends.remove(&msg).or(p.gave_up) {
+            self.events.push_back(Event::Failed {
+                peer,
+                msg,
+                send: true,
+                error: MsgError::Aborted { peer, msg, culprit },
+            });
+            return Ok(());
+        }
         p.sends.insert(
             msg,
             SendMsg::new(now, buf, range.start, total, nsegs as u32, opts),
@@ -608,6 +634,21 @@ impl Core {
             if p.recvs.contains_key(&msg) || p.is_done(msg) {
                 return Err(PostError::Busy { peer, msg });
             }
+        }
+        let gave_up = self.peers[i].gave_up;
+        if let Some(culprit) = self.peers[i].aborted_recvs.remove(&msg).or(gave_up) {
+            let p = &mut self.peers[i];
+            p.mark_done(msg);
+            if let Some(u) = p.unexpected.remove(&msg) {
+                self.unexpected_bytes -= u.bytes;
+            }
+            self.events.push_back(Event::Failed {
+                peer,
+                msg,
+                send: false,
+                error: MsgError::Aborted { peer, msg, culprit },
+            });
+            return Ok(());
         }
         let r = RecvMsg::new(now, buf, range.start, total, nsegs, opts);
         self.peers[i].recvs.insert(msg, r);
@@ -760,6 +801,41 @@ impl Core {
         self.events.extend(failed);
     }
 
+    /// This rank's operations with `peer` failed (on rank `culprit`): tell it once (ABORT of
+    /// every message, `msg` = `u32::MAX`), so its messages with this rank, posted or to
+    /// come, fail at once naming the culprit.
+    pub fn abort_peer(&mut self, peer: u16, culprit: Option<u16>) {
+        let Ok(i) = self.peer_index(peer) else {
+            return;
+        };
+        let mut c = self.ctrl_to(i, CtrlOp::Abort, ABORT_ALL, 0);
+        c.a = culprit.map_or(0, |r| u32::from(r) + 1);
+        self.ctrl_frame(i, c, &[]);
+    }
+
+    /// The peer's operations failed: fail every message with it, now and when posted.
+    pub(super) fn peer_gave_up(&mut self, i: usize, culprit: Option<u16>) {
+        let peer = i as u16;
+        let p = &mut self.peers[i];
+        p.gave_up = Some(culprit);
+        let sends: Vec<u32> = std::mem::take(&mut p.sends).into_keys().collect();
+        let recvs: Vec<u32> = p.recvs.drain().map(|(m, _)| m).collect();
+        for &m in &recvs {
+            p.mark_done(m);
+        }
+        let failed = sends
+            .into_iter()
+            .map(|m| (m, true))
+            .chain(recvs.into_iter().map(|m| (m, false)))
+            .map(|(msg, send)| Event::Failed {
+                peer,
+                msg,
+                send,
+                error: MsgError::Aborted { peer, msg, culprit },
+            });
+        self.events.extend(failed);
+    }
+
     /// Gives up a message of an operation that failed and tells the peer (ABORT, naming
     /// `culprit`, the rank the operation failed on), so the peer's operation fails now with
     /// the culprit's name instead of waiting for a timeout.
@@ -777,10 +853,10 @@ impl Core {
         };
         if posted {
             let mut c = self.ctrl_to(i, CtrlOp::Abort, msg, 0);
-            // a: the culprit + 1 (0: none); b: 1 = about the receiver's side of the message
-            // (our send), 0 = about the sender's side (our receive).
+            // a: the culprit + 1 (0: none); b: 1 = about the frame's receiver's send (we gave
+            // up our receive), 0 = about its receive (we gave up our send).
             c.a = culprit.map_or(0, |r| u32::from(r) + 1);
-            c.b = u32::from(send);
+            c.b = u32::from(!send);
             self.ctrl_frame(i, c, &[]);
         }
     }

@@ -377,14 +377,33 @@ impl Core {
         if c.op == CtrlOp::Abort {
             // b = 1: the peer gave up receiving our send; 0: sending to our receive.
             let culprit = c.a.checked_sub(1).and_then(|r| u16::try_from(r).ok());
+            if c.msg == super::ABORT_ALL {
+                return self.peer_gave_up(i, culprit);
+            }
             let send = c.b == 1;
             let posted = if send {
                 p.sends.remove(&c.msg).is_some()
             } else {
                 let r = p.recvs.remove(&c.msg).is_some();
-                p.mark_done(c.msg);
+                if r {
+                    p.mark_done(c.msg);
+                }
                 r
             };
+            if !posted {
+                // Not posted yet (this rank is behind): it fails when it is, at once. A finished
+                // receive's abort is stale; the number of remembered aborts is bounded.
+                let stale = !send && p.is_done(c.msg);
+                let known = if send {
+                    &mut p.aborted_sends
+                } else {
+                    &mut p.aborted_recvs
+                };
+                if !stale && known.len() < super::MAX_ABORTED {
+                    known.insert(c.msg, culprit);
+                }
+                return;
+            }
             if posted {
                 self.events.push_back(Event::Failed {
                     peer: i as u16,

@@ -581,7 +581,9 @@ fn an_abort_fails_the_peers_side_at_once_naming_the_culprit() {
     let failed: Vec<_> = net.events[0]
         .iter()
         .filter_map(|e| match e {
-            Event::Failed { error, send: true, .. } => Some(error.clone()),
+            Event::Failed {
+                error, send: true, ..
+            } => Some(error.clone()),
             _ => None,
         })
         .collect();
@@ -598,4 +600,50 @@ fn an_abort_fails_the_peers_side_at_once_naming_the_culprit() {
     let before = net.cores[1].stats().ctrl_sent;
     net.cores[1].abort(0, 0, false, Some(2));
     assert_eq!(net.cores[1].stats().ctrl_sent, before);
+}
+
+#[test]
+fn an_abort_before_the_receive_is_posted_fails_it_when_it_is() {
+    let mut net = Net::new(3, Box::new(|_, _| false));
+    let data = pattern(64 * 4, 3);
+    let now = net.now;
+    let src = net.cores[0].register(Region::owned(data.clone()));
+    net.cores[0].reserve_sends(1, 1).expect("peer");
+    net.cores[0]
+        .post_send(now, 1, 0, src, 0..data.len(), SendOpts::default())
+        .expect("send");
+    net.run(Duration::from_millis(1));
+    // Rank 0's operation fails on rank 2 before rank 1 even posted the receive.
+    net.cores[0].abort(1, 0, true, Some(2));
+    net.run(Duration::from_millis(1));
+    let dst = net.cores[1].register(Region::owned(vec![0; data.len()]));
+    net.cores[1].reserve_recvs(0, 1).expect("peer");
+    let now = net.now;
+    assert_eq!(
+        net.cores[1].post_recv(now, 0, 0, dst, 0..data.len(), RecvOpts::default()),
+        Ok(()),
+        "posting an aborted message is not a caller's mistake"
+    );
+    net.run(Duration::from_millis(1));
+    let failed: Vec<_> = net.events[1]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Failed {
+                error, send: false, ..
+            } => Some(error.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        failed,
+        vec![MsgError::Aborted {
+            peer: 0,
+            msg: 0,
+            culprit: Some(2)
+        }]
+    );
+    assert!(
+        received(&net, 1).is_empty(),
+        "the kept data is not delivered"
+    );
 }
