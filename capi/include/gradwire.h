@@ -116,6 +116,9 @@ typedef struct gw_config {
   size_t secret_len;
 } gw_config;
 
+// An all-reduce algorithm (gw_op_options.algorithm).
+typedef int32_t gw_algo;
+
 // Options of gw_all_reduce and gw_broadcast; NULL means gw_op_options_default().
 typedef struct gw_op_options {
   // Loss bound of this operation in [0, 1); negative: the session's (gw_config.loss_bound).
@@ -128,6 +131,12 @@ typedef struct gw_op_options {
   uint16_t num_layers;
   // DSCP to send with (0..63), overriding the layer's; -1: from the layer.
   int dscp;
+  // All-reduce algorithm: GW_ALGO_AUTO (two-phase for small tensors or worlds, ring for
+  // big ones), GW_ALGO_RING or GW_ALGO_DIRECT (two-phase).
+  gw_algo algorithm;
+  // A time bound per lossy step of an all-reduce, milliseconds (OptiReduce); 0 or less:
+  // none, only the loss bound ends a step early.
+  double step_deadline_ms;
 } gw_op_options;
 
 // Options of gw_send and gw_recv; NULL means gw_p2p_options_default(). Sender and receiver
@@ -277,6 +286,15 @@ typedef struct gw_recv_report {
 
 // The average over the ranks whose contribution to each block arrived.
 #define GW_OP_AVERAGE 1
+
+// Two-phase for small tensors or small worlds, ring for big ones.
+#define GW_ALGO_AUTO 0
+
+// Reduce-scatter then all-gather around the ring of ranks.
+#define GW_ALGO_RING 1
+
+// The two-phase all-reduce: every rank reduces its own chunk, then sends it to all.
+#define GW_ALGO_DIRECT 2
 
 #ifdef __cplusplus
 extern "C" {

@@ -8,8 +8,8 @@ use std::ptr;
 use std::time::Duration;
 
 use gradwire_session::{
-    BroadcastReport, DType, P2pOptions, RecvSummary, ReduceOp, ReduceOptions, ReduceReport,
-    SendSummary, SessionConfig,
+    AllReduceAlgo, BroadcastReport, DType, P2pOptions, RecvSummary, ReduceOp, ReduceOptions,
+    ReduceReport, SendSummary, SessionConfig,
 };
 
 use crate::error::CError;
@@ -33,6 +33,15 @@ pub type gw_op = i32;
 pub const GW_OP_SUM: gw_op = 0;
 /// The average over the ranks whose contribution to each block arrived.
 pub const GW_OP_AVERAGE: gw_op = 1;
+
+/// An all-reduce algorithm (gw_op_options.algorithm).
+pub type gw_algo = i32;
+/// Two-phase for small tensors or small worlds, ring for big ones.
+pub const GW_ALGO_AUTO: gw_algo = 0;
+/// Reduce-scatter then all-gather around the ring of ranks.
+pub const GW_ALGO_RING: gw_algo = 1;
+/// The two-phase all-reduce: every rank reduces its own chunk, then sends it to all.
+pub const GW_ALGO_DIRECT: gw_algo = 2;
 
 pub(crate) fn dtype(d: gw_dtype) -> Result<DType, CError> {
     match d {
@@ -169,6 +178,12 @@ pub struct gw_op_options {
     pub num_layers: u16,
     /// DSCP to send with (0..63), overriding the layer's; -1: from the layer.
     pub dscp: c_int,
+    /// All-reduce algorithm: GW_ALGO_AUTO (two-phase for small tensors or worlds, ring for
+    /// big ones), GW_ALGO_RING or GW_ALGO_DIRECT (two-phase).
+    pub algorithm: gw_algo,
+    /// A time bound per lossy step of an all-reduce, milliseconds (OptiReduce); 0 or less:
+    /// none, only the loss bound ends a step early.
+    pub step_deadline_ms: f64,
 }
 
 impl Default for gw_op_options {
@@ -178,6 +193,8 @@ impl Default for gw_op_options {
             layer: 0,
             num_layers: 0,
             dscp: -1,
+            algorithm: GW_ALGO_AUTO,
+            step_deadline_ms: 0.0,
         }
     }
 }
@@ -197,13 +214,31 @@ impl gw_op_options {
                 ))
             })?),
         };
+        let algorithm = match self.algorithm {
+            GW_ALGO_AUTO => AllReduceAlgo::Auto,
+            GW_ALGO_RING => AllReduceAlgo::Ring,
+            GW_ALGO_DIRECT => AllReduceAlgo::Direct,
+            a => {
+                return Err(CError::invalid(format!(
+                    "gw_op_options.algorithm {a} is not GW_ALGO_AUTO (0), GW_ALGO_RING (1) or \
+                     GW_ALGO_DIRECT (2)"
+                )))
+            }
+        };
+        let d = self.step_deadline_ms;
+        if d.is_nan() || d > 1e9 {
+            return Err(CError::invalid(format!(
+                "gw_op_options.step_deadline_ms {d} is not a number of milliseconds (0: none)"
+            )));
+        }
         Ok(ReduceOptions {
             op,
             loss_bound: loss_bound(self.loss_bound),
             layer: self.layer,
             num_layers: self.num_layers,
             dscp,
-            ..ReduceOptions::default()
+            algorithm,
+            step_deadline: (d > 0.0).then(|| std::time::Duration::from_secs_f64(d / 1e3)),
         })
     }
 }

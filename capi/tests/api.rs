@@ -106,6 +106,27 @@ fn three_ranks_all_reduce_broadcast_barrier_and_send_recv_exactly() {
                 assert!((x - f32_sum(WORLD, e)).abs() < 1e-4, "average {e}: {x}");
             }
 
+            // Each algorithm by name gives the exact sum.
+            for algorithm in [GW_ALGO_RING, GW_ALGO_DIRECT, GW_ALGO_AUTO] {
+                let mut v: Vec<f32> = (0..ELEMS).map(|e| input(r, e)).collect();
+                let opts = gw_op_options {
+                    algorithm,
+                    ..gw_op_options_default()
+                };
+                ok(gw_all_reduce(
+                    s.0,
+                    v.as_mut_ptr().cast(),
+                    ELEMS,
+                    GW_DTYPE_F32,
+                    GW_OP_SUM,
+                    &opts,
+                    ptr::null_mut(),
+                ));
+                for (e, &x) in v.iter().enumerate() {
+                    assert_eq!(x, f32_sum(WORLD, e), "algorithm {algorithm}, element {e}");
+                }
+            }
+
             // Broadcast from rank 2.
             let mut b: Vec<f32> = (0..ELEMS)
                 .map(|e| if r == 2 { e as f32 } else { -1.0 })
@@ -683,6 +704,23 @@ fn buffers_dtypes_ops_and_options_are_checked_on_a_live_session() {
             };
             fails(
                 reduce(buf, 8, GW_DTYPE_F32, GW_OP_SUM, &bad_layer),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            let bad_algorithm = gw_op_options {
+                algorithm: 7,
+                ..gw_op_options_default()
+            };
+            let m = fails(
+                reduce(buf, 8, GW_DTYPE_F32, GW_OP_SUM, &bad_algorithm),
+                GW_ERR_INVALID_ARGUMENT,
+            );
+            assert!(m.contains("GW_ALGO_RING"), "{m}");
+            let bad_deadline = gw_op_options {
+                step_deadline_ms: f64::NAN,
+                ..gw_op_options_default()
+            };
+            fails(
+                reduce(buf, 8, GW_DTYPE_F32, GW_OP_SUM, &bad_deadline),
                 GW_ERR_INVALID_ARGUMENT,
             );
             fails(
