@@ -713,15 +713,11 @@ fn a_missing_or_killed_rank_ends_the_others_with_an_error_naming_a_rank() {
         assert_eq!(e.status.code(), Some(1), "rank {r}: {}", e.stderr);
         assert!(!e.stderr.contains("panicked"), "{}", e.stderr);
     }
-    // The message layer names a dead peer as dead; a survivor that waited on the other
-    // survivor (itself stuck on rank 2) names that one as alive, and the first names rank 2.
-    assert!(
-        ended
-            .iter()
-            .any(|e| e.stderr.contains("rank 2 said nothing about message")),
-        "{:?}",
-        ended.iter().map(|e| &e.stderr).collect::<Vec<_>>()
-    );
+    // Both survivors blame rank 2: directly (its socket is closed, or it fell silent) or
+    // through the other survivor's ABORT naming it.
+    for e in &ended {
+        assert!(e.stderr.contains(" of 3: rank 2: "), "{}", e.stderr);
+    }
     tb.down().unwrap();
 }
 
