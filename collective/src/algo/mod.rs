@@ -118,10 +118,10 @@ impl Chunks {
         start..end
     }
 
-    /// Blocks of chunk `c`.
+    /// Blocks of chunk `c` (empty for an empty chunk, whatever its byte offset).
     pub(crate) fn block_range(&self, c: usize) -> Range<usize> {
-        let r = self.bytes(c);
-        r.start / self.block..r.end.div_ceil(self.block)
+        let blocks = self.blocks();
+        (c * self.per_chunk).min(blocks)..((c + 1) * self.per_chunk).min(blocks)
     }
 
     /// `(x - y) mod world`.

@@ -572,3 +572,55 @@ fn a_lossy_broadcast_says_which_blocks_hold_the_roots_values() {
     // A rank two hops down never has more than its relay plus its own loss: at least
     // consistent (checked per block above), and nothing beyond the bound per hop.
 }
+
+#[test]
+fn lossy_reductions_of_tensors_smaller_than_the_world_agree_exactly() {
+    // Fewer blocks than ranks: some chunks are empty. Nothing is lost here, so every block
+    // must name every rank and hold the exact sum, whatever the bound.
+    for world in [3usize, 4, 5] {
+        for n in [1usize, 2, 357, 358, 1000] {
+            for algo in [AllReduceAlgo::Ring, AllReduceAlgo::Direct] {
+                let out = with_groups(
+                    world,
+                    |_| {},
+                    move |g| {
+                        let mut b = f32s(&input(g.rank(), n));
+                        let o = GroupReduceOptions {
+                            loss_bound: 0.01,
+                            algorithm: algo,
+                            ..GroupReduceOptions::default()
+                        };
+                        let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+                        let r = g.all_reduce(t, &o).expect("all-reduce");
+                        (vals(&b), r.complete_blocks, r.blocks)
+                    },
+                );
+                for (rank, (v, complete, blocks)) in out.iter().enumerate() {
+                    let at = format!("world {world}, {n} elements, {algo:?}, rank {rank}");
+                    assert_eq!(v, &expected_sum(world, n), "{at}");
+                    assert_eq!(complete, blocks, "{at}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn chunks_of_a_small_tensor_own_no_block_twice() {
+    let c = super::Chunks::new(4, 1432, 4);
+    assert_eq!(c.blocks(), 1);
+    assert_eq!(c.block_range(0), 0..1);
+    for k in 1..4 {
+        assert!(
+            c.bytes(k).is_empty() && c.block_range(k).is_empty(),
+            "chunk {k}"
+        );
+    }
+    let c = super::Chunks::new(1432 * 5 + 8, 1432, 4);
+    let all: Vec<usize> = (0..4).flat_map(|k| c.block_range(k)).collect();
+    assert_eq!(
+        all,
+        (0..6).collect::<Vec<_>>(),
+        "each block in exactly one chunk"
+    );
+}
