@@ -131,8 +131,8 @@ typedef struct gw_op_options {
   uint16_t num_layers;
   // DSCP to send with (0..63), overriding the layer's; -1: from the layer.
   int dscp;
-  // All-reduce algorithm: GW_ALGO_AUTO (two-phase for small tensors or worlds, ring for
-  // big ones), GW_ALGO_RING or GW_ALGO_DIRECT (two-phase).
+  // All-reduce algorithm: GW_ALGO_AUTO (two-phase up to 32 KiB or for two ranks, ring
+  // above), GW_ALGO_RING or GW_ALGO_DIRECT (two-phase).
   gw_algo algorithm;
   // A time bound per lossy step of an all-reduce, milliseconds (OptiReduce); 0 or less:
   // none, only the loss bound ends a step early.
@@ -287,7 +287,7 @@ typedef struct gw_recv_report {
 // The average over the ranks whose contribution to each block arrived.
 #define GW_OP_AVERAGE 1
 
-// Two-phase for small tensors or small worlds, ring for big ones.
+// Two-phase up to 32 KiB or for two ranks, ring above.
 #define GW_ALGO_AUTO 0
 
 // Reduce-scatter then all-gather around the ring of ranks.

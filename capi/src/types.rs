@@ -36,7 +36,7 @@ pub const GW_OP_AVERAGE: gw_op = 1;
 
 /// An all-reduce algorithm (gw_op_options.algorithm).
 pub type gw_algo = i32;
-/// Two-phase for small tensors or small worlds, ring for big ones.
+/// Two-phase up to 32 KiB or for two ranks, ring above.
 pub const GW_ALGO_AUTO: gw_algo = 0;
 /// Reduce-scatter then all-gather around the ring of ranks.
 pub const GW_ALGO_RING: gw_algo = 1;
@@ -178,8 +178,8 @@ pub struct gw_op_options {
     pub num_layers: u16,
     /// DSCP to send with (0..63), overriding the layer's; -1: from the layer.
     pub dscp: c_int,
-    /// All-reduce algorithm: GW_ALGO_AUTO (two-phase for small tensors or worlds, ring for
-    /// big ones), GW_ALGO_RING or GW_ALGO_DIRECT (two-phase).
+    /// All-reduce algorithm: GW_ALGO_AUTO (two-phase up to 32 KiB or for two ranks, ring
+    /// above), GW_ALGO_RING or GW_ALGO_DIRECT (two-phase).
     pub algorithm: gw_algo,
     /// A time bound per lossy step of an all-reduce, milliseconds (OptiReduce); 0 or less:
     /// none, only the loss bound ends a step early.

@@ -52,7 +52,7 @@ impl GroupConfig {
 /// Which all-reduce algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AllReduceAlgo {
-    /// Two-phase for small tensors or small worlds, ring otherwise.
+    /// Two-phase up to 32 KiB or for two ranks, ring above.
     #[default]
     Auto,
     /// Reduce-scatter then all-gather around the ring.
@@ -74,12 +74,14 @@ impl AllReduceAlgo {
 
     /// The algorithm `Auto` picks for `bytes` over `world` ranks: the two-phase algorithm
     /// moves the same bytes per rank as the ring in two rounds instead of 2 (world - 1), which
-    /// wins while a step's latency matters; above 1 MiB every rank receiving from all others
-    /// at once costs more than the ring's rounds (4 ranks on loopback: two-phase 0.09-0.49x
-    /// Gloo's time up to 1 MiB, ring 0.81-0.84x at 4-16 MiB where two-phase is 0.96-1.01x).
+    /// wins while a step's latency matters; above 32 KiB every rank receiving from all others
+    /// at once (an incast the layer does not yet schedule with grants) costs more than the
+    /// ring's rounds. Measured with 4 ranks (docs/results.md, all-reduce against Gloo): on
+    /// the emulated fabric two-phase 0.55x Gloo's time at 16 KiB (ring 0.59x) but 1.5-2.3x at
+    /// 256 KiB-1 MiB (ring 1.03-1.09x); on loopback the two are within noise above 16 KiB.
     pub fn resolve(self, bytes: usize, world: usize) -> AllReduceAlgo {
         match self {
-            AllReduceAlgo::Auto if world <= 2 || bytes <= 1 << 20 => AllReduceAlgo::Direct,
+            AllReduceAlgo::Auto if world <= 2 || bytes <= 32 << 10 => AllReduceAlgo::Direct,
             AllReduceAlgo::Auto => AllReduceAlgo::Ring,
             other => other,
         }

@@ -53,7 +53,7 @@ pub enum JobAlgorithm {
     Ring,
     /// The two-phase (all-to-all) all-reduce, on the message layer.
     Direct,
-    /// Two-phase for small tensors, ring for big ones, on the message layer.
+    /// Two-phase up to 32 KiB (or two ranks), ring above, on the message layer.
     Auto,
     /// A tree of this strategy (on the flow transport).
     Tree(Strategy),

@@ -286,8 +286,8 @@ pub struct ReduceOptions {
     pub num_layers: u16,
     /// DSCP of the data packets, instead of the layer's.
     pub dscp: Option<u8>,
-    /// The all-reduce algorithm on the message layer (`Auto`: two-phase for small worlds or
-    /// tensors, ring otherwise).
+    /// The all-reduce algorithm on the message layer (`Auto`: two-phase up to 32 KiB or for
+    /// two ranks, ring otherwise).
     pub algorithm: AllReduceAlgo,
     /// A time bound per lossy step on the message layer (OptiReduce): a step ends at most
     /// this long after it could start, with what arrived; the report says which steps did.
