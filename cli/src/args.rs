@@ -208,10 +208,10 @@ pub enum JobOp {
 /// What every rank of a job does; `gradwire job run` passes these on to its workers.
 #[derive(Debug, Clone, Args)]
 pub struct JobOptions {
-    /// All-reduce algorithm: ring, direct (two-phase) or auto (two-phase for small tensors,
-    /// ring for big ones), all three on the message layer; or a tree rooted at rank 0 (on the
-    /// flow transport): star, rack (one aggregator per rack), binary, or d=N (at most N
-    /// children per node).
+    /// All-reduce algorithm: ring, direct (two-phase) or auto (two-phase up to 32 KiB, ring
+    /// above); or a tree rooted at rank 0: star, rack (one aggregator per rack), binary, or
+    /// d=N (at most N children per node). All run on the message layer, except in an
+    /// authenticated job (ring and trees on the flow transport).
     #[arg(long, default_value = "ring", value_parser = parse_algorithm)]
     pub algorithm: JobAlgorithm,
     /// Model layer file: one all-reduce per layer and iteration.
