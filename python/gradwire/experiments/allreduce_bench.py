@@ -228,7 +228,8 @@ def run_one(net: str, loss: float, ranks: int, cfg: dict, timeout: float, rate: 
             hosts = sorted(tb.hosts(), key=lambda h: (len(h["name"]), h["name"]))
             rate_bps = conv._rate_bps(rate)
             cfg_path.write_text(json.dumps({**cfg, "net": net, "rate_bps": rate_bps,
-                                            "fabric": {"binary": str(binary), "name": FABRIC_NAME}}))
+                                            "fabric": {"binary": str(binary), "name": FABRIC_NAME,
+                                                       "pid": tb.record()["pid"]}}))
             procs = launch(ranks, cfg_path, rows_path, logdir, tag, hosts[0]["ip"], MASTER_PORT, "eth0",
                            [h["netns"] for h in hosts])
             try:
