@@ -111,6 +111,12 @@ impl Window {
         self.cwnd = self.cwnd.clamp(self.min, self.max);
     }
 
+    /// A retransmission timeout with the window full: halve, as on heavy loss.
+    pub fn on_timeout(&mut self) {
+        self.cwnd = (self.cwnd / 2.0).max(self.min);
+        self.ssthresh = self.cwnd;
+    }
+
     /// A pass ended with `lost` of `sent` segments missing: halve on heavy loss (above 10 %,
     /// far above the random loss a bounded job is built for), otherwise keep the window.
     pub fn on_pass_loss(&mut self, lost: u32, sent: u32) {

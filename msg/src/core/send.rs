@@ -322,6 +322,7 @@ impl Core {
             {
                 let p = &mut self.peers[i];
                 let rto = p.rtt.rto();
+                let mut collapsed = false;
                 for (&msg, s) in p.sends.iter_mut() {
                     let Some(t) = s.timer else { continue };
                     if t > now {
@@ -331,6 +332,13 @@ impl Core {
                     if waited >= peer_timeout {
                         failed.push((msg, waited));
                         continue;
+                    }
+                    // A first pass stalled on a full window for an RTO: what is in flight is
+                    // lost (the pass's NACK brings it back). Without this, a window whose last
+                    // segments were all lost would wait for ACKs that cannot come.
+                    if s.pass == 0 && !s.finished_pass && s.next > s.highest {
+                        s.highest = s.next;
+                        collapsed = true;
                     }
                     s.polls += 1;
                     s.last_tx = Some(now);
@@ -342,6 +350,9 @@ impl Core {
                 }
                 for (msg, _) in &failed {
                     p.sends.remove(msg);
+                }
+                if collapsed {
+                    p.win.on_timeout();
                 }
             }
             for (msg, pass, finished, next) in polls {

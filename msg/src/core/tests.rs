@@ -647,3 +647,29 @@ fn an_abort_before_the_receive_is_posted_fails_it_when_it_is() {
         "the kept data is not delivered"
     );
 }
+
+#[test]
+fn a_full_window_whose_segments_were_all_lost_does_not_stall() {
+    // A two-segment window: the first two segments are lost, so no ACK can ever come. The
+    // sender must count them lost after an RTO and go on (they come back in a NACK pass).
+    let mut net = Net::with(
+        2,
+        Box::new(|_, d| {
+            d[1] == wire::KIND_DATA && d[3] == 0 && {
+                let off =
+                    u64::from_be_bytes([d[16], d[17], d[18], d[19], d[20], d[21], d[22], d[23]]);
+                off < 128
+            }
+        }),
+        |c| c.init_cwnd = 2,
+    );
+    let data = pattern(64 * 10, 7);
+    let dst = one_message(&mut net, &data, RecvOpts::default());
+    net.run(Duration::from_secs(1));
+    assert_eq!(net.cores[1].buffer(dst), Some(&data[..]));
+    assert_eq!(sent(&net, 0), 1, "the send completed");
+    assert!(
+        net.now < Instant::now() + Duration::from_millis(500),
+        "no long stall"
+    );
+}
