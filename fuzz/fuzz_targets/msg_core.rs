@@ -39,6 +39,8 @@ fuzz_target!(|data: &[u8]| {
         loss_bound: if mode & 2 == 0 { 0.0 } else { 0.25 },
         keep_meta: mode & 4 != 0,
         deadline: None,
+        up_to: mode & 8 != 0,
+        skip_meta_zero: mode & 16 != 0,
     };
     let _ = core.reserve_recvs(0, 1);
     core.post_recv(now, 0, 0, buf, GUARD..GUARD + LEN, opts).expect("post");
