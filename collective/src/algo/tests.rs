@@ -528,7 +528,10 @@ fn a_rank_whose_socket_closed_is_named_at_once_not_after_the_timeout() {
                     && (e.contains("rank 1's socket is closed") || e.contains("failed on rank 1")),
                 "rank {rank}: {e}"
             );
-            assert!(took < Duration::from_secs(2), "rank {rank} took {took:?}");
+            // At once when the kernel's ICMP answer comes; the kernel rate-limits ICMP
+            // globally, so on a busy machine it may take a PING (a quarter of the timeout).
+            // Either way well before the 20 s timeout, which is all the fallback would give.
+            assert!(took < Duration::from_secs(10), "rank {rank} took {took:?}");
         }
     }
 }
