@@ -32,7 +32,8 @@ DIR/allreduce.png (time and bus bandwidth against size, one line per variant, on
 panels per network, link loss and rank count), DIR/summary.md (gradwire / Gloo p50 per
 size: the median over repeats and their range; CPU-seconds and frames per operation and
 their ratios) and the ranks' logs under DIR/logs/. Failed, invalid and disturbed cases are in
-the JSON and CSV but not in the ratios, the tables' figures or the plot. The
+the JSON and CSV but not in the ratios, the tables' figures or the plot. A run cut short keeps
+the rows its ranks wrote in DIR/logs/*-rows.jsonl. The
 fabric needs the gradwire CLI (GRADWIRE_BIN, target/release/gradwire or PATH) and, by the
 project's convention, the machine to itself: tests hold /run/gradwire-fabric.lock while they
 run this, a person running it by hand takes the same lock (``flock /run/gradwire-fabric.lock
@@ -202,9 +203,9 @@ def run_one(net: str, loss: float, ranks: int, cfg: dict, timeout: float, rate: 
             tmp: Path, fabric: tuple[Path, Path] | None) -> dict:
     """One (network, link loss, ranks) run: every size, variant and repeat. Its record."""
     tag = f"{net}-loss{loss:g}-n{ranks}"
-    rows_path = tmp / f"{tag}.jsonl"
-    cfg_path = tmp / f"{tag}.config.json"
     logdir = out / "logs"
+    rows_path = logdir / f"{tag}-rows.jsonl"  # kept: a run cut short keeps the rows it wrote
+    cfg_path = tmp / f"{tag}.config.json"
     record: dict[str, Any] = {"net": net, "link_loss": loss, "ranks": ranks, "timeout_s": timeout}
     started = time.monotonic()
     if net == "loopback":
@@ -563,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
                         doc["elapsed_s"] = time.monotonic() - t0
                         write_outputs(out, doc, runs, a.max_other_cpu)  # a sweep cut short keeps its runs
     except conv.Interrupted as e:
-        say(f"{e}; workers and testbed cleaned up; the runs before it are in {out}")
+        say(f"{e}; workers and testbed cleaned up; the runs before it are in {out}, the rows of the one "
+            f"cut short in {out}/logs/*-rows.jsonl")
         return 130
     rows = write_outputs(out, doc, runs, a.max_other_cpu)
     print((out / "summary.md").read_text(), file=sys.stderr)
