@@ -816,8 +816,14 @@ impl Core {
     /// The peer's operations failed: fail every message with it, now and when posted.
     pub(super) fn peer_gave_up(&mut self, i: usize, culprit: Option<u16>) {
         let peer = i as u16;
+        self.peers[i].gave_up = Some(culprit);
+        self.fail_all(i, |msg| MsgError::Aborted { peer, msg, culprit });
+    }
+
+    /// Fails every message posted with peer `i`, each with `error(msg)`.
+    fn fail_all(&mut self, i: usize, error: impl Fn(u32) -> MsgError) {
+        let peer = i as u16;
         let p = &mut self.peers[i];
-        p.gave_up = Some(culprit);
         let sends: Vec<u32> = std::mem::take(&mut p.sends).into_keys().collect();
         let recvs: Vec<u32> = p.recvs.drain().map(|(m, _)| m).collect();
         for &m in &recvs {
@@ -831,7 +837,7 @@ impl Core {
                 peer,
                 msg,
                 send,
-                error: MsgError::Aborted { peer, msg, culprit },
+                error: error(msg),
             });
         self.events.extend(failed);
     }
@@ -867,23 +873,7 @@ impl Core {
         let Ok(i) = self.peer_index(peer) else {
             return;
         };
-        let p = &mut self.peers[i];
-        let sends: Vec<u32> = std::mem::take(&mut p.sends).into_keys().collect();
-        let recvs: Vec<u32> = p.recvs.drain().map(|(m, _)| m).collect();
-        for &m in &recvs {
-            p.mark_done(m);
-        }
-        let failed = sends
-            .into_iter()
-            .map(|m| (m, true))
-            .chain(recvs.into_iter().map(|m| (m, false)))
-            .map(|(msg, send)| Event::Failed {
-                peer,
-                msg,
-                send,
-                error: MsgError::Unreachable { peer, msg },
-            });
-        self.events.extend(failed);
+        self.fail_all(i, |msg| MsgError::Unreachable { peer, msg });
     }
 
     /// The earliest instant a timer fires.
