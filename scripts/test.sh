@@ -8,6 +8,15 @@ source scripts/deps.sh
 
 step() { printf '\n== %s\n' "$*" >&2; }
 
+# A fresh clone (CI) gains nothing from incremental compilation, which doubles target/'s size.
+if [[ -n ${CI:-} ]]; then export CARGO_INCREMENTAL=0; fi
+# The suite needs about 12 GiB (target/ and the venv with torch): say so before failing late.
+free_kib=$(df -Pk . | awk 'NR == 2 { print $4 }')
+if ((free_kib < 12 * 1024 * 1024)); then
+    echo "test: only $((free_kib / 1024 / 1024)) GiB free on $(df -P . | awk 'NR == 2 { print $6 }'); the suite needs about 12 GiB (cargo's target/ and .venv/ with torch): free some disk (cargo clean in other checkouts) and run again" >&2
+    exit 1
+fi
+
 step "rustfmt"
 cargo fmt --all -- --check
 
