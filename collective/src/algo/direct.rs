@@ -3,110 +3,69 @@
 //! rank (phase 2). The same bytes per rank as the ring in two message rounds instead of
 //! `2 (world - 1)`: the better choice for small tensors and small worlds.
 
-use std::time::Instant;
-
-use gradwire_msg::core::{Place, RecvOpts, SendOpts};
-use gradwire_msg::mem::{BufId, Region};
+use gradwire_msg::core::SendOpts;
+use gradwire_msg::mem::Region;
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
-use super::{
-    check_mask, check_spec, finish_chunk, outcome, step, Chunks, Masks, ReduceOutcome, ReduceSpec,
-    StepReport,
-};
+use super::reduction::Reduction;
+use super::{check_mask, finish_chunk, step, ReduceOutcome, ReduceSpec};
 
 /// The two-phase all-reduce over one region.
 #[derive(Debug)]
 pub struct Direct {
-    spec: ReduceSpec,
-    region: Option<Region>,
-    buf: Option<BufId>,
-    chunks: Chunks,
-    masks: Option<Masks>,
-    rank: usize,
-    world: usize,
+    r: Reduction,
     send_base: Vec<u32>,
     recv_base: Vec<u32>,
     phase1_left: usize,
-    sends_left: usize,
-    recvs_left: usize,
-    steps: Vec<StepReport>,
-    started: Option<Instant>,
 }
 
 impl Direct {
     /// A two-phase all-reduce over `region`.
     pub fn new(region: Region, spec: ReduceSpec) -> Direct {
         Direct {
-            spec,
-            region: Some(region),
-            buf: None,
-            chunks: Chunks::new(0, 1, 1),
-            masks: None,
-            rank: 0,
-            world: 1,
+            r: Reduction::new(region, spec),
             send_base: Vec::new(),
             recv_base: Vec::new(),
             phase1_left: 0,
-            sends_left: 0,
-            recvs_left: 0,
-            steps: Vec::new(),
-            started: None,
         }
     }
 
     fn peers(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.world).filter(move |&q| q != self.rank)
+        (0..self.r.world).filter(move |&q| q != self.r.rank)
     }
 
     /// Phase 2: the finished chunk to every rank.
     fn broadcast_own(&mut self, cx: &mut OpCx<'_>) -> Result<(), OpError> {
-        let buf = self
-            .buf
-            .ok_or_else(|| OpError::Invalid("no buffer".into()))?;
-        finish_chunk(
-            &self.spec,
-            &self.chunks,
-            self.rank,
-            cx.buf_mut(buf),
-            self.masks.as_ref(),
-            self.world,
-        );
-        let range = self.chunks.bytes(self.rank);
+        let r = &mut self.r;
+        let buf = r.buf()?;
+        let masks = r.masks.as_ref();
+        finish_chunk(&r.spec, &r.chunks, r.rank, cx.buf_mut(buf), masks, r.world);
+        let range = r.chunks.bytes(r.rank);
         if range.is_empty() {
             return Ok(());
         }
-        let meta = match &self.masks {
-            Some(m) => m.meta(self.chunks.block_range(self.rank)),
+        let meta = match masks {
+            Some(m) => m.meta(r.chunks.block_range(r.rank)),
             None => Vec::new(),
         };
-        for q in self.peers().collect::<Vec<_>>() {
+        for q in (0..r.world).filter(|&q| q != r.rank) {
             let opts = SendOpts {
-                tos: self.spec.tos,
-                layer: self.spec.layer,
+                tos: r.spec.tos,
+                layer: r.spec.layer,
                 meta: meta.clone(),
                 tos_per_segment: Vec::new(),
             };
             cx.send(q as u16, self.send_base[q] + 1, buf, range.clone(), opts)?;
-            self.sends_left += 1;
+            r.sends_left += 1;
         }
         Ok(())
     }
 
     fn done(&mut self, cx: &mut OpCx<'_>) -> Step<ReduceOutcome> {
-        if self.sends_left > 0 || self.recvs_left > 0 || self.phase1_left > 0 {
+        if self.phase1_left > 0 {
             return Ok(None);
         }
-        let region = self.buf.take().and_then(|b| cx.unregister(b));
-        Ok(Some(outcome(
-            region,
-            "direct",
-            &self.chunks,
-            self.masks.as_ref(),
-            self.world,
-            std::mem::take(&mut self.steps),
-            cx.now()
-                .saturating_duration_since(self.started.unwrap_or_else(|| cx.now())),
-        )))
+        self.r.finish(cx, "direct")
     }
 }
 
@@ -114,24 +73,12 @@ impl Op for Direct {
     type Output = ReduceOutcome;
 
     fn start(&mut self, cx: &mut OpCx<'_>) -> Step<ReduceOutcome> {
-        self.started = Some(cx.now());
-        self.rank = usize::from(cx.rank());
-        self.world = usize::from(cx.world());
-        let region = self
-            .region
-            .take()
-            .ok_or_else(|| OpError::Invalid("started twice".into()))?;
-        check_spec(&self.spec, region.len(), self.world).map_err(OpError::Invalid)?;
-        self.chunks = Chunks::new(region.len(), cx.seg_payload(), self.world);
-        let buf = cx.register(region);
-        self.buf = Some(buf);
-        let lossy = self.spec.loss_bound > 0.0 && self.world > 1;
-        if lossy {
-            self.masks = Some(Masks::only(self.chunks.blocks(), self.rank));
-        }
-        self.send_base = vec![0; self.world];
-        self.recv_base = vec![0; self.world];
-        let own = self.chunks.bytes(self.rank);
+        let buf = self.r.begin(cx, true)?;
+        let (rank, world) = (self.r.rank, self.r.world);
+        self.r.track_sets(self.r.spec.loss_bound > 0.0 && world > 1);
+        self.send_base = vec![0; world];
+        self.recv_base = vec![0; world];
+        let own = self.r.chunks.bytes(rank);
         for q in self.peers().collect::<Vec<_>>() {
             let peer = q as u16;
             self.send_base[q] = cx.reserve_sends(peer, 2)?;
@@ -140,43 +87,34 @@ impl Op for Direct {
             if own.is_empty() {
                 cx.skip_recv(peer, self.recv_base[q])?;
             } else {
-                let opts = RecvOpts {
-                    place: Place::Sum(self.spec.dtype),
-                    loss_bound: self.spec.loss_bound,
-                    keep_meta: lossy,
-                    deadline: self.spec.step_deadline.map(|d| cx.now() + d),
-                    up_to: false,
-                    skip_meta_zero: false,
-                };
+                let deadline = self.r.spec.step_deadline.map(|d| cx.now() + d);
+                let opts = self.r.sum_opts(deadline);
                 cx.recv(peer, self.recv_base[q], buf, own.clone(), opts)?;
                 self.phase1_left += 1;
-                self.recvs_left += 1;
+                self.r.recvs_left += 1;
             }
             // Phase 2 in: q's finished chunk (reliable).
-            let theirs = self.chunks.bytes(q);
+            let theirs = self.r.chunks.bytes(q);
             if theirs.is_empty() {
                 cx.skip_recv(peer, self.recv_base[q] + 1)?;
             } else {
-                let opts = RecvOpts {
-                    keep_meta: lossy,
-                    ..RecvOpts::default()
-                };
+                let opts = self.r.result_opts();
                 cx.recv(peer, self.recv_base[q] + 1, buf, theirs.clone(), opts)?;
-                self.recvs_left += 1;
+                self.r.recvs_left += 1;
                 // Phase 1 out: my contribution to q's chunk (under a bound, each segment
                 // names me as its only contributor, which q checks).
-                let meta = match &self.masks {
-                    Some(_) => vec![1u64 << self.rank; self.chunks.block_range(q).len().max(1)],
+                let meta = match &self.r.masks {
+                    Some(_) => vec![1u64 << rank; self.r.chunks.block_range(q).len().max(1)],
                     None => Vec::new(),
                 };
                 let opts = SendOpts {
-                    tos: self.spec.tos,
-                    layer: self.spec.layer,
+                    tos: self.r.spec.tos,
+                    layer: self.r.spec.layer,
                     meta,
                     tos_per_segment: Vec::new(),
                 };
                 cx.send(peer, self.send_base[q], buf, theirs, opts)?;
-                self.sends_left += 1;
+                self.r.sends_left += 1;
             }
         }
         if self.phase1_left == 0 {
@@ -187,18 +125,18 @@ impl Op for Direct {
 
     fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Step<ReduceOutcome> {
         match ev {
-            OpEvent::Sent { .. } => self.sends_left = self.sends_left.saturating_sub(1),
+            OpEvent::Sent { .. } => self.r.sends_left = self.r.sends_left.saturating_sub(1),
             OpEvent::Received { peer, msg, report } => {
-                self.recvs_left = self.recvs_left.saturating_sub(1);
+                self.r.recvs_left = self.r.recvs_left.saturating_sub(1);
                 let q = usize::from(peer);
                 if msg == self.recv_base[q] {
-                    self.steps.push(step(peer, &report));
-                    if let Some(m) = &mut self.masks {
-                        for (i, b) in self.chunks.block_range(self.rank).enumerate() {
+                    self.r.steps.push(step(peer, &report));
+                    if let Some(m) = &mut self.r.masks {
+                        for (i, b) in self.r.chunks.block_range(self.r.rank).enumerate() {
                             if report.has(i) {
                                 // q's own contribution: exactly {q}.
                                 let got = report.meta.get(i).copied().unwrap_or(0);
-                                check_mask(got, self.world, q, !(1u64 << q), peer, b)?;
+                                check_mask(got, self.r.world, q, !(1u64 << q), peer, b)?;
                                 m.words[b] |= 1 << q;
                             }
                         }
@@ -207,10 +145,10 @@ impl Op for Direct {
                     if self.phase1_left == 0 {
                         self.broadcast_own(cx)?;
                     }
-                } else if let Some(m) = &mut self.masks {
-                    for (i, b) in self.chunks.block_range(q).enumerate() {
+                } else if let Some(m) = &mut self.r.masks {
+                    for (i, b) in self.r.chunks.block_range(q).enumerate() {
                         let got = report.meta.get(i).copied().unwrap_or(0);
-                        check_mask(got, self.world, q, 0, peer, b)?;
+                        check_mask(got, self.r.world, q, 0, peer, b)?;
                         m.words[b] = got;
                     }
                 }

@@ -21,6 +21,8 @@ pub mod direct;
 pub mod ring;
 pub mod tree;
 
+mod reduction;
+
 use std::ops::Range;
 use std::time::Duration;
 

@@ -1,0 +1,122 @@
+//! What every all-reduce algorithm holds and does alike: its region until it starts, the
+//! registered buffer, the block layout and contributor sets, the messages still outstanding,
+//! the step reports and the start time. An algorithm keeps only its own message plan.
+
+use std::time::Instant;
+
+use gradwire_msg::core::{Place, RecvOpts};
+use gradwire_msg::mem::{BufId, Region};
+use gradwire_msg::op::{OpCx, OpError, Step};
+
+use super::{check_spec, outcome, Chunks, Masks, ReduceOutcome, ReduceSpec, StepReport};
+
+/// The state shared by ring, direct and tree all-reduce.
+#[derive(Debug)]
+pub(crate) struct Reduction {
+    pub(crate) spec: ReduceSpec,
+    region: Option<Region>,
+    buf: Option<BufId>,
+    /// Blocks of the tensor, in `world` chunks (ring, direct) or one (tree).
+    pub(crate) chunks: Chunks,
+    /// Who is summed in each block, kept only under a loss bound.
+    pub(crate) masks: Option<Masks>,
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+    pub(crate) sends_left: usize,
+    pub(crate) recvs_left: usize,
+    pub(crate) steps: Vec<StepReport>,
+    started: Option<Instant>,
+}
+
+impl Reduction {
+    pub(crate) fn new(region: Region, spec: ReduceSpec) -> Reduction {
+        Reduction {
+            spec,
+            region: Some(region),
+            buf: None,
+            chunks: Chunks::new(0, 1, 1),
+            masks: None,
+            rank: 0,
+            world: 1,
+            sends_left: 0,
+            recvs_left: 0,
+            steps: Vec::new(),
+            started: None,
+        }
+    }
+
+    /// Starts the operation: notes the time, learns rank and world, checks the spec against
+    /// the region, lays its blocks out in one chunk per rank (`per_rank`) or one chunk, and
+    /// registers it. Returns the buffer.
+    pub(crate) fn begin(&mut self, cx: &mut OpCx<'_>, per_rank: bool) -> Result<BufId, OpError> {
+        self.started = Some(cx.now());
+        self.rank = usize::from(cx.rank());
+        self.world = usize::from(cx.world());
+        let region = self
+            .region
+            .take()
+            .ok_or_else(|| OpError::Invalid("started twice".into()))?;
+        check_spec(&self.spec, region.len(), self.world).map_err(OpError::Invalid)?;
+        let parts = if per_rank { self.world } else { 1 };
+        self.chunks = Chunks::new(region.len(), cx.seg_payload(), parts);
+        let buf = cx.register(region);
+        self.buf = Some(buf);
+        Ok(buf)
+    }
+
+    /// Tracks contributor sets from here on when `lossy` (this rank alone in every block).
+    pub(crate) fn track_sets(&mut self, lossy: bool) {
+        if lossy {
+            self.masks = Some(Masks::only(self.chunks.blocks(), self.rank));
+        }
+    }
+
+    /// The registered buffer (an error before `begin` or after the outcome).
+    pub(crate) fn buf(&self) -> Result<BufId, OpError> {
+        self.buf.ok_or_else(|| OpError::Invalid("no buffer".into()))
+    }
+
+    /// A reduce-scatter receive: summed in as it lands, under the loss bound and the step's
+    /// time bound, with the senders' contributor sets when they are tracked.
+    pub(crate) fn sum_opts(&self, deadline: Option<Instant>) -> RecvOpts {
+        RecvOpts {
+            place: Place::Sum(self.spec.dtype),
+            loss_bound: self.spec.loss_bound,
+            keep_meta: self.masks.is_some(),
+            deadline,
+            up_to: false,
+            skip_meta_zero: false,
+        }
+    }
+
+    /// A receive of finished values: reliable (every rank must end with the same values),
+    /// with their contributor sets when they are tracked.
+    pub(crate) fn result_opts(&self) -> RecvOpts {
+        RecvOpts {
+            keep_meta: self.masks.is_some(),
+            ..RecvOpts::default()
+        }
+    }
+
+    /// The outcome once no send or receive is outstanding (the region handed back).
+    pub(crate) fn finish(
+        &mut self,
+        cx: &mut OpCx<'_>,
+        algorithm: &'static str,
+    ) -> Step<ReduceOutcome> {
+        if self.sends_left > 0 || self.recvs_left > 0 {
+            return Ok(None);
+        }
+        let region = self.buf.take().and_then(|b| cx.unregister(b));
+        let now = cx.now();
+        Ok(Some(outcome(
+            region,
+            algorithm,
+            &self.chunks,
+            self.masks.as_ref(),
+            self.world,
+            std::mem::take(&mut self.steps),
+            now.saturating_duration_since(self.started.unwrap_or(now)),
+        )))
+    }
+}
