@@ -68,9 +68,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::time::Duration;
 
 use nix::errno::Errno;
-use nix::poll::{ppoll, PollFd, PollFlags};
 use nix::sys::socket::{getsockopt, setsockopt, sockopt};
-use nix::sys::time::TimeSpec;
 use socket2::{Domain, Protocol, Socket, Type};
 
 use mmsg::{RxState, TxState};
@@ -95,8 +93,6 @@ const MAX_PAYLOAD_V6: usize = 65_527;
 /// A coalesced GRO buffer is at most one IP packet: smaller receive buffers would truncate it,
 /// so GRO stays off below this size.
 const GRO_MIN_BUFFER: usize = 65_535;
-/// Timeouts at or above this many seconds wait forever (and cannot overflow a `timespec`).
-const FOREVER_SECS: u64 = 100 * 365 * 24 * 3600;
 
 /// Settings of a [`UdpIo`] socket.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -428,43 +424,12 @@ impl UdpIo {
     /// fires, or `timeout` passes (`None`: forever). Drains the waker. A signal ends the wait
     /// early with nothing set.
     pub fn wait(&self, timeout: Option<Duration>, want_write: bool) -> Result<Readiness, IoError> {
-        let mut events = PollFlags::POLLIN;
-        if want_write {
-            events |= PollFlags::POLLOUT;
-        }
-        let mut fds = [
-            PollFd::new(self.sock.as_fd(), events),
-            PollFd::new(self.waker.as_fd(), PollFlags::POLLIN),
-        ];
-        let ts = timeout
-            .filter(|d| d.as_secs() < FOREVER_SECS)
-            .map(TimeSpec::from_duration);
-        match ppoll(&mut fds, ts, None) {
-            Ok(_) => {}
-            Err(Errno::EINTR) => return Ok(Readiness::default()),
-            Err(e) => {
-                return Err(IoError::Wait {
-                    local: self.local,
-                    source: e.into(),
-                })
-            }
-        }
-        let sock = fds[0].revents().unwrap_or(PollFlags::empty());
-        let woken = fds[1]
-            .revents()
-            .unwrap_or(PollFlags::empty())
-            .contains(PollFlags::POLLIN);
-        if woken {
-            let mut b = [0u8; 8];
-            // Nonblocking: EAGAIN if another waiter drained it first.
-            let _ = nix::unistd::read(&self.waker, &mut b);
-        }
-        Ok(Readiness {
-            readable: sock.intersects(PollFlags::POLLIN | PollFlags::POLLERR),
-            writable: want_write && sock.contains(PollFlags::POLLOUT),
-            woken,
-            errors: sock.contains(PollFlags::POLLERR),
-        })
+        self.waker
+            .wait_beside(self.sock.as_fd(), timeout, want_write)
+            .map_err(|e| IoError::Wait {
+                local: self.local,
+                source: e.into(),
+            })
     }
 }
 

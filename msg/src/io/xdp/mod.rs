@@ -71,15 +71,11 @@ mod send;
 use std::cell::Cell;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr, SocketAddrV6};
-use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gradwire::afxdp::{AfXdpConfig, AfXdpDatapath, PollMode};
 use gradwire::datapath::Datapath;
-use nix::errno::Errno;
-use nix::poll::{ppoll, PollFd, PollFlags};
-use nix::sys::time::TimeSpec;
 use socket2::{Domain, Protocol, Socket, Type};
 
 use super::{BoxError, DatagramIo, Readiness, RecvMeta, Transmit, Waker};
@@ -94,8 +90,6 @@ pub use gradwire_ebpf::{AttachMode, XdpCounters};
 
 /// Most segments of one bundle (the same as UDP's GSO limit): the core's bundle size.
 pub const MAX_SEGMENTS: usize = 64;
-/// Timeouts at or above this many seconds wait forever (and cannot overflow a `timespec`).
-const FOREVER_SECS: u64 = 100 * 365 * 24 * 3600;
 
 /// Settings of an [`XdpIo`].
 #[derive(Debug, Clone, PartialEq)]
@@ -357,50 +351,25 @@ impl XdpIo {
     ) -> Result<Readiness, XdpIoError> {
         self.serve_monitor();
         self.waits.set(self.waits.get() + 1);
-        let mut events = PollFlags::POLLIN;
-        if want_write {
-            events |= PollFlags::POLLOUT;
-        }
         let Some(xsk) = self.dp.socket_fds().next() else {
             return Err(XdpIoError::Wait {
                 local: self.local,
                 source: std::io::Error::from(std::io::ErrorKind::NotConnected),
             });
         };
-        let mut fds = [
-            PollFd::new(xsk, events),
-            PollFd::new(self.waker.as_fd(), PollFlags::POLLIN),
-        ];
-        let ts = timeout
-            .filter(|d| d.as_secs() < FOREVER_SECS)
-            .map(TimeSpec::from_duration);
-        match ppoll(&mut fds, ts, None) {
-            Ok(_) => {}
-            Err(Errno::EINTR) => return Ok(Readiness::default()),
-            Err(e) => {
-                return Err(XdpIoError::Wait {
-                    local: self.local,
-                    source: e.into(),
-                })
-            }
-        }
-        let sock = fds[0].revents().unwrap_or(PollFlags::empty());
-        let woken = fds[1]
-            .revents()
-            .unwrap_or(PollFlags::empty())
-            .contains(PollFlags::POLLIN);
-        if woken {
-            let mut b = [0u8; 8];
-            // Nonblocking: EAGAIN if another waiter drained it first.
-            let _ = nix::unistd::read(&self.waker, &mut b);
+        let mut ready = self
+            .waker
+            .wait_beside(xsk, timeout, want_write)
+            .map_err(|e| XdpIoError::Wait {
+                local: self.local,
+                source: e.into(),
+            })?;
+        if ready.woken {
             self.serve_monitor();
         }
-        Ok(Readiness {
-            readable: sock.intersects(PollFlags::POLLIN | PollFlags::POLLERR),
-            writable: want_write && sock.contains(PollFlags::POLLOUT),
-            woken,
-            errors: false,
-        })
+        // The AF_XDP socket has no error queue.
+        ready.errors = false;
+        Ok(ready)
     }
 }
 
