@@ -243,6 +243,10 @@ class Session:
         """The sender's ``tensor`` id. ``layer`` and ``num_layers`` are not used on the
         receiving side (accepted so that both ends can pass the same options). With
         ``point_to_point=False`` only from rank - 1."""
+    def message_stats(self) -> Optional[Dict[str, int]]:
+        """The message layer's counters (data_sent, data_resent, ctrl_sent, polls, nacks,
+        refused, datagrams_in/out, send_calls, ...), or None when the session does not run on
+        the layer (authenticated jobs)."""
     def close(self) -> None:
         """Drops the session (links closed); later calls raise UnusableError. Waits for a
         running operation."""

@@ -17,7 +17,7 @@ use gradwire_session::{
     self as gs, P2pOptions, PriorityFn, ReduceOp, ReduceOptions, SegmentInfo, SessionError,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::buffer::{ArrayMut, ArrayRef};
 use crate::config::{self, Keywords};
@@ -547,6 +547,41 @@ impl Session {
         let bytes = array.bytes(py)?;
         let report = self.run(py, "recv", |s| s.recv(peer, dtype, bytes, &opts))?;
         Ok(report.into())
+    }
+
+    /// The message layer's counters as a dict of ints (frames, resends, refusals, system
+    /// calls: what a benchmark compares), or None when the session does not run on the layer
+    /// (an authenticated job).
+    fn message_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(s) = self.run(py, "message_stats", |s| Ok(s.message_stats()))? else {
+            return Ok(None);
+        };
+        let c = &s.core;
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("data_sent", c.data_sent),
+            ("data_resent", c.data_resent),
+            ("payload_bytes_sent", c.payload_bytes_sent),
+            ("ctrl_sent", c.ctrl_sent),
+            ("data_placed", c.data_placed),
+            ("data_duplicate", c.data_duplicate),
+            ("ctrl_received", c.ctrl_received),
+            ("refused", c.refused),
+            ("unexpected_kept", c.unexpected_kept),
+            ("unexpected_dropped", c.unexpected_dropped),
+            ("polls", c.polls),
+            ("nacks", c.nacks),
+            ("unknown_source", s.unknown_source),
+            ("injected_drops", s.injected_drops),
+            ("unreachable_reports", s.unreachable_reports),
+            ("datagrams_in", s.datagrams_in),
+            ("datagrams_out", s.datagrams_out),
+            ("send_calls", s.send_calls),
+            ("recv_calls", s.recv_calls),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(Some(d))
     }
 
     /// Drops the session (its links close). Waits for a running operation; idempotent. From

@@ -149,6 +149,28 @@ def test_all_reduce_average(job: List[gradwire.Session]) -> None:
         np.testing.assert_array_equal(a, np.full(10_000, world + 1.0, dtype=np.float32))
 
 
+def test_message_stats_count_the_frames_of_an_all_reduce(job: List[gradwire.Session]) -> None:
+    world, n = len(job), 50_000  # 200 kB: many segments to each peer
+    before = [s.message_stats() for s in job]
+    run_ranks([lambda s=s: s.all_reduce(np.ones(n, dtype=np.float32)) for s in job])
+    after = [s.message_stats() for s in job]
+    payload = 0
+    for b, a in zip(before, after):
+        assert b is not None and a is not None
+        assert set(a) >= {"data_sent", "data_resent", "ctrl_sent", "polls", "nacks", "refused",
+                          "datagrams_in", "datagrams_out", "send_calls", "recv_calls"}
+        assert all(isinstance(v, int) and v >= 0 for v in a.values())
+        sent = a["data_sent"] - b["data_sent"]
+        own = a["payload_bytes_sent"] - b["payload_bytes_sent"]
+        assert 1500 * sent >= own > 0  # MTU-sized segments (1500-byte default MTU)
+        assert a["data_placed"] > b["data_placed"]
+        assert a["refused"] == b["refused"] == 0
+        payload += own
+    # Ring and direct both move (world-1)/world of the tensor per rank in each of two
+    # halves: 2 (world-1) tensors over all ranks.
+    assert payload >= 2 * (world - 1) * n * 4
+
+
 def test_broadcast_copies_the_roots_array(job: List[gradwire.Session]) -> None:
     world, root = len(job), 1
     src = np.random.default_rng(7).standard_normal(50_000).astype(np.float32)
