@@ -170,6 +170,13 @@ def check_rows(doc: dict) -> list[dict]:
         assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / r["time_p50_us"] / 1e3)
         if r["loss_bound"] == 0 or r["impl"] == "gloo":
             assert r["partial_blocks"] == 0, (tag, r)
+        if r["impl"] == "gradwire":
+            # The layer's own counters over the case: data moved, nothing refused.
+            m = r["msg_counters"]
+            assert r["msg_ops"] == r["ops_checked"][0], (tag, r)
+            assert m["data_placed"] > 0 and m["refused"] == 0 and m["unknown_source"] == 0, (tag, m)
+        else:
+            assert "msg_counters" not in r, (tag, r)
     return failed
 
 

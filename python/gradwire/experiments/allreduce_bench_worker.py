@@ -20,8 +20,10 @@ or gradwire with an algorithm and a loss bound), one case is
    or at once after an operation that scaled a block (below); the CPU time of that checking
    (each rank's thread time) is taken off the window's CPU time (its two barriers, each about
    one small operation's cost, are left in: at most 2/``ops`` of an operation's), their frames
-   off its frames. The row also says how much of the machine other programs
-   took during the case (``other_cpu_share``); before each size the ranks wait, up to
+   off its frames. For gradwire the row also carries ``msg_counters``, the message layer's
+   counters over the whole case summed over the ranks (resends, POLL timers, NACKs,
+   refusals), and ``msg_ops``, the operations they cover. The row also says how much of the
+   machine other programs took during the case (``other_cpu_share``); before each size the ranks wait, up to
    ``quiet_wait_s``, for that share to drop to ``max_other_cpu``.
 
 Rank r contributes ``(r + 1) * (i % 7 + 1)`` at element i: float32 sums of these integers are
@@ -497,12 +499,23 @@ def pct(sorted_vals: list[float], q: float) -> float:
     return sorted_vals[min(len(sorted_vals) - 1, int(q * len(sorted_vals)))]
 
 
+def message_stats(v: dict, sessions: Sessions) -> dict | None:
+    """gradwire's message-layer counters on this rank (None for Gloo or off the layer)."""
+    if v["impl"] != "gradwire":
+        return None
+    try:
+        return sessions.get(v["algorithm"]).message_stats()
+    except (gradwire.GradwireError, AttributeError):  # a broken session; an older package
+        return None
+
+
 def run_case(v: dict, size: int, iters: int, warmup: int, pat: Pattern, sessions: Sessions,
              counters: Counters, barrier: dict | None, cfg: dict) -> dict | None:
     """One case on every rank; the row on rank 0 (None elsewhere)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     chk = Check()
     start = counters.snapshot(end=False)
+    msg0 = message_stats(v, sessions)
     times, error = timed_loop(v, pat, sessions, chk, world, warmup + iters)
     all_times = [t[warmup:] for t in gather(times)]
     per_iter = sorted(max(t[i] for t in all_times) / 1e3 for i in range(min(map(len, all_times))))
@@ -512,7 +525,9 @@ def run_case(v: dict, size: int, iters: int, warmup: int, pat: Pattern, sessions
         counted, overhead, end, error = counted_loop(v, pat, sessions, chk, world, ops, counters)
     else:
         end = counters.snapshot(end=True)
-    mine = {"error": error, "failed_ops": chk.failed_ops, "first_failure": chk.first_failure,
+    msg1 = message_stats(v, sessions)
+    msg = {k: msg1[k] - msg0.get(k, 0) for k in msg1} if msg0 is not None and msg1 is not None else None
+    mine = {"msg": msg, "error": error, "failed_ops": chk.failed_ops, "first_failure": chk.first_failure,
             "ops": chk.ops, "digest": chk.digest.hexdigest(), "overhead_s": overhead,
             "hash": hashlib.blake2b(pat.buf.data, digest_size=16).hexdigest(),
             "partial_blocks": chk.partial_blocks, "delivered_min": chk.delivered_min}  # fmt: skip
@@ -548,6 +563,13 @@ def make_row(v: dict, size: int, iters: int, warmup: int, ops: int, per_iter: li
         "partial_blocks": sum(r["partial_blocks"] for r in ranks),
         "delivered_min": min(r["delivered_min"] for r in ranks) if v["impl"] == "gradwire" else None,
     }  # fmt: skip
+    msgs = [r["msg"] for r in ranks if r.get("msg")]
+    if len(msgs) == world:
+        # The message layer's counters over the whole case (warm-up, timed and counted
+        # operations), summed over the ranks: resends, POLL timers and NACKs say why a case
+        # was slow without a packet capture.
+        row["msg_counters"] = {k: sum(m[k] for m in msgs) for k in msgs[0]}
+        row["msg_ops"] = warmup + iters + ops
     if whole:
         # How much of the machine other programs took during the case (a shared machine's
         # timings are not this code's).
