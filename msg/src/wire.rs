@@ -36,7 +36,8 @@
 //!                    NACK the channel dst -> src)
 //! 16  4    a         ACK/DONE: distinct segments received; NACK: first segment of the bitmap
 //! 20  4    b         ACK/DONE: segments that arrived CE-marked; NACK: bits in the bitmap
-//! 24  4    c         DONE: segments left missing; ABORT: reason code
+//! 24  4    c         DONE: segments left missing; ABORT: reason code; NACK: 0 at the end
+//!                    of a pass, NACK_GAP (1) for a gap seen within a first pass
 //! 28  2    bitmap_len
 //! 30  2    reserved  0
 //! 32  ..   bitmap    NACK: bit i (LSB first in byte i/8) set = segment a+i is missing
@@ -57,6 +58,9 @@ pub const KIND_CTRL: u8 = 5;
 pub const DATA_HEADER_LEN: usize = 40;
 /// Control header length.
 pub const CTRL_HEADER_LEN: usize = 32;
+/// A NACK's `c`: a gap seen within the sender's first pass, not the end of a pass (the
+/// sender resends the named segments and goes on with the pass).
+pub const NACK_GAP: u32 = 1;
 /// Longest NACK bitmap in one frame (8192 segments).
 pub const MAX_BITMAP: usize = 1024;
 

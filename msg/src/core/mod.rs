@@ -60,6 +60,10 @@ pub struct CoreConfig {
     pub max_cwnd: u32,
     /// A receiver acknowledges progress every this many segments.
     pub ack_every: u32,
+    /// In a first pass, a segment this many segments below the highest one received is
+    /// taken as lost and named at once in a gap NACK, so the sender resends it within the
+    /// pass instead of a pass later (a margin for paths that reorder; 0: no gap NACKs).
+    pub gap_reorder: u32,
     /// Bytes of data kept for messages not posted yet, over all peers.
     pub unexpected_limit: usize,
     /// How far ahead of the receiver's reservations an unposted message may be numbered.
@@ -87,6 +91,7 @@ impl CoreConfig {
             init_cwnd: 128,
             max_cwnd: 16384,
             ack_every: 32,
+            gap_reorder: 16,
             unexpected_limit: 64 << 20,
             unexpected_window: 1 << 16,
             ctrl_tos: gradwire_qos::CONTROL_DSCP << 2,
@@ -328,8 +333,12 @@ pub struct Stats {
     pub unexpected_dropped: u64,
     /// POLLs sent on a timer.
     pub polls: u64,
-    /// NACK frames sent.
+    /// NACK frames sent at the end of a pass.
     pub nacks: u64,
+    /// Gap NACKs sent within a first pass (segments seen lost before the pass ended).
+    pub gap_nacks: u64,
+    /// Segments resent within their first pass on a gap NACK.
+    pub gap_resent: u64,
 }
 
 /// A run of data segments to one peer for one GSO send.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::{Core, CtrlOp, Ended, Event, MsgError, Place, RecvOpts};
 use crate::mem::BufId;
 use crate::reduce::add_into;
-use crate::wire::{flags, Ctrl, DataHeader, MAX_BITMAP};
+use crate::wire::{flags, Ctrl, DataHeader, MAX_BITMAP, NACK_GAP};
 
 /// What a finished receive got.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,6 +54,10 @@ pub(super) struct RecvMsg {
     highest: u32,
     meta: Vec<u64>,
     since_ack: u32,
+    /// Segments below this were looked at for gaps (first pass only), and how many missing
+    /// ones among them the loss bound absorbs (not asked for).
+    gap_checked: u32,
+    gap_tolerated: u32,
     /// When we last asked the silent sender whether it is alive.
     pinged: Option<Instant>,
     /// The highest pass the sender said it finished.
@@ -88,6 +92,8 @@ impl RecvMsg {
                 Vec::new()
             },
             since_ack: 0,
+            gap_checked: 0,
+            gap_tolerated: 0,
             pinged: None,
             pass_end: None,
             heard: now,
@@ -154,6 +160,50 @@ impl RecvMsg {
             if !self.has(first + b) {
                 map[(b / 8) as usize] |= 1 << (b % 8);
             }
+        }
+        Some((first, map, bits))
+    }
+
+    /// In a first pass, the segments now far enough below the highest one received to be
+    /// taken as lost (`reorder` segments of margin) and not looked at before, as a gap NACK
+    /// bitmap. The first losses, as many as the loss bound allows, are not asked for: only
+    /// what the bound cannot absorb is resent (DLCP). Each segment is looked at once, so the
+    /// work is linear in the message.
+    fn new_gaps(&mut self, reorder: u32) -> Option<(u32, Vec<u8>, u32)> {
+        if reorder == 0 || self.pass_end.is_some() || !self.known || self.count >= self.highest {
+            return None;
+        }
+        let limit = self.highest.saturating_sub(reorder);
+        if limit <= self.gap_checked {
+            return None;
+        }
+        let may_lose = self.nsegs - self.need;
+        let mut named: Vec<u32> = Vec::new();
+        let mut seg = self.gap_checked;
+        while seg < limit {
+            if !self.has(seg) {
+                if self.gap_tolerated < may_lose {
+                    self.gap_tolerated += 1;
+                } else {
+                    // A bitmap holds at most MAX_BITMAP * 8 segments: the rest next time.
+                    if named
+                        .first()
+                        .is_some_and(|&f| seg - f >= MAX_BITMAP as u32 * 8)
+                    {
+                        break;
+                    }
+                    named.push(seg);
+                }
+            }
+            seg += 1;
+        }
+        self.gap_checked = seg;
+        let (&first, &last) = (named.first()?, named.last()?);
+        let bits = last - first + 1;
+        let mut map = vec![0u8; (bits as usize).div_ceil(8)];
+        for s in named {
+            let b = s - first;
+            map[(b / 8) as usize] |= 1 << (b % 8);
         }
         Some((first, map, bits))
     }
@@ -299,12 +349,27 @@ impl Core {
         let complete = r.count == r.nsegs;
         let bound = r.pass_end.is_some() && r.count >= r.need;
         let ack = r.since_ack >= ack_every;
+        let gaps = if complete || bound {
+            None
+        } else {
+            r.new_gaps(self.cfg.gap_reorder)
+        };
         if complete {
             self.finish(i, msg, Ended::Complete);
         } else if bound {
             self.finish(i, msg, Ended::Bound);
-        } else if ack {
-            self.send_ack(i, msg);
+        } else {
+            if ack {
+                self.send_ack(i, msg);
+            }
+            if let Some((first, map, bits)) = gaps {
+                let mut c = self.ctrl_to(i, CtrlOp::Nack, msg, h.pass);
+                c.a = first;
+                c.b = bits;
+                c.c = NACK_GAP;
+                self.stats.gap_nacks += 1;
+                self.ctrl_frame(i, c, &map);
+            }
         }
     }
 

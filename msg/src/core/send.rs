@@ -151,7 +151,9 @@ impl Core {
                         bundle_tos = Some(tos);
                         let is_last = if retransmit {
                             s.resend.pop_front();
-                            s.resend.is_empty()
+                            // Resends within the first pass (gap NACKs) go ahead of its new
+                            // segments, the last of which ends it.
+                            s.resend.is_empty() && (s.pass > 0 || s.next == s.nsegs)
                         } else {
                             s.next += 1;
                             room -= 1;
@@ -266,6 +268,24 @@ impl Core {
                     msg: c.msg,
                     missing: c.c,
                 });
+            }
+            CtrlOp::Nack if c.c == wire::NACK_GAP => {
+                // Lost within the first pass: resend ahead of the pass's new segments. Once
+                // the pass ended, its NACK names whatever is still missing instead.
+                if c.pass != 0 || s.pass != 0 || s.finished_pass {
+                    return;
+                }
+                for bit in 0..c.b.min(bitmap.len() as u32 * 8) {
+                    if bitmap[(bit / 8) as usize] & (1 << (bit % 8)) == 0 {
+                        continue;
+                    }
+                    let seg = c.a.saturating_add(bit);
+                    if seg < s.next && !s.is_queued(seg) {
+                        s.set_queued(seg);
+                        s.resend.push_back(seg);
+                        self.stats.gap_resent += 1;
+                    }
+                }
             }
             CtrlOp::Nack => {
                 let fresh = c.pass == s.pass && s.finished_pass;

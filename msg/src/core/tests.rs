@@ -673,3 +673,106 @@ fn a_full_window_whose_segments_were_all_lost_does_not_stall() {
         "no long stall"
     );
 }
+
+/// A sender whose message lasts many round trips (a 16-segment window, ACKs every 4), as a
+/// large message on a real path does: gap NACKs reach it before its pass ends. (On the
+/// virtual network a round trip is one step, and the default window sends a small
+/// message's whole pass in one.)
+fn ack_clocked(c: &mut CoreConfig) {
+    c.init_cwnd = 16;
+    c.max_cwnd = 16;
+    c.ack_every = 4;
+}
+
+/// Drops the first transmission of the data segments (of 64 bytes) that `lose` picks.
+fn drop_first_tx(lose: impl Fn(u64) -> bool + 'static) -> Drop {
+    Box::new(move |_, d| {
+        wire::DataHeader::parse(d)
+            .is_ok_and(|(h, _)| h.flags & wire::flags::RETRANSMIT == 0 && lose(h.offset / 64))
+    })
+}
+
+#[test]
+fn a_gap_is_resent_within_the_first_pass() {
+    // Segment 20 of 200 lost once: a gap NACK brings it back before the pass ends, so the
+    // message needs no second pass and no end-of-pass NACK.
+    let data = pattern(64 * 200, 4);
+    let run = |reorder: u32| {
+        let mut net = Net::with(2, drop_first_tx(|seg| seg == 20), |c| {
+            c.gap_reorder = reorder;
+            ack_clocked(c);
+        });
+        let dst = one_message(&mut net, &data, RecvOpts::default());
+        net.run(Duration::from_secs(1));
+        assert_eq!(net.cores[1].buffer(dst), Some(&data[..]));
+        let r = received(&net, 1);
+        assert_eq!((r.len(), r[0].ended, r[0].missing), (1, Ended::Complete, 0));
+        (net.cores[0].stats().clone(), net.cores[1].stats().clone())
+    };
+    let (s0, s1) = run(16);
+    assert_eq!((s1.gap_nacks, s1.nacks), (1, 0));
+    assert_eq!((s0.gap_resent, s0.data_resent), (1, 1));
+    // Without gap NACKs the same loss costs a second pass.
+    let (s0, s1) = run(0);
+    assert_eq!((s1.gap_nacks, s1.nacks), (0, 1));
+    assert_eq!((s0.gap_resent, s0.data_resent), (0, 1));
+}
+
+#[test]
+fn gap_nacks_ask_only_for_what_the_bound_cannot_absorb() {
+    // 1000 segments under a 1 % bound may lose 10: of 30 early losses 20 are asked for.
+    let lose = drop_first_tx(|seg| seg < 900 && seg % 30 == 7);
+    let mut net = Net::with(2, lose, ack_clocked);
+    let data = pattern(64 * 1000, 6);
+    let opts = RecvOpts {
+        loss_bound: 0.01,
+        ..RecvOpts::default()
+    };
+    let dst = one_message(&mut net, &data, opts);
+    net.run(Duration::from_secs(1));
+    let r = received(&net, 1);
+    assert_eq!((r.len(), r[0].ended, r[0].missing), (1, Ended::Bound, 10));
+    let (s0, s1) = (net.cores[0].stats(), net.cores[1].stats());
+    assert_eq!((s0.gap_resent, s0.data_resent), (20, 20));
+    assert_eq!(s1.nacks, 0, "no end-of-pass NACK");
+    let got = net.cores[1].buffer(dst).expect("buffer");
+    for seg in 0..1000 {
+        let range = seg * 64..seg * 64 + 64;
+        if r[0].has(seg) {
+            assert_eq!(got[range.clone()], data[range]);
+        }
+    }
+}
+
+#[test]
+fn a_gap_nack_after_the_pass_ended_or_for_unsent_segments_changes_nothing() {
+    let mut net = Net::new(2, Box::new(|_, _| false));
+    let data = pattern(64 * 100, 7);
+    let _ = one_message(&mut net, &data, RecvOpts::default());
+    // Before anything was sent: segments the sender has not sent yet are not resent.
+    let mut c = Ctrl {
+        op: CtrlOp::Nack,
+        pass: 0,
+        job: 9,
+        src: 1,
+        dst: 0,
+        msg: 0,
+        a: 0,
+        b: 8,
+        c: wire::NACK_GAP,
+    };
+    let mut frame = vec![0u8; wire::CTRL_HEADER_LEN + 1];
+    c.emit(&[0xff], &mut frame).expect("emit");
+    let now = net.now;
+    net.cores[0].handle_datagram(now, 1, 0, &frame);
+    assert_eq!(net.cores[0].stats().gap_resent, 0);
+    net.run(Duration::from_secs(1));
+    assert_eq!(sent(&net, 0), 1);
+    // After the message: ignored (control frames are idempotent).
+    c.pass = 1;
+    c.emit(&[0xff], &mut frame).expect("emit");
+    let now = net.now;
+    net.cores[0].handle_datagram(now, 1, 0, &frame);
+    assert_eq!(net.cores[0].stats().gap_resent, 0);
+    assert_eq!(net.cores[0].stats().data_resent, 0);
+}
