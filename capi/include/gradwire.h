@@ -75,6 +75,9 @@
 // time).
 #define GW_ERR_BUSY 9
 
+// `gw_op_options.step_deadline_ms`: learn each step's time bound from the steps seen.
+#define GW_STEP_DEADLINE_ADAPTIVE -1.0
+
 // This rank's bound sockets before the address exchange (two-phase set-up). Made by
 // gw_endpoint_bind; freed by gw_endpoint_free.
 typedef struct gw_endpoint gw_endpoint;
@@ -134,8 +137,9 @@ typedef struct gw_op_options {
   // All-reduce algorithm: GW_ALGO_AUTO (two-phase up to 32 KiB or for two ranks, ring
   // above), GW_ALGO_RING or GW_ALGO_DIRECT (two-phase).
   gw_algo algorithm;
-  // A time bound per lossy step of an all-reduce, milliseconds (OptiReduce); 0 or less:
-  // none, only the loss bound ends a step early.
+  // A time bound per reduce-scatter step of an all-reduce, milliseconds (OptiReduce); 0:
+  // none, only the loss bound ends a step early; GW_STEP_DEADLINE_ADAPTIVE (-1): learned
+  // from the steps this session saw (1.5 x their 95th percentile, at least 1 ms).
   double step_deadline_ms;
 } gw_op_options;
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use gradwire_session::{
     AllReduceAlgo, BroadcastReport, DType, P2pOptions, RecvSummary, ReduceOp, ReduceOptions,
-    ReduceReport, SendSummary, SessionConfig,
+    ReduceReport, SendSummary, SessionConfig, StepDeadline,
 };
 
 use crate::error::CError;
@@ -42,6 +42,9 @@ pub const GW_ALGO_AUTO: gw_algo = 0;
 pub const GW_ALGO_RING: gw_algo = 1;
 /// The two-phase all-reduce: every rank reduces its own chunk, then sends it to all.
 pub const GW_ALGO_DIRECT: gw_algo = 2;
+
+/// `gw_op_options.step_deadline_ms`: learn each step's time bound from the steps seen.
+pub const GW_STEP_DEADLINE_ADAPTIVE: f64 = -1.0;
 
 pub(crate) fn dtype(d: gw_dtype) -> Result<DType, CError> {
     match d {
@@ -181,8 +184,9 @@ pub struct gw_op_options {
     /// All-reduce algorithm: GW_ALGO_AUTO (two-phase up to 32 KiB or for two ranks, ring
     /// above), GW_ALGO_RING or GW_ALGO_DIRECT (two-phase).
     pub algorithm: gw_algo,
-    /// A time bound per lossy step of an all-reduce, milliseconds (OptiReduce); 0 or less:
-    /// none, only the loss bound ends a step early.
+    /// A time bound per reduce-scatter step of an all-reduce, milliseconds (OptiReduce); 0:
+    /// none, only the loss bound ends a step early; GW_STEP_DEADLINE_ADAPTIVE (-1): learned
+    /// from the steps this session saw (1.5 x their 95th percentile, at least 1 ms).
     pub step_deadline_ms: f64,
 }
 
@@ -226,11 +230,18 @@ impl gw_op_options {
             }
         };
         let d = self.step_deadline_ms;
-        if d.is_nan() || d > 1e9 {
+        let step_deadline = if d == GW_STEP_DEADLINE_ADAPTIVE {
+            StepDeadline::ADAPTIVE
+        } else if d == 0.0 {
+            StepDeadline::None
+        } else if d > 0.0 && d <= 1e9 {
+            StepDeadline::Fixed(std::time::Duration::from_secs_f64(d / 1e3))
+        } else {
             return Err(CError::invalid(format!(
-                "gw_op_options.step_deadline_ms {d} is not a number of milliseconds (0: none)"
+                "gw_op_options.step_deadline_ms {d} is not a number of milliseconds (0: none, \
+                 GW_STEP_DEADLINE_ADAPTIVE: adaptive)"
             )));
-        }
+        };
         Ok(ReduceOptions {
             op,
             loss_bound: loss_bound(self.loss_bound),
@@ -238,7 +249,7 @@ impl gw_op_options {
             num_layers: self.num_layers,
             dscp,
             algorithm,
-            step_deadline: (d > 0.0).then(|| std::time::Duration::from_secs_f64(d / 1e3)),
+            step_deadline,
         })
     }
 }

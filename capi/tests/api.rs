@@ -715,14 +715,16 @@ fn buffers_dtypes_ops_and_options_are_checked_on_a_live_session() {
                 GW_ERR_INVALID_ARGUMENT,
             );
             assert!(m.contains("GW_ALGO_RING"), "{m}");
-            let bad_deadline = gw_op_options {
-                step_deadline_ms: f64::NAN,
-                ..gw_op_options_default()
-            };
-            fails(
-                reduce(buf, 8, GW_DTYPE_F32, GW_OP_SUM, &bad_deadline),
-                GW_ERR_INVALID_ARGUMENT,
-            );
+            for d in [f64::NAN, -5.0, f64::INFINITY] {
+                let bad_deadline = gw_op_options {
+                    step_deadline_ms: d,
+                    ..gw_op_options_default()
+                };
+                fails(
+                    reduce(buf, 8, GW_DTYPE_F32, GW_OP_SUM, &bad_deadline),
+                    GW_ERR_INVALID_ARGUMENT,
+                );
+            }
             fails(
                 gw_send(
                     s.0,

@@ -6,6 +6,7 @@
 //! Every rank must start the same operations in the same order (as with MPI and NCCL).
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::PoisonError;
 use std::time::Duration;
 
 use gradwire::tensor::DType;
@@ -22,6 +23,7 @@ use crate::algo::ring::{Halves, Ring};
 use crate::algo::tree::TreeAllReduce;
 use crate::algo::{ReduceOutcome, ReduceSpec};
 use crate::comm::TensorMut;
+use crate::deadline::{StepDeadline, StepTimes};
 use crate::error::CollectiveError;
 use crate::tree::Tree;
 use gradwire_msg::p2p::{Recv, Send};
@@ -101,8 +103,9 @@ pub struct GroupReduceOptions {
     pub dscp: u8,
     /// DNN layer.
     pub layer: u16,
-    /// A time bound per lossy step (`None`: only the loss bound ends a step early).
-    pub step_deadline: Option<Duration>,
+    /// A time bound per reduce-scatter step: none, fixed, or adaptive from the steps this
+    /// group's blocking calls saw (see [`crate::deadline`]).
+    pub step_deadline: StepDeadline,
 }
 
 /// A group before its endpoint starts.
@@ -135,6 +138,7 @@ impl PendingGroup {
             ep,
             cfg: self.cfg,
             failed: std::sync::Mutex::new(None),
+            steps: std::sync::Mutex::new(StepTimes::default()),
         })
     }
 }
@@ -146,6 +150,8 @@ pub struct Group {
     ep: Endpoint,
     cfg: GroupConfig,
     failed: std::sync::Mutex<Option<String>>,
+    /// Recent reduce-scatter steps, for adaptive time bounds.
+    steps: std::sync::Mutex<StepTimes>,
 }
 
 fn op_err(e: OpError) -> CollectiveError {
@@ -209,6 +215,14 @@ impl Group {
                 gradwire_qos::MAX_DSCP
             )));
         }
+        o.step_deadline
+            .validate()
+            .map_err(CollectiveError::Config)?;
+        let step_deadline = self
+            .steps
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .bound(&o.step_deadline);
         Ok(ReduceSpec {
             dtype,
             op: o.op,
@@ -216,8 +230,31 @@ impl Group {
             // ECN-capable: switches mark rather than drop above their thresholds.
             tos: (o.dscp << 2) | 0b10,
             layer: o.layer,
-            step_deadline: o.step_deadline,
+            step_deadline,
         })
+    }
+
+    /// The time bound the next reduction's steps would get under `d` (what an adaptive bound
+    /// has learned so far).
+    pub fn step_bound(&self, d: &StepDeadline) -> Option<Duration> {
+        self.steps
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .bound(d)
+    }
+
+    /// Learns the steps of a finished reduction (for adaptive time bounds).
+    fn learn(
+        &self,
+        r: Result<ReduceOutcome, CollectiveError>,
+    ) -> Result<ReduceOutcome, CollectiveError> {
+        if let Ok(out) = &r {
+            let mut t = self.steps.lock().unwrap_or_else(PoisonError::into_inner);
+            for s in &out.steps {
+                t.record(s.waited);
+            }
+        }
+        r
     }
 
     /// All-reduce of the caller's tensor in place.
@@ -230,14 +267,14 @@ impl Group {
         let algo = o.algorithm.resolve(t.as_bytes().len(), self.world());
         let mut t = t;
         let bytes = t.as_bytes_mut();
-        self.guard(|| match algo {
+        self.learn(self.guard(|| match algo {
             AllReduceAlgo::Ring => self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
                 Either::<Ring, Direct>::A(Ring::new(r, spec, Halves::Both))
             }),
             _ => self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
                 Either::<Ring, Direct>::B(Direct::new(r, spec))
             }),
-        })
+        }))
     }
 
     /// All-reduce in place over an MLNET aggregation/multicast tree (it must span every
@@ -251,14 +288,16 @@ impl Group {
         let spec = self.spec(t.dtype(), o)?;
         let mut t = t;
         let bytes = t.as_bytes_mut();
-        self.guard(|| {
+        self.learn(self.guard(|| {
             self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
                 TreeAllReduce::new(r, spec, tree.clone())
             })
-        })
+        }))
     }
 
     /// All-reduce of an owned buffer, asynchronously: the outcome's region holds the result.
+    /// Its time bound is the one the group has learned so far; its own steps are not learned
+    /// (only the blocking calls', which see their outcome).
     pub fn all_reduce_async(
         &self,
         dtype: DType,
@@ -290,12 +329,12 @@ impl Group {
     ) -> Result<ReduceOutcome, CollectiveError> {
         let spec = self.spec(t.dtype(), o)?;
         let mut t = t;
-        self.guard(|| {
+        self.learn(self.guard(|| {
             self.ep
                 .run_borrowed(t.as_bytes_mut(), self.cfg.op_timeout, |r| {
                     Ring::new(r, spec, Halves::ReduceScatter)
                 })
-        })
+        }))
     }
 
     /// All-gather in place: every rank's chunk r (its own, filled by rank r) reaches all.

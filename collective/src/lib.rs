@@ -28,6 +28,7 @@ pub mod aggregate;
 pub mod algo;
 pub mod clock;
 pub mod comm;
+pub mod deadline;
 pub mod error;
 pub mod group;
 pub mod job;

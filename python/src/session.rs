@@ -265,6 +265,31 @@ impl Session {
     }
 }
 
+/// `step_deadline=`: None, a positive number of seconds, or "adaptive".
+fn step_deadline(py: Python<'_>, d: Option<&Bound<'_, PyAny>>) -> PyResult<gs::StepDeadline> {
+    let Some(d) = d.filter(|d| !d.is_none()) else {
+        return Ok(gs::StepDeadline::None);
+    };
+    if d.is_instance_of::<PyString>() {
+        return match d.extract::<String>()?.as_str() {
+            "adaptive" => Ok(gs::StepDeadline::ADAPTIVE),
+            other => Err(errors::config(
+                py,
+                format!("step_deadline {other:?} is not a number of seconds nor 'adaptive'"),
+            )),
+        };
+    }
+    match d.extract::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(gs::StepDeadline::Fixed(
+            std::time::Duration::from_secs_f64(s),
+        )),
+        _ => Err(errors::config(
+            py,
+            format!("step_deadline {d} is not a positive number of seconds nor 'adaptive'"),
+        )),
+    }
+}
+
 fn reduce_op(py: Python<'_>, op: &str) -> PyResult<ReduceOp> {
     match op {
         "sum" => Ok(ReduceOp::Sum),
@@ -424,21 +449,14 @@ impl Session {
         num_layers: i64,
         dscp: Option<i64>,
         algorithm: &str,
-        step_deadline: Option<f64>,
+        step_deadline: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<ReduceReport> {
-        let step_deadline = match step_deadline {
-            None => None,
-            Some(s) if s.is_finite() && s > 0.0 => Some(std::time::Duration::from_secs_f64(s)),
-            Some(s) => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "step_deadline {s} is not a positive number of seconds"
-                )))
-            }
-        };
+        let step_deadline = self::step_deadline(py, step_deadline)?;
         let algorithm = gs::AllReduceAlgo::parse(algorithm).ok_or_else(|| {
-            pyo3::exceptions::PyValueError::new_err(format!(
-                "algorithm {algorithm:?} is not one of 'auto', 'ring', 'direct'"
-            ))
+            errors::config(
+                py,
+                format!("algorithm {algorithm:?} is not one of 'auto', 'ring', 'direct'"),
+            )
         })?;
         let opts = ReduceOptions {
             op: reduce_op(py, op)?,

@@ -171,6 +171,19 @@ def test_message_stats_count_the_frames_of_an_all_reduce(job: List[gradwire.Sess
     assert payload >= 2 * (world - 1) * n * 4
 
 
+def test_adaptive_step_deadlines_keep_the_ranks_in_agreement(job: List[gradwire.Session]) -> None:
+    # A fixed and an adaptive time bound under a loss bound: every rank ends with the same
+    # values, and each is a sum over the blocks' contributors.
+    world, n = len(job), 30_000
+    for deadline in (0.5, "adaptive", "adaptive", None):
+        arrays = [np.full(n, float(r + 1), dtype=np.float32) for r in range(world)]
+        reports = run_ranks([lambda s=s, a=a: s.all_reduce(a, loss_bound=0.01, step_deadline=deadline)
+                             for s, a in zip(job, arrays)])
+        for a in arrays[1:]:
+            np.testing.assert_array_equal(a, arrays[0])
+        assert all(r.delivered_fraction > 0.9 for r in reports)
+
+
 def test_broadcast_copies_the_roots_array(job: List[gradwire.Session]) -> None:
     world, root = len(job), 1
     src = np.random.default_rng(7).standard_normal(50_000).astype(np.float32)
@@ -729,6 +742,11 @@ def test_bad_arguments_raise_config_error() -> None:
             s0.all_reduce(a, dscp=64)
         with pytest.raises(gradwire.ConfigError, match="layer"):
             s0.all_reduce(a, layer=70_000)
+        with pytest.raises(gradwire.ConfigError, match='algorithm "tree" is not one of'):
+            s0.all_reduce(a, algorithm="tree")
+        for d in (0, -1.0, float("nan"), float("inf"), "soon", [1]):
+            with pytest.raises(gradwire.ConfigError, match="step_deadline"):
+                s0.all_reduce(a, step_deadline=d)
         for root in (2, 9):
             with pytest.raises(gradwire.ConfigError, match=f"root {root} is not a rank"):
                 s0.broadcast(a, root)

@@ -37,6 +37,7 @@ pub use gradwire::flow::{SegmentInfo, Tag};
 pub use gradwire::tensor::DType;
 pub use gradwire_collective::aggregate::{Contributors, ReduceOp};
 pub use gradwire_collective::comm::MAX_P2P_TENSOR;
+pub use gradwire_collective::deadline::StepDeadline;
 pub use gradwire_collective::group::AllReduceAlgo;
 pub use gradwire_collective::link::MAX_ENDPOINT_LEN;
 
@@ -289,9 +290,10 @@ pub struct ReduceOptions {
     /// The all-reduce algorithm on the message layer (`Auto`: two-phase up to 32 KiB or for
     /// two ranks, ring otherwise).
     pub algorithm: AllReduceAlgo,
-    /// A time bound per lossy step on the message layer (OptiReduce): a step ends at most
-    /// this long after it could start, with what arrived; the report says which steps did.
-    pub step_deadline: Option<Duration>,
+    /// A time bound per reduce-scatter step on the message layer (OptiReduce): a step ends
+    /// at most this long after it could start, with what arrived (fixed, or adaptive from the
+    /// steps this session saw); the report says which steps did.
+    pub step_deadline: StepDeadline,
 }
 
 /// Options of a point-to-point transfer: both ends give the same tensor id.

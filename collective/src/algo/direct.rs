@@ -8,7 +8,7 @@ use gradwire_msg::mem::Region;
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use super::reduction::Reduction;
-use super::{check_mask, finish_chunk, step, ReduceOutcome, ReduceSpec};
+use super::{check_mask, finish_chunk, ReduceOutcome, ReduceSpec};
 
 /// The two-phase all-reduce over one region.
 #[derive(Debug)]
@@ -75,7 +75,7 @@ impl Op for Direct {
     fn start(&mut self, cx: &mut OpCx<'_>) -> Step<ReduceOutcome> {
         let buf = self.r.begin(cx, true)?;
         let (rank, world) = (self.r.rank, self.r.world);
-        self.r.track_sets(self.r.spec.loss_bound > 0.0 && world > 1);
+        self.r.track_sets(self.r.spec.lossy() && world > 1);
         self.send_base = vec![0; world];
         self.recv_base = vec![0; world];
         let own = self.r.chunks.bytes(rank);
@@ -130,7 +130,7 @@ impl Op for Direct {
                 self.r.recvs_left = self.r.recvs_left.saturating_sub(1);
                 let q = usize::from(peer);
                 if msg == self.recv_base[q] {
-                    self.r.steps.push(step(peer, &report));
+                    self.r.record_step(cx.now(), peer, &report);
                     if let Some(m) = &mut self.r.masks {
                         for (i, b) in self.r.chunks.block_range(self.r.rank).enumerate() {
                             if report.has(i) {

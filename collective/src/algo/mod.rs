@@ -27,7 +27,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use gradwire::tensor::DType;
-use gradwire_msg::core::{Ended, RecvReport};
+use gradwire_msg::core::Ended;
 use gradwire_msg::mem::Region;
 
 use crate::aggregate::{finish_block, Contributors, ReduceOp};
@@ -53,6 +53,14 @@ pub struct ReduceSpec {
     pub step_deadline: Option<Duration>,
 }
 
+impl ReduceSpec {
+    /// Whether a reduce-scatter step may end short (a loss bound or a time bound): then
+    /// contributor sets are kept, so a block is finished over who is really in it.
+    pub(crate) fn lossy(&self) -> bool {
+        self.loss_bound > 0.0 || self.step_deadline.is_some()
+    }
+}
+
 /// How one lossy receive of a reduction ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StepReport {
@@ -64,6 +72,9 @@ pub struct StepReport {
     pub missing: u32,
     /// Segments of the message.
     pub segments: u32,
+    /// From when the step could start (its sender's data was due) to its end: what an
+    /// adaptive time bound learns from.
+    pub waited: Duration,
 }
 
 /// What a reduction did.
@@ -267,16 +278,6 @@ pub(crate) fn outcome(
     }
 }
 
-/// The step report of a finished reduce-scatter receive.
-pub(crate) fn step(peer: u16, r: &RecvReport) -> StepReport {
-    StepReport {
-        peer: usize::from(peer),
-        ended: r.ended,
-        missing: r.missing,
-        segments: r.segments,
-    }
-}
-
 /// Checks a reduction's arguments.
 pub(crate) fn check_spec(spec: &ReduceSpec, len: usize, world: usize) -> Result<(), String> {
     if len % spec.dtype.elem_size() != 0 {
@@ -288,10 +289,10 @@ pub(crate) fn check_spec(spec: &ReduceSpec, len: usize, world: usize) -> Result<
     if !(0.0..1.0).contains(&spec.loss_bound) {
         return Err(format!("loss bound {} is not in [0, 1)", spec.loss_bound));
     }
-    if spec.loss_bound > 0.0 && world > MAX_LOSSY_WORLD {
+    if spec.lossy() && world > MAX_LOSSY_WORLD {
         return Err(format!(
-            "a bounded-loss reduction supports at most {MAX_LOSSY_WORLD} ranks (this job has \
-             {world}): use loss bound 0"
+            "a bounded-loss or time-bounded reduction supports at most {MAX_LOSSY_WORLD} ranks \
+             (this job has {world}): use loss bound 0 and no step deadline"
         ));
     }
     Ok(())

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use gradwire_msg::core::{Place, RecvOpts};
+use gradwire_msg::core::{Place, RecvOpts, RecvReport};
 use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{OpCx, OpError, Step};
 
@@ -26,6 +26,8 @@ pub(crate) struct Reduction {
     pub(crate) recvs_left: usize,
     pub(crate) steps: Vec<StepReport>,
     started: Option<Instant>,
+    /// When the current reduce-scatter step could start.
+    step_started: Option<Instant>,
 }
 
 impl Reduction {
@@ -42,6 +44,7 @@ impl Reduction {
             recvs_left: 0,
             steps: Vec::new(),
             started: None,
+            step_started: None,
         }
     }
 
@@ -50,6 +53,7 @@ impl Reduction {
     /// registers it. Returns the buffer.
     pub(crate) fn begin(&mut self, cx: &mut OpCx<'_>, per_rank: bool) -> Result<BufId, OpError> {
         self.started = Some(cx.now());
+        self.step_started = self.started;
         self.rank = usize::from(cx.rank());
         self.world = usize::from(cx.world());
         let region = self
@@ -62,6 +66,23 @@ impl Reduction {
         let buf = cx.register(region);
         self.buf = Some(buf);
         Ok(buf)
+    }
+
+    /// The next reduce-scatter step can start now (its time bound and its `waited` run
+    /// from here).
+    pub(crate) fn step_starts(&mut self, now: Instant) {
+        self.step_started = Some(now);
+    }
+
+    /// Reports a finished reduce-scatter receive from `peer`.
+    pub(crate) fn record_step(&mut self, now: Instant, peer: u16, r: &RecvReport) {
+        self.steps.push(StepReport {
+            peer: usize::from(peer),
+            ended: r.ended,
+            missing: r.missing,
+            segments: r.segments,
+            waited: now.saturating_duration_since(self.step_started.unwrap_or(now)),
+        });
     }
 
     /// Tracks contributor sets from here on when `lossy` (this rank alone in every block).

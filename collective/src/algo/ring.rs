@@ -8,7 +8,7 @@ use gradwire_msg::mem::Region;
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use super::reduction::Reduction;
-use super::{check_mask, finish_chunk, step, ReduceOutcome, ReduceSpec};
+use super::{check_mask, finish_chunk, ReduceOutcome, ReduceSpec};
 
 /// Which halves of the ring run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,7 +97,7 @@ impl Op for Ring {
             return self.done(cx);
         }
         self.r
-            .track_sets(self.r.spec.loss_bound > 0.0 && self.halves != Halves::AllGather);
+            .track_sets(self.r.spec.lossy() && self.halves != Halves::AllGather);
         self.rs_steps = if self.halves == Halves::AllGather {
             0
         } else {
@@ -153,7 +153,7 @@ impl Op for Ring {
                 let prev = usize::from(peer);
                 if k < self.rs_steps {
                     let c = self.r.chunks.sub(self.r.rank, k + 2);
-                    self.r.steps.push(step(peer, &report));
+                    self.r.record_step(cx.now(), peer, &report);
                     if let Some(m) = &mut self.r.masks {
                         for (i, b) in self.r.chunks.block_range(c).enumerate() {
                             if report.has(i) {
@@ -165,8 +165,9 @@ impl Op for Ring {
                     }
                     if k + 1 < self.rs_steps {
                         // The next step can start now: its time bound runs from here.
+                        let now = cx.now();
+                        self.r.step_starts(now);
                         if let Some(d) = self.r.spec.step_deadline {
-                            let now = cx.now();
                             cx.set_deadline(peer, self.recv_base + k as u32 + 1, now + d);
                         }
                         self.rs_send(cx, k + 1)?;

@@ -8,6 +8,7 @@ use gradwire::tensor::DType;
 
 use crate::aggregate::ReduceOp;
 use crate::comm::TensorMut;
+use crate::deadline::{StepDeadline, MIN_SAMPLES};
 use crate::group::{AllReduceAlgo, Group, GroupConfig, GroupReduceOptions, PendingGroup};
 
 const LO: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
@@ -400,7 +401,7 @@ fn a_step_deadline_ends_lossy_steps_and_the_ranks_still_agree() {
                 let o = GroupReduceOptions {
                     loss_bound: 0.01,
                     algorithm: algo,
-                    step_deadline: Some(Duration::from_millis(5)),
+                    step_deadline: StepDeadline::Fixed(Duration::from_millis(5)),
                     ..GroupReduceOptions::default()
                 };
                 let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
@@ -626,4 +627,86 @@ fn chunks_of_a_small_tensor_own_no_block_twice() {
         (0..6).collect::<Vec<_>>(),
         "each block in exactly one chunk"
     );
+}
+
+#[test]
+fn a_time_bound_without_a_loss_bound_keeps_contributor_sets() {
+    // Loss bound 0 but a 2 ms time bound under 30 % loss: steps end short, so the ranks must
+    // track who is in each block, or they would silently average over missing data.
+    let world = 3;
+    let n = 60_000;
+    let out = with_groups(
+        world,
+        |c| {
+            c.endpoint.inject_loss = 0.3;
+            c.endpoint.seed = 11;
+        },
+        move |g| {
+            let mut b = f32s(&input(g.rank(), n));
+            let o = GroupReduceOptions {
+                algorithm: AllReduceAlgo::Ring,
+                step_deadline: StepDeadline::Fixed(Duration::from_millis(2)),
+                ..GroupReduceOptions::default()
+            };
+            let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+            let r = g.all_reduce(t, &o).expect("all-reduce");
+            let c = r
+                .contributors
+                .expect("a time-bounded reduction reports its sets");
+            let sets: Vec<Vec<usize>> = (0..c.blocks()).map(|b| c.ranks(b)).collect();
+            (vals(&b), sets)
+        },
+    );
+    for (rank, (v, sets)) in out.iter().enumerate() {
+        assert_eq!(v, &out[0].0, "rank {rank}'s values differ");
+        assert_eq!(sets, &out[0].1, "rank {rank}'s sets differ");
+    }
+}
+
+#[test]
+fn adaptive_time_bounds_learn_from_the_steps_and_the_ranks_still_agree() {
+    // 20 % loss, a 1 % bound: every step needs passes. After MIN_SAMPLES steps the group
+    // bounds each step by what it has seen; every operation's result still agrees.
+    let world = 3;
+    let n = 40_000;
+    let ops = 8;
+    let out = with_groups(
+        world,
+        |c| {
+            c.endpoint.inject_loss = 0.2;
+            c.endpoint.seed = 3;
+        },
+        move |g| {
+            let o = GroupReduceOptions {
+                loss_bound: 0.01,
+                algorithm: AllReduceAlgo::Ring,
+                step_deadline: StepDeadline::ADAPTIVE,
+                ..GroupReduceOptions::default()
+            };
+            assert_eq!(g.step_bound(&o.step_deadline), None, "nothing learned yet");
+            let results = (0..ops)
+                .map(|_| {
+                    let mut b = f32s(&input(g.rank(), n));
+                    let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+                    let r = g.all_reduce(t, &o).expect("all-reduce");
+                    assert!(r.steps.iter().all(|s| s.waited > Duration::ZERO));
+                    let c = r.contributors.expect("sets");
+                    let sets: Vec<Vec<usize>> = (0..c.blocks()).map(|b| c.ranks(b)).collect();
+                    (vals(&b), sets)
+                })
+                .collect::<Vec<_>>();
+            // 2 reduce-scatter steps per operation: learned after MIN_SAMPLES / 2 of them.
+            assert!(ops * (world - 1) >= MIN_SAMPLES);
+            let bound = g.step_bound(&o.step_deadline).expect("a learned bound");
+            assert!(bound >= Duration::from_millis(1), "{bound:?}");
+            results
+        },
+    );
+    for (rank, results) in out.iter().enumerate() {
+        assert_eq!(results.len(), ops);
+        for (k, (v, sets)) in results.iter().enumerate() {
+            assert_eq!(v, &out[0][k].0, "op {k}: rank {rank}'s values differ");
+            assert_eq!(sets, &out[0][k].1, "op {k}: rank {rank}'s sets differ");
+        }
+    }
 }

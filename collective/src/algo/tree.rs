@@ -10,7 +10,7 @@ use gradwire_msg::mem::Region;
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use super::reduction::Reduction;
-use super::{check_mask, finish_blocks, step, ReduceOutcome, ReduceSpec};
+use super::{check_mask, finish_blocks, ReduceOutcome, ReduceSpec};
 use crate::tree::Tree;
 
 /// Blocks per pipeline chunk.
@@ -137,7 +137,7 @@ impl Op for TreeAllReduce {
             })
             .collect();
         let n = self.pipeline.len() as u32;
-        self.r.track_sets(self.r.spec.loss_bound > 0.0 && world > 1);
+        self.r.track_sets(self.r.spec.lossy() && world > 1);
         self.parent = self.tree.parent(self.r.rank).map(|p| p as u16);
         self.children = self
             .tree
@@ -202,7 +202,7 @@ impl Op for TreeAllReduce {
                     if k >= self.pipeline.len() {
                         return Err(OpError::Invalid(format!("message {msg} from rank {peer}")));
                     }
-                    self.r.steps.push(step(peer, &report));
+                    self.r.record_step(cx.now(), peer, &report);
                     if let Some(m) = &mut self.r.masks {
                         for (j, b) in self.pipeline[k].1.clone().enumerate() {
                             if report.has(j) {
