@@ -36,6 +36,9 @@ pub struct GroupConfig {
     /// Longest wait for one operation; then it is cancelled. A silent peer fails earlier,
     /// after the core's peer timeout, naming it.
     pub op_timeout: Duration,
+    /// Move the datagrams over an AF_XDP socket on this interface (queue 0) instead of
+    /// kernel UDP, the XDP allowlist holding the job's peers (cargo feature `afxdp`; root).
+    pub afxdp_ifname: Option<String>,
 }
 
 impl GroupConfig {
@@ -47,6 +50,7 @@ impl GroupConfig {
         GroupConfig {
             endpoint,
             op_timeout: timeout.saturating_mul(4),
+            afxdp_ifname: None,
         }
     }
 }
@@ -118,8 +122,11 @@ pub struct PendingGroup {
 impl PendingGroup {
     /// Binds this rank's socket.
     pub fn bind(cfg: GroupConfig) -> Result<PendingGroup, CollectiveError> {
-        let bound = Endpoint::bind(cfg.endpoint.clone())
-            .map_err(|e| CollectiveError::Setup(e.to_string()))?;
+        let bound = match &cfg.afxdp_ifname {
+            None => Endpoint::bind(cfg.endpoint.clone())
+                .map_err(|e| CollectiveError::Setup(e.to_string()))?,
+            Some(ifname) => bind_afxdp(&cfg, ifname)?,
+        };
         Ok(PendingGroup { bound, cfg })
     }
 
@@ -141,6 +148,33 @@ impl PendingGroup {
             steps: std::sync::Mutex::new(StepTimes::default()),
         })
     }
+}
+
+/// The endpoint over an AF_XDP socket on `ifname` (its huge pages when the machine has
+/// them reserved, else ordinary memory).
+#[cfg(feature = "afxdp")]
+fn bind_afxdp(cfg: &GroupConfig, ifname: &str) -> Result<Bound, CollectiveError> {
+    use gradwire_msg::io::xdp::{XdpIo, XdpIoConfig};
+    let mut x = XdpIoConfig::new(ifname, cfg.endpoint.bind);
+    let io = match XdpIo::open(&x) {
+        Ok(io) => io,
+        Err(e) if x.socket.hugepages => {
+            log::info!("AF_XDP socket on {ifname} without huge pages ({e})");
+            x.socket.hugepages = false;
+            XdpIo::open(&x)
+                .map_err(|e| CollectiveError::Setup(format!("AF_XDP on {ifname}: {e}")))?
+        }
+        Err(e) => return Err(CollectiveError::Setup(format!("AF_XDP on {ifname}: {e}"))),
+    };
+    Ok(Endpoint::with_io(cfg.endpoint.clone(), Box::new(io)))
+}
+
+#[cfg(not(feature = "afxdp"))]
+fn bind_afxdp(_: &GroupConfig, ifname: &str) -> Result<Bound, CollectiveError> {
+    Err(CollectiveError::Config(format!(
+        "an AF_XDP socket on {ifname} was asked for, but gradwire-collective was built \
+         without its `afxdp` feature: build with it (it needs clang and libbpf) or use UDP"
+    )))
 }
 
 /// One rank's group. After an operation fails the ranks may disagree on where they are in

@@ -68,6 +68,10 @@ pub enum EndpointError {
     /// The progress thread.
     #[error("could not start the progress thread: {0}")]
     Thread(std::io::Error),
+    /// The socket would not let the peers in (AF_XDP: a peer's neighbour entry, the XDP
+    /// allowlist map).
+    #[error("letting the peers in: {0} (check that every peer's address is reachable from this host's interface)")]
+    Admit(#[source] crate::io::BoxError),
 }
 
 /// A bound, not yet started endpoint.
@@ -177,8 +181,16 @@ impl Bound {
                 )));
             }
         }
-        let local = self.io.local_addr();
-        let waker = self.io.waker();
+        let mut io = self.io;
+        let others: Vec<SocketAddr> = peers
+            .iter()
+            .enumerate()
+            .filter(|&(r, _)| r != usize::from(rank))
+            .map(|(_, a)| *a)
+            .collect();
+        io.admit_peers(&others).map_err(EndpointError::Admit)?;
+        let local = io.local_addr();
+        let waker = io.waker();
         let shared = Arc::new(Shared {
             stats: Mutex::new(EndpointStats::default()),
             down: Mutex::new(None),
@@ -186,7 +198,7 @@ impl Bound {
         let (tx, rx) = mpsc::channel();
         let mut driver = Driver {
             core: Core::new(self.cfg.core.clone()),
-            io: self.io,
+            io,
             peers,
             by_addr,
             rx,

@@ -35,6 +35,13 @@ pub trait DatagramIo: Send + 'static {
     fn take_unreachable(&mut self) -> Vec<SocketAddr> {
         Vec::new()
     }
+    /// Lets the job's peers in below the endpoint, where the socket kind filters sources
+    /// itself (AF_XDP: the XDP allowlist); kernel UDP has nothing to do (the endpoint refuses
+    /// unknown sources either way). Called once, before the progress thread starts.
+    fn admit_peers(&mut self, peers: &[SocketAddr]) -> Result<(), BoxError> {
+        let _ = peers;
+        Ok(())
+    }
 }
 
 impl DatagramIo for udp::UdpIo {

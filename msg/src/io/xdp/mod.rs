@@ -397,6 +397,10 @@ impl DatagramIo for XdpIo {
     fn waker(&self) -> Waker {
         XdpIo::waker(self)
     }
+
+    fn admit_peers(&mut self, peers: &[SocketAddr]) -> Result<(), BoxError> {
+        Ok(XdpIo::allow_peers(self, peers)?)
+    }
 }
 
 #[cfg(test)]
