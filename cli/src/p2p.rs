@@ -28,7 +28,7 @@ use gradwire_msg::core::{CoreConfig, Ended, RecvOpts, RecvReport, SendOpts};
 use gradwire_msg::endpoint::{Bound, Endpoint, EndpointConfig, EndpointStats};
 use gradwire_msg::io::xdp::{XdpIo, XdpIoConfig, XdpMonitor};
 use gradwire_msg::mem::{BufId, Region};
-use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
+use gradwire_msg::op::{Handle, Op, OpCx, OpError, OpEvent, Step};
 use gradwire_msg::p2p::Recv;
 use gradwire_netns::{Testbed, TestbedConfig};
 use serde::{Deserialize, Serialize};
@@ -242,47 +242,96 @@ fn missing_ranges(report: &RecvReport, seg: usize, len: usize) -> Vec<std::ops::
         .collect()
 }
 
-/// Receives one tensor into `got`, zero-fills what is missing (unless `--keep-missing`) and
-/// checks every delivered byte against `expect`.
-fn recv_one(c: &Common, ep: &Endpoint, got: &mut Tensor, expect: &Tensor, seg: usize) -> Res<Got> {
-    let before = ep.stats();
-    let start = Instant::now();
+/// A receive handle and when it was posted.
+type Posted = (Handle<(Option<Region>, RecvReport)>, Instant);
+
+/// Receives `c.count` tensors in order, each into a buffer allocated once, zero-fills what is
+/// missing (unless `--keep-missing`) and checks every delivered byte against the pattern
+/// `expect(round)` writes. The next receive is posted before a finished one is checked, so a
+/// sender that starts its next tensor at once finds it posted (data for a receive not posted
+/// yet is only kept, not acknowledged, and would stall the sender on its timers). `done` sees
+/// every transfer as it finishes.
+fn recv_all(
+    c: &Common,
+    ep: &Endpoint,
+    seg: usize,
+    mut expect: impl FnMut(u32, &mut Tensor),
+    mut done: impl FnMut(u32, &Got),
+) -> Res<Vec<Got>> {
+    let size = usize::try_from(c.size).map_err(|_| "--size does not fit this machine's memory")?;
     let opts = RecvOpts {
         loss_bound: c.loss_bound,
         ..RecvOpts::default()
     };
-    let (_, report) = ep
-        .run_borrowed(got.as_bytes_mut(), BACKSTOP, |region| {
-            Recv::new(region, SENDER, opts)
-        })
-        .map_err(|e| format!("receiving from the sender (rank {SENDER}): {e}"))?;
-    let took = start.elapsed();
-    let after = ep.stats();
-    let len = got.len_bytes();
-    let missing = missing_ranges(&report, seg, len);
-    let bytes = got.as_bytes_mut();
-    if !c.keep_missing {
-        for r in &missing {
-            bytes[r.clone()].fill(0);
+    let post = |buf: Vec<u8>| -> Posted {
+        (
+            ep.submit(Recv::new(Region::owned(buf), SENDER, opts.clone())),
+            Instant::now(),
+        )
+    };
+    let mut want = tensor(c)?;
+    let mut pending: std::collections::VecDeque<Posted> =
+        (0..c.count.min(2)).map(|_| post(vec![0u8; size])).collect();
+    let mut before = ep.stats();
+    let mut prev_done = Instant::now();
+    let mut gots = Vec::new();
+    for round in 0..c.count {
+        let Some((h, posted)) = pending.pop_front() else {
+            break;
+        };
+        let (region, report) =
+            wait(h).map_err(|e| format!("receiving from the sender (rank {SENDER}): {e}"))?;
+        let now = Instant::now();
+        // Time of this transfer alone: from when it could start (posted, and the one before
+        // it finished) to its end.
+        let took = now.saturating_duration_since(posted.max(prev_done));
+        prev_done = now;
+        let after = ep.stats();
+        let mut buf = region
+            .and_then(Region::into_vec)
+            .ok_or("the message layer did not hand the receive buffer back")?;
+        let missing = missing_ranges(&report, seg, size);
+        if !c.keep_missing {
+            for r in &missing {
+                buf[r.clone()].fill(0);
+            }
+        }
+        expect(round, &mut want);
+        // Every byte outside the missing segments must be the sender's.
+        let want = want.as_bytes();
+        let mut verified = true;
+        let mut at = 0;
+        for r in missing.iter().chain(std::iter::once(&(size..size))) {
+            verified &= buf[at..r.start] == want[at..r.start];
+            at = r.end;
+        }
+        let missing_bytes: usize = missing.iter().map(|r| r.len()).sum();
+        if round + 2 < c.count {
+            pending.push_back(post(buf));
+        }
+        let g = Got {
+            report,
+            took,
+            verified,
+            delivered_bytes: (size - missing_bytes) as u64,
+            before: std::mem::replace(&mut before, after.clone()),
+            after,
+        };
+        done(round, &g);
+        gots.push(g);
+    }
+    Ok(gots)
+}
+
+/// Waits for an operation; after [`BACKSTOP`] it is cancelled (and still waited for).
+fn wait<T>(h: Handle<T>) -> Result<T, OpError> {
+    match h.wait_timeout(BACKSTOP) {
+        Ok(r) => r,
+        Err(h) => {
+            h.cancel();
+            h.wait()
         }
     }
-    // Every byte outside the missing segments must be the sender's.
-    let want = expect.as_bytes();
-    let mut verified = true;
-    let mut at = 0;
-    for r in missing.iter().chain(std::iter::once(&(len..len))) {
-        verified &= bytes[at..r.start] == want[at..r.start];
-        at = r.end;
-    }
-    let missing_bytes: usize = missing.iter().map(|r| r.len()).sum();
-    Ok(Got {
-        report,
-        took,
-        verified,
-        delivered_bytes: (len - missing_bytes) as u64,
-        before,
-        after,
-    })
 }
 
 fn ended(e: Ended) -> &'static str {
@@ -374,11 +423,20 @@ fn summary(
     s
 }
 
+/// The demo's pattern: the same tensor every transfer (as the flow transport's demo), filled
+/// once.
+fn demo_pattern() -> impl FnMut(u32, &mut Tensor) {
+    let mut filled = false;
+    move |_, t: &mut Tensor| {
+        if !filled {
+            t.fill_pattern(DEMO_SEED);
+            filled = true;
+        }
+    }
+}
+
 /// Both ends in this process: the sender on a thread, the receiver here.
 fn run_local(c: &Common, tx: Endpoint, rx: Endpoint, datapath: &'static str) -> Res<Summary> {
-    let mut expect = tensor(c)?;
-    expect.fill_pattern(DEMO_SEED);
-    let mut got = tensor(c)?;
     let seg = seg_payload(c, rx.local_addr().is_ipv6());
     let start = Instant::now();
     let (gots, sent) = std::thread::scope(|s| -> Res<_> {
@@ -387,9 +445,7 @@ fn run_local(c: &Common, tx: Endpoint, rx: Endpoint, datapath: &'static str) -> 
             t.fill_pattern(DEMO_SEED);
             (0..c.count).map(|_| send_one(&tx, &mut t)).collect()
         });
-        let gots: Res<Vec<Got>> = (0..c.count)
-            .map(|_| recv_one(c, &rx, &mut got, &expect, seg))
-            .collect();
+        let gots = recv_all(c, &rx, seg, demo_pattern(), |_, _| {});
         let sent = sender.join().map_err(|_| "sender thread panicked")?;
         Ok((gots, sent))
     })?;
@@ -492,14 +548,9 @@ fn demo_afxdp(c: &Common) -> Res<Summary> {
     let receiver = tb.spawn_in(1, move || -> Res<SideOutcome<Got>> {
         pin(&rc, 1)?;
         let (ep, mon) = xdp_endpoint(&rc, RECEIVER, &rif, rx_addr, tx_addr, rc.inject_loss)?;
-        let mut expect = tensor(&rc)?;
-        expect.fill_pattern(DEMO_SEED);
-        let mut got = tensor(&rc)?;
         let seg = seg_payload(&rc, false);
         let start = Instant::now();
-        let gots = (0..rc.count)
-            .map(|_| recv_one(&rc, &ep, &mut got, &expect, seg))
-            .collect::<Res<Vec<_>>>()?;
+        let gots = recv_all(&rc, &ep, seg, demo_pattern(), |_, _| {})?;
         let elapsed = start.elapsed();
         Ok((gots, snapshot(Some(&mon)), (&ep.stats()).into(), elapsed))
     })?;
@@ -749,6 +800,9 @@ pub fn send(a: &SendArgs) -> Res {
     drop(conn);
     let (ep, mon) = opened.start(SENDER, peer)?;
     let stats_file = StatsFile::new("send", c.datapath.name(), "msg");
+    // Visible to `gradwire stats` from the start, not only after the first transfer.
+    let (counters, afxdp) = stats_of(&ep, mon.as_ref());
+    stats_file.write_msg(0, counters, afxdp, RejectCounts::default());
     let segments = u32::try_from(
         c.size
             .div_ceil(seg_payload(c, peer.is_ipv6()) as u64)
@@ -880,20 +934,23 @@ pub fn recv(a: &RecvArgs) -> Res {
         eprintln!("gradwire recv: sender {peer} (plain job, not authenticated)");
     }
     let stats_file = StatsFile::new("recv", c.datapath.name(), "msg");
-    let mut got = tensor(c)?;
-    let mut expect = tensor(c)?;
+    let (counters, afxdp) = stats_of(&ep, mon.as_ref());
+    stats_file.write_msg(0, counters, afxdp, RejectCounts::default());
     let seg = seg_payload(c, local.is_ipv6());
     let start = Instant::now();
-    let mut gots = Vec::new();
     let mut rejected = RejectCounts::default();
-    for round in 0..c.count {
-        expect.fill_pattern(u64::from(round));
-        let g = recv_one(c, &ep, &mut got, &expect, seg)?;
-        gots.push(g);
-        let (counters, afxdp) = stats_of(&ep, mon.as_ref());
-        rejected.foreign_source = counters.unknown_source;
-        stats_file.write_msg(round + 1, counters, afxdp, rejected);
-    }
+    // The sender fills round r with pattern r.
+    let gots = recv_all(
+        c,
+        &ep,
+        seg,
+        |round, t| t.fill_pattern(u64::from(round)),
+        |round, _| {
+            let (counters, afxdp) = stats_of(&ep, mon.as_ref());
+            rejected.foreign_source = counters.unknown_source;
+            stats_file.write_msg(round + 1, counters, afxdp, rejected);
+        },
+    )?;
     let elapsed = start.elapsed();
     let delivered = gots.iter().map(|g| g.delivered_bytes).sum();
     let mut s = summary(

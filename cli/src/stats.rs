@@ -486,6 +486,40 @@ mod tests {
     }
 
     #[test]
+    fn a_message_layer_record_reads_back_with_its_endpoint_counters() {
+        let d = dir("msg");
+        let path = d.0.join(format!("{}.json", std::process::id()));
+        let mut st = gradwire_msg::endpoint::EndpointStats {
+            unknown_source: 5,
+            datagrams_in: 40,
+            ..Default::default()
+        };
+        st.core.data_resent = 3;
+        let v = ProcessStats {
+            protocol: "msg".into(),
+            stats: None,
+            endpoint: Some(EndpointCounters::from(&st)),
+            ..record(std::process::id())
+        };
+        std::fs::write(&path, serde_json::to_string(&v).unwrap()).unwrap();
+        let got = collect(&d.0).unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].protocol, "msg");
+        assert_eq!(got[0].stats, None);
+        let e = got[0].endpoint.unwrap();
+        assert_eq!(
+            (e.unknown_source, e.datagrams_in, e.data_resent),
+            (5, 40, 3)
+        );
+        // `endpoint` may be null, but not absent.
+        let mut j = serde_json::to_value(&v).unwrap();
+        j.as_object_mut().unwrap().remove("endpoint");
+        std::fs::write(&path, j.to_string()).unwrap();
+        let e = collect(&d.0).unwrap_err().to_string();
+        assert!(e.contains("missing field `endpoint`"), "{e}");
+    }
+
+    #[test]
     fn a_live_process_file_with_a_missing_field_is_an_error_naming_it() {
         let d = dir("missing");
         let path = d.0.join(format!("{}.json", std::process::id()));
