@@ -299,6 +299,38 @@ fn demo_over_afxdp_in_namespaces() {
     );
 }
 
+/// An AF_XDP demo that fails after its namespaces are up (an AF_XDP socket that cannot be
+/// opened: frames of 1000 bytes) says why and leaves no namespace behind.
+#[test]
+fn a_failing_afxdp_demo_removes_its_namespaces() {
+    if !gradwire_netns::require_root("a_failing_afxdp_demo_removes_its_namespaces") {
+        return;
+    }
+    let child = Command::new(env!("CARGO_BIN_EXE_gradwire"))
+        .args(["demo", "--datapath", "afxdp", "--frame-size", "1000"])
+        .args(["--size", "1MiB", "--count", "1", "--timeout", "3"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let prefix = format!("{}{}t", gradwire_netns::ns::PREFIX, child.id());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("1000"),
+        "the error names the bad frame size: {err}"
+    );
+    let left: Vec<String> = std::fs::read_dir(gradwire_netns::NETNS_DIR)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+}
+
 #[test]
 fn demo_over_the_engine_uses_both_queues_and_pinned_workers() {
     if !gradwire_netns::require_root("demo_over_the_engine_uses_both_queues_and_pinned_workers") {
