@@ -115,7 +115,8 @@ impl From<&gradwire_msg::endpoint::EndpointStats> for EndpointCounters {
 /// Prints an endpoint's counters.
 pub fn print_endpoint(who: &str, e: &EndpointCounters) {
     println!(
-        "endpoint {who}: datagrams out {} in {} (send calls {}, recv calls {}); data segments sent {} resent {} placed {} duplicate {}; control out {} in {} (nacks {}); refused: foreign_source {} invalid {}; injected drops {}",
+        "endpoint{}{who}: datagrams out {} in {} (send calls {}, recv calls {}); data segments sent {} resent {} placed {} duplicate {}; control out {} in {} (nacks {}); refused: foreign_source {} invalid {}; injected drops {}",
+        if who.is_empty() { "" } else { " " },
         e.datagrams_out,
         e.datagrams_in,
         e.send_calls,
