@@ -19,9 +19,11 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run complete exchanges on this machine (sender and receiver in one process).
+    /// Run complete exchanges on this machine (sender and receiver in one process), on the
+    /// message layer (see --transport).
     Demo(DemoArgs),
-    /// Send tensors to a `gradwire recv` on another host.
+    /// Send tensors to a `gradwire recv` on another host (message layer: one TCP set-up, then
+    /// one message per tensor).
     Send(SendArgs),
     /// Receive tensors from a `gradwire send`.
     Recv(RecvArgs),
@@ -614,9 +616,26 @@ impl DatapathKind {
     }
 }
 
+/// Which protocol a `demo`, `send` or `recv` runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TransportKind {
+    /// The message layer, unless the run needs the flow transport: a job secret
+    /// (--secret-file or GRADWIRE_JOB_SECRET), --engine, several --queues, --spray-ports > 1.
+    Auto,
+    /// The message layer (gradwire-msg): one endpoint per side, a tensor is one message,
+    /// no handshake per tensor; one TCP connection sets a two-host run up.
+    Msg,
+    /// The flow transport: a handshaked flow per tensor over a TCP control channel.
+    Flow,
+}
+
 /// Options every command shares.
 #[derive(Debug, Clone, Args)]
 pub struct Common {
+    /// Protocol: auto (the message layer, or the flow transport where only it can do what
+    /// was asked), msg or flow. Both ends of a send/recv must run the same one.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub transport: TransportKind,
     /// Authenticated job: the job secret's key file (mode 0600, at least 16 bytes; e.g.
     /// `head -c 32 /dev/urandom > job.key`). Or set GRADWIRE_JOB_SECRET. Every rank needs the
     /// same secret; the secret itself is never a command-line argument.
@@ -635,9 +654,14 @@ pub struct Common {
     #[arg(long, default_value = "f32")]
     pub dtype: DType,
     /// Loss bound p: the receiver finishes once 1-p of the segments arrived (0 = reliable).
+    /// On the message layer the receiver's bound governs; send and recv must give the same.
     #[arg(long, default_value_t = 0.01, value_parser = parse_fraction)]
     pub loss_bound: f64,
-    /// Receiver-side random drop probability (fault injection; no netem needed).
+    /// Receiver-side random drop probability of arriving data packets (fault injection; no
+    /// netem needed). Where it is injected: over afxdp the receiver's XDP classifier drops
+    /// data packets (DSCP 10) before its socket; over udp and loopback, on the message layer,
+    /// the receiving endpoint drops data segments before placing them (the flow transport: a
+    /// fault injector under the receiver's datapath). Control is never dropped.
     #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
     pub inject_loss: f64,
     /// IP MTU of the path.
@@ -645,6 +669,8 @@ pub struct Common {
     pub mtu: usize,
     /// Line rate the sender never exceeds, in bits per second with a unit (e.g. 25G =
     /// 25Gbit, 200Mbit, 1.5Gbit); on a receiver, the downlink capacity its grants share out.
+    /// Flow transport only, as --rate-mode, --delta, --period-us and --additive-increase: the
+    /// message layer paces with its own congestion window (acks and ECN marks).
     #[arg(long, default_value = "25G", value_parser = |s: &str| parse_rate(s).map(|r| r.bps()))]
     pub line_rate: u64,
     /// How the sender chooses its rate: grant (pace at the receiver's share of its
@@ -661,7 +687,8 @@ pub struct Common {
     /// Additive increase per period, as a fraction of the line rate.
     #[arg(long, default_value_t = 0.05)]
     pub additive_increase: f64,
-    /// Seconds without progress before a transfer fails.
+    /// Seconds without progress before a transfer fails (on the message layer: a peer silent
+    /// this long is named in the error).
     #[arg(long, default_value_t = 10.0)]
     pub timeout: f64,
     /// Keep the previous contents of missing segments instead of zero-filling them.
@@ -711,11 +738,12 @@ pub struct AfXdpArgs {
     #[arg(long = "neighbor", value_parser = parse_neighbor)]
     pub neighbors: Vec<(std::net::IpAddr, [u8; 6])>,
     /// Pin to these cores, comma separated: with --engine one per queue for the workers;
-    /// without, the transfer threads (sender first, then receiver).
+    /// without, the transfer threads (sender first, then receiver; on the message layer the
+    /// endpoint's progress thread with them).
     #[arg(long, value_delimiter = ',')]
     pub cores: Vec<usize>,
     /// Move packets with pinned per-queue worker threads (the engine) instead of the
-    /// calling thread.
+    /// calling thread (flow transport only).
     #[arg(long)]
     pub engine: bool,
 }
@@ -742,7 +770,9 @@ pub struct DemoArgs {
 
 #[derive(Debug, Args)]
 pub struct SendArgs {
-    /// The receiver's control address: host:port or IP:port (a name is resolved once).
+    /// The receiver's --listen address: host:port or IP:port (a name is resolved once). The
+    /// message layer sets the run up over one TCP connection there; the flow transport runs
+    /// its control channel on it.
     #[arg(long, value_parser = resolve)]
     pub to: SocketAddr,
     /// Local address for the data socket, host:port or IP:port (port 0 picks one).
@@ -750,7 +780,8 @@ pub struct SendArgs {
     pub bind: Option<SocketAddr>,
     /// Spray each transfer over this many UDP source ports (the --bind port and the next
     /// ones, rotating per packet), so that switches hashing flows for ECMP use every path.
-    /// Needs an explicit --bind port.
+    /// Needs an explicit --bind port; flow transport only (the receiver needs --transport
+    /// flow).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub spray_ports: u16,
     #[command(flatten)]
@@ -759,13 +790,14 @@ pub struct SendArgs {
 
 #[derive(Debug, Args)]
 pub struct RecvArgs {
-    /// Control address to listen on: host:port or IP:port (a name is resolved once).
+    /// TCP address to listen on for the sender (the message layer's set-up, or the flow
+    /// transport's control channel): host:port or IP:port (a name is resolved once).
     #[arg(long, value_parser = resolve)]
     pub listen: SocketAddr,
     /// Data address, host:port or IP:port (default: the listen address with port+1).
     #[arg(long, value_parser = resolve)]
     pub data: Option<SocketAddr>,
-    /// Seconds to wait for a sender to connect.
+    /// Seconds to wait for a sender to connect (and set the run up).
     #[arg(long, default_value_t = 300.0)]
     pub accept_timeout: f64,
     #[command(flatten)]

@@ -13,14 +13,25 @@ pub struct Xfer {
     pub segments: u32,
     pub received_segments: u32,
     pub delivered_fraction: f64,
-    pub rounds: u32,
+    /// Retransmission rounds (passes after the first); `None` on a message-layer sender,
+    /// which does not learn how many passes the receiver saw.
+    pub rounds: Option<u32>,
     pub fct_us: f64,
     pub packets_sent: Option<u64>,
     pub retransmitted: Option<u64>,
     pub rate_halvings: Option<u64>,
     pub duplicates: Option<u64>,
-    /// Data datagrams the receiver refused, by reason (receiver side only).
+    /// Data datagrams the receiver refused, by reason (receiver side only). On the message
+    /// layer only `foreign_source` (peer binding) is counted here; the rest is `invalid`.
     pub rejected: Option<gradwire::flow::RejectCounts>,
+    /// Message layer, receiver side: datagrams from the sender's address that the layer
+    /// refused (malformed, another job, wrong ranks, out of range).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub invalid: Option<u64>,
+    /// Message layer, receiver side: what ended the message (`complete`, `loss bound`,
+    /// `deadline`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ended: Option<&'static str>,
     /// Every delivered byte equals the sender's byte (receiver side only).
     pub verified: Option<bool>,
 }
@@ -30,6 +41,8 @@ pub struct Xfer {
 pub struct Summary {
     pub role: &'static str,
     pub datapath: &'static str,
+    /// `msg` (the message layer) or `flow` (the flow transport).
+    pub protocol: &'static str,
     pub dtype: String,
     pub size_bytes: u64,
     pub count: u32,
@@ -56,6 +69,12 @@ pub struct Summary {
     /// ... and of the receiving end.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub afxdp_receiver: Option<gradwire::afxdp::AfXdpStats>,
+    /// Message layer: the sending endpoint's counters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint_sender: Option<crate::stats::EndpointCounters>,
+    /// ... and the receiving endpoint's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint_receiver: Option<crate::stats::EndpointCounters>,
 }
 
 impl Summary {
@@ -82,6 +101,7 @@ impl Summary {
         Summary {
             role,
             datapath,
+            protocol: "flow",
             dtype,
             size_bytes,
             count: transfers.len() as u32,
@@ -93,8 +113,12 @@ impl Summary {
                 .fold(1.0, f64::min),
             delivered_fraction_mean: transfers.iter().map(|x| x.delivered_fraction).sum::<f64>()
                 / n,
-            rounds: transfers.iter().map(|x| x.rounds).max().unwrap_or(0),
-            rounds_total: transfers.iter().map(|x| u64::from(x.rounds)).sum(),
+            rounds: transfers.iter().filter_map(|x| x.rounds).max().unwrap_or(0),
+            rounds_total: transfers
+                .iter()
+                .filter_map(|x| x.rounds)
+                .map(u64::from)
+                .sum(),
             goodput_gbps: if elapsed.is_zero() {
                 0.0
             } else {
@@ -108,6 +132,8 @@ impl Summary {
             transfers,
             afxdp_sender: None,
             afxdp_receiver: None,
+            endpoint_sender: None,
+            endpoint_receiver: None,
         }
     }
 
@@ -120,12 +146,16 @@ impl Summary {
             return;
         }
         println!(
-            "gradwire {}: {} x {} {} over {}, loss bound {:.2}%, injected loss {:.2}%",
+            "gradwire {}: {} x {} {} over {} ({}), loss bound {:.2}%, injected loss {:.2}%",
             self.role,
             self.count,
             human_size(self.size_bytes),
             self.dtype,
             self.datapath,
+            match self.protocol {
+                "msg" => "message layer",
+                _ => "flow transport",
+            },
             self.loss_bound * 100.0,
             self.inject_loss * 100.0
         );
@@ -139,7 +169,7 @@ impl Summary {
                 x.index,
                 x.delivered_fraction * 100.0,
                 x.segments,
-                x.rounds,
+                x.rounds.map_or_else(|| "-".into(), |r| r.to_string()),
                 x.fct_us / 1e3,
                 opt(x.retransmitted),
                 opt(x.rate_halvings),
@@ -165,8 +195,20 @@ impl Summary {
         for r in self.transfers.iter().filter_map(|x| x.rejected.as_ref()) {
             refused.add(r);
         }
+        let invalid: u64 = self.transfers.iter().filter_map(|x| x.invalid).sum();
         if refused.total() > 0 {
             println!("refused data datagrams: {refused}");
+        }
+        if invalid > 0 {
+            println!("refused datagrams from the sender's address (malformed, another job, out of range): {invalid}");
+        }
+        for (who, e) in [
+            ("sender", &self.endpoint_sender),
+            ("receiver", &self.endpoint_receiver),
+        ] {
+            if let Some(e) = e {
+                crate::stats::print_endpoint(who, e);
+            }
         }
         for (who, st) in [
             ("sender", &self.afxdp_sender),
@@ -207,13 +249,15 @@ mod tests {
             segments: 10,
             received_segments: 9,
             delivered_fraction: 0.9,
-            rounds: 1,
+            rounds: Some(1),
             fct_us: 100.0,
             packets_sent: Some(11),
             retransmitted: Some(1),
             rate_halvings: Some(0),
             duplicates: Some(0),
             rejected: Some(gradwire::flow::RejectCounts::default()),
+            invalid: None,
+            ended: None,
             verified: Some(true),
         };
         let s = Summary::new(

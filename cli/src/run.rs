@@ -1,4 +1,6 @@
-//! The commands: demo (both ends in one process), send and recv (two hosts).
+//! The commands: demo (both ends in one process), send and recv (two hosts). They run on the
+//! message layer ([`crate::p2p`]) unless the run needs the flow transport (a job secret,
+//! the AF_XDP engine, several queues, port spraying, or `--transport flow`), which is here.
 
 use std::error::Error;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -22,7 +24,7 @@ use gradwire::transport::{
 use gradwire_netns::{Testbed, TestbedConfig};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::args::{Common, DatapathKind, DemoArgs, RecvArgs, SendArgs};
+use crate::args::{Common, DatapathKind, DemoArgs, RecvArgs, SendArgs, TransportKind};
 use crate::report::{Summary, Xfer};
 
 type Res<T = ()> = Result<T, Box<dyn Error + Send + Sync>>;
@@ -228,13 +230,15 @@ fn xfer_from(i: u32, r: &RecvReport, s: Option<&SendReport>, verified: Option<bo
         segments: r.segments,
         received_segments: r.received_segments,
         delivered_fraction: r.delivered_fraction,
-        rounds: r.rounds,
+        rounds: Some(r.rounds),
         fct_us: s.map_or(r.fct, |s| s.fct).as_secs_f64() * 1e6,
         packets_sent: s.map(|s| s.stats.packets),
         retransmitted: s.map(|s| s.stats.retransmitted),
         rate_halvings: s.map(|s| s.stats.halvings),
         duplicates: Some(r.stats.duplicates),
         rejected: Some(r.rejected),
+        invalid: None,
+        ended: None,
         verified,
     }
 }
@@ -325,9 +329,36 @@ where
     ))
 }
 
-/// `gradwire demo`: both ends in this process, over the in-memory pair or UDP on 127.0.0.1.
+/// Whether this run goes on the flow transport: asked for, or needed (authentication,
+/// the engine, several queues and port spraying exist only there).
+fn on_flow(c: &Common, spray_ports: u16) -> Res<bool> {
+    let secret = job_key(c)?.is_some();
+    let needs = secret || c.afxdp.engine || c.afxdp.queues.len() > 1 || spray_ports > 1;
+    match c.transport {
+        TransportKind::Flow => Ok(true),
+        TransportKind::Auto => Ok(needs),
+        TransportKind::Msg if secret => Err("an authenticated job (a job secret in --secret-file or GRADWIRE_JOB_SECRET) runs on the flow transport only: drop --transport msg, or the secret".into()),
+        TransportKind::Msg => Ok(false),
+    }
+}
+
+/// `gradwire demo`: both ends in this process.
 pub fn demo(a: &DemoArgs) -> Res {
     let c = &a.common;
+    let summary = if on_flow(c, 1)? {
+        demo_flow(c)?
+    } else {
+        crate::p2p::demo(c)?
+    };
+    summary.print(c.json);
+    if summary.verified == Some(false) {
+        return Err("some delivered bytes differ from the sender's".into());
+    }
+    Ok(())
+}
+
+/// The demo on the flow transport, over the in-memory pair, UDP on 127.0.0.1 or AF_XDP.
+fn demo_flow(c: &Common) -> Res<Summary> {
     let cfg = transfer_config(c)?;
     let summary = match c.datapath {
         DatapathKind::Loopback => {
@@ -361,11 +392,7 @@ pub fn demo(a: &DemoArgs) -> Res {
         }
         DatapathKind::Afxdp => demo_afxdp(c, &cfg)?,
     };
-    summary.print(c.json);
-    if summary.verified == Some(false) {
-        return Err("some delivered bytes differ from the sender's".into());
-    }
-    Ok(())
+    Ok(summary)
 }
 
 /// What the receiving namespace hands back: verified reports, its AF_XDP counters, elapsed.
@@ -510,6 +537,15 @@ fn control_listener(
 
 /// `gradwire send`: connect to a receiver and send `count` rounds of a pattern tensor.
 pub fn send(a: &SendArgs) -> Res {
+    if on_flow(&a.common, a.spray_ports)? {
+        send_flow(a)
+    } else {
+        crate::p2p::send(a)
+    }
+}
+
+/// `gradwire send` on the flow transport.
+fn send_flow(a: &SendArgs) -> Res {
     let c = &a.common;
     let cfg = transfer_config(c)?;
     let mut t = tensor(c)?;
@@ -529,7 +565,7 @@ pub fn send(a: &SendArgs) -> Res {
         cfg.control_dscp,
         job_key(c)?.as_ref(),
     )?;
-    let stats_file = crate::stats::StatsFile::new("send", c.datapath.name());
+    let stats_file = crate::stats::StatsFile::new("send", c.datapath.name(), "flow");
     let prio = fixed_priority(DATA_TAG);
     let pb = progress(c);
     let start = Instant::now();
@@ -561,13 +597,15 @@ pub fn send(a: &SendArgs) -> Res {
             } else {
                 f64::from(got) / f64::from(s.segments)
             },
-            rounds: s.stats.passes.saturating_sub(1),
+            rounds: Some(s.stats.passes.saturating_sub(1)),
             fct_us: s.fct.as_secs_f64() * 1e6,
             packets_sent: Some(s.stats.packets),
             retransmitted: Some(s.stats.retransmitted),
             rate_halvings: Some(s.stats.halvings),
             duplicates: None,
             rejected: None,
+            invalid: None,
+            ended: None,
             verified: None,
         });
         stats_file.write(
@@ -597,6 +635,15 @@ pub fn send(a: &SendArgs) -> Res {
 
 /// `gradwire recv`: accept one sender and receive `count` rounds, verifying the pattern.
 pub fn recv(a: &RecvArgs) -> Res {
+    if on_flow(&a.common, 1)? {
+        recv_flow(a)
+    } else {
+        crate::p2p::recv(a)
+    }
+}
+
+/// `gradwire recv` on the flow transport.
+fn recv_flow(a: &RecvArgs) -> Res {
     let c = &a.common;
     let cfg = transfer_config(c)?;
     let data = a
@@ -605,7 +652,7 @@ pub fn recv(a: &RecvArgs) -> Res {
     // A lone receiver pins to the first of --cores (the demo uses the second).
     pin(c, 0)?;
     let mut dp = host_datapath(c, data, c.inject_loss, "recv", 1)?;
-    let stats_file = crate::stats::StatsFile::new("recv", c.datapath.name());
+    let stats_file = crate::stats::StatsFile::new("recv", c.datapath.name(), "flow");
     let listener = control_listener(c, &cfg, a.listen)?;
     if !c.json {
         eprintln!(

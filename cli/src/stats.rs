@@ -1,5 +1,6 @@
 //! Live statistics: every `gradwire send`/`recv` writes its counters ([`ProcessStats`]) to a
-//! small JSON file after each transfer (`/run/gradwire/<pid>.json`, or under `$TMPDIR` when
+//! small JSON file after each transfer (on the message layer its endpoint's counters, on the
+//! flow transport its datapath's) (`/run/gradwire/<pid>.json`, or under `$TMPDIR` when
 //! /run is not writable); `gradwire stats` reads the files of the processes still alive back as
 //! the same type and prints them. A file that does not decode is an error naming it.
 
@@ -31,18 +32,106 @@ pub struct ProcessStats {
     pub role: String,
     /// Datapath name (`udp`, `afxdp`, ...).
     pub datapath: String,
+    /// `msg` (the message layer) or `flow` (the flow transport).
+    pub protocol: String,
     /// Wall-clock time of this snapshot, seconds since the epoch.
     pub updated_unix: u64,
     /// Transfers finished.
     pub transfers: u32,
-    /// The datapath's counters.
-    pub stats: DatapathStats,
+    /// The datapath's counters (flow transport; `null` on the message layer).
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub stats: Option<DatapathStats>,
+    /// The endpoint's counters (message layer; `null` on the flow transport).
+    #[serde(deserialize_with = "Option::deserialize")]
+    pub endpoint: Option<EndpointCounters>,
     /// AF_XDP counters, for the AF_XDP datapath (`null` otherwise; the field must be there).
     #[serde(deserialize_with = "Option::deserialize")]
     pub afxdp: Option<AfXdpStats>,
     /// Data datagrams a receiver refused, by reason, over all its transfers (zero for a
-    /// sender): foreign sources, bad tags, stale rounds, ...
+    /// sender): foreign sources, bad tags, stale rounds, ... (on the message layer only
+    /// `foreign_source`; the endpoint's `refused` counts the rest).
     pub rejected: RejectCounts,
+}
+
+/// The counters of a message-layer endpoint, as `gradwire stats` and `--json` show them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointCounters {
+    /// Datagrams sent.
+    pub datagrams_out: u64,
+    /// Datagrams received.
+    pub datagrams_in: u64,
+    /// Send system calls (AF_XDP: send calls of the socket).
+    pub send_calls: u64,
+    /// Receive calls that returned data.
+    pub recv_calls: u64,
+    /// Data segments sent for the first time.
+    pub data_sent: u64,
+    /// Data segments sent again.
+    pub data_resent: u64,
+    /// Payload bytes sent (first transmissions and resends).
+    pub payload_bytes_sent: u64,
+    /// Data segments placed into a tensor.
+    pub data_placed: u64,
+    /// Data segments that arrived again after being placed.
+    pub data_duplicate: u64,
+    /// Control frames sent (acks, resend requests, polls).
+    pub ctrl_sent: u64,
+    /// Control frames received and acted on.
+    pub ctrl_received: u64,
+    /// Datagrams from an address that is not the peer's (peer binding): dropped.
+    pub unknown_source: u64,
+    /// Datagrams from the peer's address the layer refused: malformed, another job, wrong
+    /// ranks, out of range.
+    pub refused: u64,
+    /// Data segments dropped by the endpoint's fault injection (`--inject-loss` over UDP
+    /// and loopback).
+    pub injected_drops: u64,
+    /// Resend requests (NACK frames) sent.
+    pub nacks: u64,
+}
+
+impl From<&gradwire_msg::endpoint::EndpointStats> for EndpointCounters {
+    fn from(s: &gradwire_msg::endpoint::EndpointStats) -> Self {
+        EndpointCounters {
+            datagrams_out: s.datagrams_out,
+            datagrams_in: s.datagrams_in,
+            send_calls: s.send_calls,
+            recv_calls: s.recv_calls,
+            data_sent: s.core.data_sent,
+            data_resent: s.core.data_resent,
+            payload_bytes_sent: s.core.payload_bytes_sent,
+            data_placed: s.core.data_placed,
+            data_duplicate: s.core.data_duplicate,
+            ctrl_sent: s.core.ctrl_sent,
+            ctrl_received: s.core.ctrl_received,
+            unknown_source: s.unknown_source,
+            refused: s.core.refused,
+            injected_drops: s.injected_drops,
+            nacks: s.core.nacks,
+        }
+    }
+}
+
+/// Prints an endpoint's counters.
+pub fn print_endpoint(who: &str, e: &EndpointCounters) {
+    println!(
+        "endpoint{}{who}: datagrams out {} in {} (send calls {}, recv calls {}); data segments sent {} resent {} placed {} duplicate {}; control out {} in {} (nacks {}); refused: foreign_source {} invalid {}; injected drops {}",
+        if who.is_empty() { "" } else { " " },
+        e.datagrams_out,
+        e.datagrams_in,
+        e.send_calls,
+        e.recv_calls,
+        e.data_sent,
+        e.data_resent,
+        e.data_placed,
+        e.data_duplicate,
+        e.ctrl_sent,
+        e.ctrl_received,
+        e.nacks,
+        e.unknown_source,
+        e.refused,
+        e.injected_drops,
+    );
 }
 
 /// A stats file of a live process that could not be read back.
@@ -74,10 +163,11 @@ pub struct StatsFile {
     path: Option<PathBuf>,
     role: &'static str,
     datapath: &'static str,
+    protocol: &'static str,
 }
 
 impl StatsFile {
-    pub fn new(role: &'static str, datapath: &'static str) -> StatsFile {
+    pub fn new(role: &'static str, datapath: &'static str, protocol: &'static str) -> StatsFile {
         let dir = stats_dir();
         let path = std::fs::create_dir_all(&dir)
             .ok()
@@ -86,14 +176,38 @@ impl StatsFile {
             path,
             role,
             datapath,
+            protocol,
         }
     }
 
-    /// Replace the file's contents (atomically, by rename). Failures only cost visibility.
+    /// Replace the file's contents with a flow-transport process's counters.
     pub fn write(
         &self,
         transfers: u32,
         dp: DatapathStats,
+        afxdp: Option<AfXdpStats>,
+        rejected: RejectCounts,
+    ) {
+        self.publish(transfers, Some(dp), None, afxdp, rejected);
+    }
+
+    /// Replace the file's contents with a message-layer process's counters.
+    pub fn write_msg(
+        &self,
+        transfers: u32,
+        endpoint: EndpointCounters,
+        afxdp: Option<AfXdpStats>,
+        rejected: RejectCounts,
+    ) {
+        self.publish(transfers, None, Some(endpoint), afxdp, rejected);
+    }
+
+    /// Replace the file's contents (atomically, by rename). Failures only cost visibility.
+    fn publish(
+        &self,
+        transfers: u32,
+        dp: Option<DatapathStats>,
+        endpoint: Option<EndpointCounters>,
         afxdp: Option<AfXdpStats>,
         rejected: RejectCounts,
     ) {
@@ -106,9 +220,11 @@ impl StatsFile {
             pid: std::process::id(),
             role: self.role.to_owned(),
             datapath: self.datapath.to_owned(),
+            protocol: self.protocol.to_owned(),
             updated_unix: now,
             transfers,
             stats: dp,
+            endpoint,
             afxdp,
             rejected,
         };
@@ -255,20 +371,32 @@ pub fn run(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>
             );
         } else {
             for v in &all {
-                let s = &v.stats;
                 println!(
-                    "pid {} {} over {}: {} transfers; tx {} pkts {} B (dropped {}), rx {} pkts {} B (dropped {})",
+                    "pid {} {} over {} ({}): {} transfers",
                     v.pid,
                     v.role,
                     v.datapath,
+                    if v.protocol == "msg" {
+                        "message layer"
+                    } else {
+                        "flow transport"
+                    },
                     v.transfers,
-                    s.tx_packets,
-                    s.tx_bytes,
-                    s.tx_dropped,
-                    s.rx_packets,
-                    s.rx_bytes,
-                    s.rx_dropped,
                 );
+                if let Some(s) = &v.stats {
+                    println!(
+                        "  tx {} pkts {} B (dropped {}), rx {} pkts {} B (dropped {})",
+                        s.tx_packets,
+                        s.tx_bytes,
+                        s.tx_dropped,
+                        s.rx_packets,
+                        s.rx_bytes,
+                        s.rx_dropped,
+                    );
+                }
+                if let Some(e) = &v.endpoint {
+                    print_endpoint("", e);
+                }
                 if v.rejected.total() > 0 {
                     println!("  refused data datagrams: {}", v.rejected);
                 }
@@ -295,12 +423,14 @@ mod tests {
             pid,
             role: "recv".into(),
             datapath: "udp".into(),
+            protocol: "flow".into(),
             updated_unix: 1000,
             transfers: 3,
-            stats: DatapathStats {
+            stats: Some(DatapathStats {
                 rx_packets: 7,
                 ..DatapathStats::default()
-            },
+            }),
+            endpoint: None,
             afxdp: None,
             rejected: RejectCounts {
                 foreign_source: 4,
@@ -354,6 +484,40 @@ mod tests {
             )
         );
         assert!(!dir.join("2147483646.json").exists());
+    }
+
+    #[test]
+    fn a_message_layer_record_reads_back_with_its_endpoint_counters() {
+        let d = dir("msg");
+        let path = d.0.join(format!("{}.json", std::process::id()));
+        let mut st = gradwire_msg::endpoint::EndpointStats {
+            unknown_source: 5,
+            datagrams_in: 40,
+            ..Default::default()
+        };
+        st.core.data_resent = 3;
+        let v = ProcessStats {
+            protocol: "msg".into(),
+            stats: None,
+            endpoint: Some(EndpointCounters::from(&st)),
+            ..record(std::process::id())
+        };
+        std::fs::write(&path, serde_json::to_string(&v).unwrap()).unwrap();
+        let got = collect(&d.0).unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].protocol, "msg");
+        assert_eq!(got[0].stats, None);
+        let e = got[0].endpoint.unwrap();
+        assert_eq!(
+            (e.unknown_source, e.datagrams_in, e.data_resent),
+            (5, 40, 3)
+        );
+        // `endpoint` may be null, but not absent.
+        let mut j = serde_json::to_value(&v).unwrap();
+        j.as_object_mut().unwrap().remove("endpoint");
+        std::fs::write(&path, j.to_string()).unwrap();
+        let e = collect(&d.0).unwrap_err().to_string();
+        assert!(e.contains("missing field `endpoint`"), "{e}");
     }
 
     #[test]

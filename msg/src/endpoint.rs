@@ -253,7 +253,8 @@ impl Endpoint {
         self.local
     }
 
-    /// Counters as of the progress thread's last loop.
+    /// Counters as of the progress thread's last loop, or of the last operation to complete,
+    /// whichever is later.
     pub fn stats(&self) -> EndpointStats {
         self.shared
             .stats
@@ -442,6 +443,12 @@ impl Driver {
         }
     }
 
+    /// [`Driver::publish`], waiting for a reader that holds the lock (it only clones).
+    fn publish_now(&mut self) {
+        self.stats.core = self.core.stats().clone();
+        *self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.stats.clone();
+    }
+
     fn cx<'a>(
         core: &'a mut Core,
         routes: &'a mut HashMap<Route, u64>,
@@ -514,6 +521,9 @@ impl Driver {
         for b in run.bufs.drain(..) {
             self.core.unregister(b);
         }
+        // Counters first, so a waiter that reads them after its handle completes sees
+        // everything its operation did (per-transfer retransmissions, duplicates).
+        self.publish_now();
         match r {
             Ok(()) => run.op.deliver(),
             Err(e) => run.op.fail(e),
@@ -523,8 +533,8 @@ impl Driver {
     fn dispatch(&mut self, now: Instant) {
         while let Some(ev) = self.core.poll_event() {
             let (route, ev) = match ev {
-                Event::Sent { peer, msg, .. } => {
-                    ((peer, msg, true), Ok(OpEvent::Sent { peer, msg }))
+                Event::Sent { peer, msg, missing } => {
+                    ((peer, msg, true), Ok(OpEvent::Sent { peer, msg, missing }))
                 }
                 Event::Received { peer, msg, report } => (
                     (peer, msg, false),

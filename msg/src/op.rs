@@ -70,6 +70,8 @@ pub enum OpEvent {
         peer: u16,
         /// Message.
         msg: u32,
+        /// Segments the receiver did without (under its loss bound or deadline).
+        missing: u32,
     },
     /// A receive finished.
     Received {

@@ -458,7 +458,8 @@ impl Core {
         let peers = (0..cfg.world)
             .map(|_| Peer {
                 rtt: Rtt::new(cfg.rto_initial, cfg.rto_min, cfg.rto_max),
-                win: Window::new(cfg.init_cwnd, cfg.max_cwnd),
+                // Never below the ACK interval (see Window::with_floor).
+                win: Window::with_floor(cfg.init_cwnd, cfg.max_cwnd, cfg.ack_every),
                 sends: BTreeMap::new(),
                 recvs: HashMap::new(),
                 unexpected: HashMap::new(),

@@ -72,11 +72,21 @@ pub struct Window {
 impl Window {
     /// A window of `initial` segments that stays within [2, `max`].
     pub fn new(initial: u32, max: u32) -> Window {
+        Window::with_floor(initial, max, 2)
+    }
+
+    /// A window of `initial` segments that stays within [`floor`, `max`] (a floor of at least
+    /// 2). A sender's window must not fall below the receiver's ACK interval: a window smaller
+    /// than that is never acknowledged by itself, only after a retransmission timeout, and a
+    /// timeout halves the window again, so the sender would crawl a few segments per timeout.
+    pub fn with_floor(initial: u32, max: u32, floor: u32) -> Window {
+        let max = max.max(2);
+        let min = floor.clamp(2, max);
         Window {
-            cwnd: f64::from(initial.max(2)),
+            cwnd: f64::from(initial.clamp(min, max)),
             ssthresh: f64::from(max),
-            min: 2.0,
-            max: f64::from(max.max(2)),
+            min: f64::from(min),
+            max: f64::from(max),
             acked: 0,
             marked: 0,
         }
@@ -163,6 +173,21 @@ mod tests {
         for _ in 0..100 {
             w.on_pass_loss(100, 100);
         }
+        assert_eq!(w.segments(), 2);
+    }
+
+    #[test]
+    fn a_floored_window_never_falls_below_the_ack_interval() {
+        let mut w = Window::with_floor(128, 16384, 32);
+        for _ in 0..20 {
+            w.on_timeout();
+            w.on_pass_loss(100, 100);
+        }
+        assert_eq!(w.segments(), 32);
+        // A floor above the ceiling is the ceiling; below 2 it is 2.
+        assert_eq!(Window::with_floor(8, 16, 64).segments(), 16);
+        let mut w = Window::with_floor(1, 16, 0);
+        w.on_timeout();
         assert_eq!(w.segments(), 2);
     }
 }
