@@ -147,6 +147,7 @@ impl Op for Direct {
                     deadline: self.spec.step_deadline.map(|d| cx.now() + d),
                     up_to: false,
                     skip_meta_zero: false,
+                    patient: false,
                 };
                 cx.recv(peer, self.recv_base[q], buf, own.clone(), opts)?;
                 self.phase1_left += 1;

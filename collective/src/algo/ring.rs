@@ -173,6 +173,7 @@ impl Op for Ring {
                 keep_meta: lossy,
                 up_to: false,
                 skip_meta_zero: false,
+                patient: false,
             };
             cx.recv(
                 prev,

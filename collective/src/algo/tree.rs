@@ -220,6 +220,7 @@ impl Op for TreeAllReduce {
                     deadline: self.spec.step_deadline.map(|d| cx.now() + d),
                     up_to: false,
                     skip_meta_zero: false,
+                    patient: false,
                 };
                 cx.recv(c, self.up_from[i] + k as u32, buf, bytes.clone(), opts)?;
                 self.recvs_left += 1;
