@@ -207,7 +207,8 @@ impl Node {
                 }
             };
             match ev {
-                Event::Sent { .. } => {}
+                // A message slot to `to` is free: send what waits for it.
+                Event::Sent { to } => self.channels.pump(to),
                 // A peer that finished may leave; if this round still needed it, the round
                 // times out naming it.
                 Event::Closed { peer } => self.closed.push(peer),
@@ -362,7 +363,7 @@ impl Node {
     /// Finish delivering what was sent (up to the round timeout: peers may still need this
     /// node's last results), then close the endpoint: its socket closes, which the peers
     /// see as this node's links closing.
-    pub fn shutdown(self) -> NodeReport {
+    pub fn shutdown(mut self) -> NodeReport {
         self.channels.flush(self.cfg.round_timeout);
         self.report
     }

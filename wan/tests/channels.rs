@@ -100,7 +100,7 @@ fn a_forged_chunk_ends_the_channel_naming_the_peer() {
 fn a_chunk_above_the_bound_is_refused_never_delivered_and_never_sent() {
     // Node 0 posts receives of 1,000 bytes of values (and the header): node 1's chunk of
     // 4,000 is refused by the layer segment by segment, never placed nor delivered.
-    let (node, raw) = pair(1000);
+    let (mut node, raw) = pair(1000);
     let big = encode_chunk(b"", &Tensor::from_f32(&values(1000)), Duration::ZERO).unwrap();
     let _pending = raw_send(&raw, big);
     let deadline = std::time::Instant::now() + Duration::from_secs(1);
@@ -121,4 +121,52 @@ fn a_chunk_above_the_bound_is_refused_never_delivered_and_never_sent() {
     assert!(e.contains("above this job's 1000"), "{e}");
     // As it refuses a peer that is no other node.
     assert!(node.send(0, &out).is_err() && node.send(2, &out).is_err());
+}
+
+#[test]
+fn chunks_beyond_the_receivers_depth_wait_and_go_in_order_as_slots_free() {
+    let (mut node, raw) = pair(1 << 20);
+    let n = 3 * gradwire_wan::channel::DEFAULT_DEPTH;
+    for i in 0..n {
+        let out = Outgoing {
+            meta: vec![i as u8],
+            data: Tensor::from_f32(&values(100 + i)),
+        };
+        node.send(1, &out).unwrap();
+    }
+    assert_eq!(node.in_flight(1), n);
+    // Node 1 takes them one by one, as a chunk stream does.
+    let rx = std::thread::spawn(move || {
+        (0..n)
+            .map(|_| {
+                let opts = gradwire_msg::core::RecvOpts {
+                    up_to: true,
+                    ..Default::default()
+                };
+                let r = raw.run(
+                    gradwire_msg::p2p::Recv::new(Region::owned(vec![0; 4096]), 0, opts),
+                    WAIT,
+                );
+                let (region, report) = r.unwrap();
+                let bytes = region.unwrap().into_vec().unwrap();
+                let (_, _, meta) =
+                    gradwire_wan::channel::decode_chunk(&bytes[..report.len as usize]).unwrap();
+                meta[0]
+            })
+            .collect::<Vec<u8>>()
+    });
+    // Node 0 sends what waits as slots free, on each delivery.
+    let mut delivered = 0;
+    while delivered < n {
+        match node.events().recv_timeout(WAIT).unwrap() {
+            Event::Sent { to: 1 } => {
+                delivered += 1;
+                node.pump(1);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(node.in_flight(1), 0);
+    let order = rx.join().unwrap();
+    assert_eq!(order, (0..n as u8).collect::<Vec<_>>());
 }
