@@ -360,6 +360,14 @@ impl Node {
         self.channels.stats()
     }
 
+    /// Delivers every chunk sent (those waiting for a message slot too), up to the round
+    /// timeout; whether all were. Chunks go out only while the node handles its events, so
+    /// a node that waits on anything else after its last round (a barrier) calls this
+    /// first: its peers may still need its last results.
+    pub fn flush(&mut self) -> bool {
+        self.channels.flush(self.cfg.round_timeout)
+    }
+
     /// Finish delivering what was sent (up to the round timeout: peers may still need this
     /// node's last results), then close the endpoint: its socket closes, which the peers
     /// see as this node's links closing.

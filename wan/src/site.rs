@@ -472,7 +472,11 @@ pub fn run_node(
         drop(node);
         return Err(e);
     }
-    // Nobody closes its endpoint while another node may still need it.
+    // This node's last results reach its peers before it waits for them (its queued chunks
+    // go out only while it handles its channels' events); whatever did not is the peers'
+    // round timeout to report. Nobody closes its endpoint while another node may still
+    // need it.
+    node.flush();
     let bar = barrier_addr(spec.master);
     rendezvous::exchange(
         bar,
