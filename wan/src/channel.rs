@@ -28,6 +28,11 @@
 //! as soon as its host says so. Chunks are delivered in the order they were sent, each
 //! receive's buffer reused for the next chunk.
 //!
+//! **Sending.** At most [`ChannelConfig::depth`] chunks per peer are messages at a time,
+//! as many as the peer keeps receives posted; the others wait in the channels and go as
+//! deliveries free slots ([`Channels::pump`]). A message the receiver has not posted
+//! acknowledges no progress, which the layer's sender would take for a lost window.
+//!
 //! **Passive awareness.** The layer reports when a message's first and last segments
 //! arrived ([`RecvReport::first_at`], [`RecvReport::last_at`]); with the sender's send time
 //! in the header that is the [`ChunkSample`] of [`gradwire_netstorm::awareness`].
