@@ -156,13 +156,16 @@ pub struct WanNodeArgs {
     #[arg(long, default_value_t = 120.0, value_parser = parse_secs)]
     pub timeout: f64,
     /// Line rate the node's senders never exceed, bits per second with a unit (e.g. 100M).
+    /// Not applied since the chunks are messages of the message layer, which has no pacer
+    /// (its congestion window sets the rate); accepted for the experiment's frame budget.
     #[arg(long, default_value = "1Gbit", value_parser = |s: &str| parse_rate(s).map(|r| r.bps()))]
     pub rate: u64,
-    /// Sender rate control: grant (receiver grants, adapted to ECN marks), ecn (DCTCP-style
-    /// on the senders) or fig7 (DLCP's Figure 7: halve when sending faster than received).
+    /// The flow transport's sender rate control: grant, ecn or fig7. Not applied on the
+    /// message layer (see --rate).
     #[arg(long, default_value = "grant", value_parser = parse_rate_mode)]
     pub rate_mode: RateMode,
-    /// The senders' rate-control period (the receivers' rate report interval), microseconds.
+    /// The flow transport's rate-control period, microseconds. Not applied on the message
+    /// layer (see --rate).
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(50..=1_000_000))]
     pub period_us: u64,
     #[command(flatten)]
@@ -356,10 +359,12 @@ pub struct WanExperimentArgs {
     /// (default 120; 30 with --quick).
     #[arg(long, value_parser = parse_secs)]
     pub timeout: Option<f64>,
-    /// Senders' line rate (default: each host link's rate).
+    /// Senders' line rate (default: each host link's rate): the frame budget's; not applied
+    /// by the nodes since their chunks are messages of the message layer (no pacer).
     #[arg(long, value_parser = |s: &str| parse_rate(s).map(|r| r.bps()))]
     pub rate: Option<u64>,
-    /// Sender rate control of every node: grant, ecn or fig7 (see `gradwire wan node`).
+    /// The flow transport's rate control, passed to every node, which no longer applies it
+    /// (see `gradwire wan node`).
     #[arg(long, default_value = "grant", value_parser = parse_rate_mode)]
     pub rate_mode: RateMode,
     /// The senders' rate-control period, microseconds.

@@ -986,6 +986,8 @@ mod tests {
             meta: Vec::new(),
             passes: 1,
             len: 0,
+            first_at: None,
+            last_at: None,
         }
     }
 

@@ -17,8 +17,9 @@ use std::fmt;
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 
-/// Largest number of ranks in a job (bounds every per-rank table, on the wire too).
-pub const MAX_RANKS: usize = 4096;
+/// Largest number of ranks in a job (bounds every per-rank table, on the wire too): the
+/// rendezvous's bound.
+pub const MAX_RANKS: usize = gradwire_rendezvous::MAX_RANKS;
 /// Largest job priority (the transport's priority classes are 0..=7).
 pub const MAX_PRIORITY: u8 = 7;
 /// Longest rack label, in characters.

@@ -34,5 +34,7 @@ pub mod group;
 pub mod job;
 pub mod link;
 pub mod ps;
-pub mod rendezvous;
+/// The rendezvous lives in its own crate (the NetStorm runtime uses it without the
+/// collectives); re-exported so that `gradwire_collective::rendezvous` keeps working.
+pub use gradwire_rendezvous as rendezvous;
 pub mod tree;

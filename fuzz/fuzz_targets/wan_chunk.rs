@@ -1,12 +1,12 @@
-//! Fuzzes the WAN chunk flow's header (`gradwire_wan::channel::decode_chunk`): the
+//! Fuzzes the WAN chunk message's header (`gradwire_wan::channel::decode_chunk`): the
 //! `[data_len u32, dtype u8, sent_ns u64, meta_len u16]` (big-endian) before the caller's
-//! metadata and the values, as a node reads each chunk flow from a peer.
+//! metadata and the values, as a node reads each chunk message from a peer.
 //!
 //! Properties checked:
 //! - the decoder never panics;
 //! - lengths are bounded: values at most `MAX_CHUNK_BYTES`, metadata at most `MAX_META`, and
-//!   the flow is exactly header + metadata + values long;
-//! - an accepted flow is canonical: re-encoding what was decoded, by the documented layout,
+//!   the message is exactly header + metadata + values long;
+//! - an accepted message is canonical: re-encoding what was decoded, by the documented layout,
 //!   gives the input bytes exactly;
 //! - one byte more or less is refused.
 #![no_main]

@@ -511,8 +511,9 @@ impl Driver {
         }
         // The ranks may now disagree on where they are in their sequence of operations, and
         // this rank's group refuses further ones: every peer gives up everything with it, now,
-        // naming the rank this operation failed on.
-        if let Some(c) = culprit {
+        // naming the rank this operation failed on. Not for an isolated operation, whose
+        // messages are independent of every other operation's.
+        if let (Some(c), false) = (culprit, run.op.isolated()) {
             let (me, world) = (self.core.config().rank, self.core.config().world);
             for p in (0..world).filter(|&p| p != me) {
                 self.core.abort_peer(p, c);

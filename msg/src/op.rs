@@ -95,6 +95,15 @@ pub trait Op: Send + 'static {
     fn start(&mut self, cx: &mut OpCx<'_>) -> Step<Self::Output>;
     /// One of its messages finished.
     fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Step<Self::Output>;
+    /// Whether its failure concerns its own messages only. By default an operation that
+    /// fails makes every peer give up everything with this rank (a group's operations run
+    /// in lock-step, so after one fails the ranks no longer agree where they are). An
+    /// isolated operation (a stream of chunks on one link of a runtime whose links are
+    /// independent, as NetStorm's) aborts only its own messages: a peer that left fails
+    /// the links with it, not the links with every other peer.
+    fn isolated(&self) -> bool {
+        false
+    }
 }
 
 /// Key of a routed message: (peer, message, is a send).
@@ -353,6 +362,7 @@ pub(crate) trait Erased: Send {
     fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Result<bool, OpError>;
     fn deliver(&mut self);
     fn fail(&mut self, e: OpError);
+    fn isolated(&self) -> bool;
 }
 
 pub(crate) struct Typed<O: Op> {
@@ -381,5 +391,9 @@ impl<O: Op> Erased for Typed<O> {
 
     fn fail(&mut self, e: OpError) {
         self.slot.complete(Err(e));
+    }
+
+    fn isolated(&self) -> bool {
+        self.op.isolated()
     }
 }

@@ -1,9 +1,8 @@
-//! Chunk channels: one directed link carrying a sequence of model chunks, each with its
-//! metadata, driven by a thread per direction.
+//! Chunk channels: every ordered pair of nodes carries a sequence of model chunks, each with
+//! its metadata, as **messages of the node's one message-layer endpoint** (`gradwire-msg`):
+//! one socket per node for every peer, no thread per link, no handshake per chunk.
 //!
-//! A chunk travels as **one reliable flow** on the link, a raw tensor sized by the sender
-//! (the receiver bounds it: [`MAX_CHUNK_BYTES`] plus the header, see
-//! [`RecvOptions::max_bytes`]):
+//! A chunk is one reliable message, sized by the sender:
 //!
 //! ```text
 //! off  size  field
@@ -15,50 +14,89 @@
 //! ..   ..    values     data_len bytes
 //! ```
 //!
-//! The flow's length must be exactly `15 + meta_len + data_len`. One flow per chunk, not a
-//! meta flow announcing a data flow: each flow costs its link about two round trips of
-//! handshakes (FlowStart/FlowAccept, FlowStop/FlowFinish), which on a WAN link of 60 ms
-//! round trip is as long as sending 120 kB at 8 Mbit/s.
+//! The message's length must be exactly `15 + meta_len + data_len`; anything else ends the
+//! channel from that peer with an error naming it.
 //!
-//! The link's two ends number the flows the same way (one sender thread, one receiver
-//! thread), so every flow's ids are known to both in advance. The receiver measures each
-//! flow from its first to its last packet on its own clock (the passive awareness of
-//! [`gradwire_netstorm::awareness`]).
+//! **Receiving.** Each node keeps [`ChannelConfig::depth`] receives posted per peer
+//! ([`RecvOpts::up_to`]: the sender decides each chunk's length, at most the posted
+//! `HEAD + MAX_META + max_chunk_bytes`, so a peer can never make this node allocate more per
+//! posted receive; a longer message is refused by the layer, segment by segment, and never
+//! placed). The receives are *patient* ([`RecvOpts::patient`]): a peer that has nothing to
+//! send for a long time (it is not in this node's trees, or it computes) keeps them waiting
+//! as long as it answers; a peer that stops answering fails them after the endpoint's peer
+//! timeout, and a peer whose socket closed (it finished, or its process died) fails them
+//! as soon as its host says so. Chunks are delivered in the order they were sent, each
+//! receive's buffer reused for the next chunk.
+//!
+//! **Sending.** At most [`ChannelConfig::depth`] chunks per peer are messages at a time,
+//! as many as the peer keeps receives posted; the others wait in the channels and go as
+//! deliveries free slots ([`Channels::pump`]). A message the receiver has not posted
+//! acknowledges no progress, which the layer's sender would take for a lost window.
+//!
+//! **Passive awareness.** The layer reports when a message's first and last segments
+//! arrived ([`RecvReport::first_at`], [`RecvReport::last_at`]); with the sender's send time
+//! in the header that is the [`ChunkSample`] of [`gradwire_netstorm::awareness`].
+//!
+//! **Independence.** The streams and sends are *isolated* operations
+//! ([`Op::isolated`]): the failure of one link ends that link only, so a node that finished
+//! and left does not fail the links between the nodes still running. Whether a link's end
+//! fails the node is the round loop's decision ([`crate::node`]).
+//!
+//! Both ends number a link's messages the same way (the layer reserves them in submission
+//! order: the sender's sends to a peer, the receiver's receives from it), so no id travels
+//! besides the layer's own.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Sender;
-use gradwire::ctrl_channel::ChannelError;
-use gradwire::flow::{fixed_priority, Tag};
-use gradwire::message::LossBound;
-use gradwire::tensor::{DType, Tensor};
-use gradwire::transport::{RecvOptions, SendOptions, TransferConfig, TransferError};
-use gradwire_collective::link::{InLink, OutLink};
+use crossbeam_channel::{Receiver, Sender};
+use gradwire_msg::core::{MsgError, RecvOpts, RecvReport, SendOpts};
+use gradwire_msg::endpoint::{Endpoint, EndpointStats};
+use gradwire_msg::mem::{BufId, Region};
+use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 use gradwire_netstorm::awareness::ChunkSample;
+use gradwire_proto::tensor::{DType, Tensor};
 
 /// The chunk header's fixed part: data length, dtype, send time, metadata length.
-const HEAD: usize = 4 + 1 + 8 + 2;
+pub const HEAD: usize = 4 + 1 + 8 + 2;
 /// Largest caller metadata.
 pub const MAX_META: usize = 2048 - HEAD;
 /// Largest chunk's values (16 M f32, 16 x NetStorm's default CHUNK_SIZE): with the header,
-/// bounds what a peer's flow can make this end allocate (the flow, then its values: twice
-/// this per receiving thread at most).
+/// bounds what a peer's message can make this end allocate per posted receive.
 pub const MAX_CHUNK_BYTES: usize = 64 << 20;
+/// Receives kept posted per peer when nothing else is said: enough for a sender's chunks to
+/// be placed as they arrive rather than held by the layer.
+pub const DEFAULT_DEPTH: usize = 4;
 
-/// The tensor id of every chunk flow (flows differ by their sequence number, the round).
-const CHUNK_TENSOR: u32 = 1;
-
-/// What the channels need of the transport.
+/// How the channels use the endpoint.
 #[derive(Debug, Clone)]
 pub struct ChannelConfig {
-    /// The job id of every flow.
-    pub job: u32,
-    /// Transfers (the receivers wait up to `connect_timeout` for each next chunk).
-    pub transfer: TransferConfig,
-    /// DSCP of the data.
+    /// DSCP of the data (the layer's control frames go at its control DSCP).
     pub dscp: u8,
+    /// Largest chunk values this node accepts, bytes (at most [`MAX_CHUNK_BYTES`]): the
+    /// size of each posted receive beside the header and [`MAX_META`].
+    pub max_chunk_bytes: usize,
+    /// Receives kept posted per peer (at least 1).
+    pub depth: usize,
+}
+
+impl ChannelConfig {
+    /// Chunks of at most `max_chunk_bytes` of values (clamped to [`MAX_CHUNK_BYTES`]) at
+    /// `dscp`, [`DEFAULT_DEPTH`] receives per peer.
+    pub fn new(dscp: u8, max_chunk_bytes: usize) -> ChannelConfig {
+        ChannelConfig {
+            dscp,
+            max_chunk_bytes: max_chunk_bytes.min(MAX_CHUNK_BYTES),
+            depth: DEFAULT_DEPTH,
+        }
+    }
+
+    /// Bytes of one posted receive: the largest message a peer may send.
+    pub fn recv_len(&self) -> usize {
+        HEAD + MAX_META + self.max_chunk_bytes.min(MAX_CHUNK_BYTES)
+    }
 }
 
 /// One chunk to send.
@@ -73,243 +111,412 @@ pub struct Outgoing {
 /// One chunk received.
 #[derive(Debug)]
 pub struct Incoming {
-    /// The link's sending end.
+    /// The sending node.
     pub from: usize,
     /// The caller's metadata.
     pub meta: Vec<u8>,
     /// The values.
     pub data: Tensor,
-    /// The data flow's timing for link measurements (send time on the sender's clock,
-    /// arrivals on this host's [`Instant`] epoch of the channel).
+    /// The chunk's timing for link measurements (send time on the sender's clock, arrivals
+    /// on this node's clock since the channels' epoch).
     pub sample: ChunkSample,
 }
 
-/// What a channel thread reports.
+/// What the channels report.
 #[derive(Debug)]
 pub enum Event {
     /// A chunk arrived.
     Chunk(Box<Incoming>),
-    /// A chunk was sent over the link to `to` (its queue shrank).
+    /// A chunk was delivered to `to` (its queue shrank).
     Sent {
-        /// The receiving end.
+        /// The receiving node.
         to: usize,
     },
-    /// The peer closed the link between chunks (it finished, or its process ended): the
-    /// channel thread ended. Whether that is a failure depends on what the node still
-    /// expects from it.
+    /// The peer's socket closed (it finished, or its process ended): its channel ended.
+    /// Whether that is a failure depends on what the node still expects from it.
     Closed {
-        /// The other end.
+        /// The other node.
         peer: usize,
     },
-    /// The link failed (the peer died mid-chunk or broke the protocol): the channel thread
-    /// ended.
+    /// The channel with `peer` failed (it went silent for the peer timeout, gave up, or
+    /// broke the chunk format).
     Failed {
-        /// The other end.
+        /// The other node.
         peer: usize,
         /// What happened.
         error: String,
+        /// The node the peer's own failure names, when the peer gave up because of a third
+        /// node (it says which).
+        culprit: Option<usize>,
     },
 }
 
-/// The sending end of a chunk channel: a queue and the thread that drains it.
+/// A node's chunk channels to and from every other node, over its endpoint.
 #[derive(Debug)]
-pub struct ChunkTx {
-    to: usize,
-    queue: Sender<Outgoing>,
-    in_flight: Arc<AtomicUsize>,
+pub struct Channels {
+    ep: Endpoint,
+    cfg: ChannelConfig,
+    epoch: Instant,
+    events_tx: Sender<Event>,
+    events: Receiver<Event>,
+    /// Per peer: chunks queued here or being sent, and of those being sent.
+    in_flight: Vec<Arc<AtomicUsize>>,
+    sending: Vec<Arc<AtomicUsize>>,
+    /// Per peer: encoded chunks waiting for a message slot.
+    queued: Vec<VecDeque<Vec<u8>>>,
 }
 
-impl ChunkTx {
-    /// The receiving end's rank.
-    pub fn to(&self) -> usize {
-        self.to
-    }
-
-    /// Chunks queued or being sent.
-    pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Acquire)
-    }
-
-    /// Queue a chunk; `false` when the channel's thread has ended (its failure was reported).
-    pub fn send(&self, chunk: Outgoing) -> bool {
-        self.in_flight.fetch_add(1, Ordering::AcqRel);
-        if self.queue.send(chunk).is_err() {
-            self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            return false;
+impl Channels {
+    /// Channels over `ep` (started, with every node's address): posts the receives from
+    /// every peer now.
+    pub fn start(ep: Endpoint, cfg: ChannelConfig) -> Channels {
+        let epoch = Instant::now();
+        let (events_tx, events) = crossbeam_channel::unbounded();
+        let (me, world) = (ep.rank(), ep.world());
+        for peer in (0..world).filter(|&p| p != me) {
+            let h = ep.submit(ChunkStream::new(peer, &cfg, epoch, events_tx.clone()));
+            let tx = events_tx.clone();
+            h.on_complete(move |r| {
+                if let Err(e) = r {
+                    let _ = tx.send(link_ended(me, peer, &e));
+                }
+            });
         }
+        Channels {
+            in_flight: (0..world).map(|_| Arc::new(AtomicUsize::new(0))).collect(),
+            sending: (0..world).map(|_| Arc::new(AtomicUsize::new(0))).collect(),
+            queued: (0..world).map(|_| VecDeque::new()).collect(),
+            ep,
+            cfg,
+            epoch,
+            events_tx,
+            events,
+        }
+    }
+
+    /// This node.
+    pub fn rank(&self) -> usize {
+        usize::from(self.ep.rank())
+    }
+
+    /// Nodes.
+    pub fn world(&self) -> usize {
+        usize::from(self.ep.world())
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ChannelConfig {
+        &self.cfg
+    }
+
+    /// What the channels report, in order per peer.
+    pub fn events(&self) -> &Receiver<Event> {
+        &self.events
+    }
+
+    /// Chunks sent to `to` (queued or being sent) and not yet delivered (0 for no such
+    /// peer).
+    pub fn in_flight(&self, to: usize) -> usize {
+        self.in_flight
+            .get(to)
+            .map_or(0, |c| c.load(Ordering::Acquire))
+    }
+
+    /// The endpoint's counters (datagrams, refusals, resends).
+    pub fn stats(&self) -> EndpointStats {
+        self.ep.stats()
+    }
+
+    /// Sends a chunk to `to`; its delivery or failure comes as an [`Event`]. Refuses
+    /// (without sending) metadata above [`MAX_META`], values above
+    /// [`ChannelConfig::max_chunk_bytes`] and a peer that is not another node.
+    ///
+    /// At most [`ChannelConfig::depth`] chunks per peer are messages at a time, as many as
+    /// the peer keeps receives posted; the others wait here, and [`Channels::pump`] (on
+    /// every [`Event::Sent`]) sends them. A message the receiver has not posted yet makes
+    /// no progress it acknowledges, so the layer would count the sender's window as lost
+    /// every RTO and halve it (measured on wan9: rounds of 80-100 s instead of 6-11 s).
+    pub fn send(&mut self, to: usize, chunk: &Outgoing) -> Result<(), String> {
+        u16::try_from(to)
+            .ok()
+            .filter(|&p| p != self.ep.rank() && p < self.ep.world())
+            .ok_or_else(|| format!("node {to} is not another node of the job"))?;
+        if chunk.data.len_bytes() > self.cfg.max_chunk_bytes {
+            return Err(format!(
+                "a chunk of {} bytes is above this job's {} (chunk_size x 4)",
+                chunk.data.len_bytes(),
+                self.cfg.max_chunk_bytes
+            ));
+        }
+        let bytes = encode_chunk(&chunk.meta, &chunk.data, self.epoch.elapsed())?;
+        self.in_flight[to].fetch_add(1, Ordering::AcqRel);
+        self.queued[to].push_back(bytes);
+        self.pump(to);
+        Ok(())
+    }
+
+    /// Sends what waits for `to` while fewer than [`ChannelConfig::depth`] of its chunks
+    /// are messages. The node calls it on every [`Event::Sent`].
+    pub fn pump(&mut self, to: usize) {
+        let Ok(peer) = u16::try_from(to) else {
+            return;
+        };
+        let depth = self.cfg.depth.max(1);
+        while self
+            .sending
+            .get(to)
+            .is_some_and(|c| c.load(Ordering::Acquire) < depth)
+        {
+            let Some(bytes) = self.queued[to].pop_front() else {
+                return;
+            };
+            self.submit(peer, bytes);
+        }
+    }
+
+    fn submit(&self, peer: u16, bytes: Vec<u8>) {
+        let to = usize::from(peer);
+        let (counter, sending) = (
+            Arc::clone(&self.in_flight[to]),
+            Arc::clone(&self.sending[to]),
+        );
+        sending.fetch_add(1, Ordering::AcqRel);
+        let tos = (self.cfg.dscp << 2) | 0b10; // ECN-capable (ECT(0)), as the flows were
+        let h = self.ep.submit(ChunkSend {
+            peer,
+            tos,
+            region: Some(Region::owned(bytes)),
+        });
+        let tx = self.events_tx.clone();
+        let me = self.ep.rank();
+        h.on_complete(move |r| {
+            sending.fetch_sub(1, Ordering::AcqRel);
+            counter.fetch_sub(1, Ordering::AcqRel);
+            let ev = match r {
+                Ok(()) => Event::Sent { to },
+                Err(e) => match link_ended(me, peer, &e) {
+                    // A peer that left while this node still sends to it broke the link.
+                    Event::Closed { .. } => Event::Failed {
+                        peer: to,
+                        error: e.to_string(),
+                        culprit: None,
+                    },
+                    ev => ev,
+                },
+            };
+            let _ = tx.send(ev);
+        });
+    }
+
+    /// Waits up to `timeout` until every chunk sent has been delivered (or failed), sending
+    /// what still waits; whether they all were. Chunks that arrive meanwhile are dropped:
+    /// for a node that has its results.
+    pub fn flush(&mut self, timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        loop {
+            if self
+                .in_flight
+                .iter()
+                .all(|c| c.load(Ordering::Acquire) == 0)
+            {
+                return true;
+            }
+            if Instant::now() >= end {
+                return false;
+            }
+            // A failed send ends its count too; nothing else waits here.
+            if let Ok(Event::Sent { to }) = self.events.recv_timeout(Duration::from_millis(5)) {
+                self.pump(to);
+            }
+        }
+    }
+}
+
+/// The event for a link whose operation with `peer` failed with `e`, on node `me`.
+fn link_ended(me: u16, peer: u16, e: &OpError) -> Event {
+    let p = usize::from(peer);
+    match e {
+        OpError::Peer(MsgError::Unreachable { .. }) => Event::Closed { peer: p },
+        OpError::Peer(MsgError::Aborted {
+            culprit: Some(c), ..
+        }) if *c != peer && *c != me => Event::Failed {
+            peer: p,
+            error: e.to_string(),
+            culprit: Some(usize::from(*c)),
+        },
+        _ => Event::Failed {
+            peer: p,
+            error: e.to_string(),
+            culprit: None,
+        },
+    }
+}
+
+/// One chunk to one peer: a reliable message at the chunk's TOS.
+#[derive(Debug)]
+struct ChunkSend {
+    peer: u16,
+    tos: u8,
+    region: Option<Region>,
+}
+
+impl Op for ChunkSend {
+    type Output = ();
+
+    fn start(&mut self, cx: &mut OpCx<'_>) -> Step<()> {
+        let region = self
+            .region
+            .take()
+            .ok_or_else(|| OpError::Invalid("started twice".into()))?;
+        let len = region.len();
+        let buf = cx.register(region);
+        let msg = cx.reserve_sends(self.peer, 1)?;
+        let opts = SendOpts {
+            tos: self.tos,
+            ..SendOpts::default()
+        };
+        cx.send(self.peer, msg, buf, 0..len, opts)?;
+        Ok(None)
+    }
+
+    fn on_event(&mut self, _ev: OpEvent, _cx: &mut OpCx<'_>) -> Step<()> {
+        Ok(Some(()))
+    }
+
+    fn isolated(&self) -> bool {
         true
     }
 }
 
-/// Start the sending thread of `link`; it reports to `events` and ends when the returned
-/// [`ChunkTx`] is dropped or the link fails.
-pub fn spawn_tx(
-    mut link: OutLink,
-    cfg: ChannelConfig,
+/// A posted receive of the stream: its message number, buffer and, once finished, report.
+#[derive(Debug)]
+struct Posted {
+    msg: u32,
+    buf: BufId,
+    done: Option<RecvReport>,
+}
+
+/// The receiving end of one peer's channel: `depth` receives kept posted, chunks decoded
+/// and reported in message order, each buffer reposted for the next chunk. It runs until
+/// the link fails (its error is the handle's) or the node stops listening.
+#[derive(Debug)]
+struct ChunkStream {
+    peer: u16,
+    depth: usize,
+    len: usize,
     epoch: Instant,
     events: Sender<Event>,
-) -> std::io::Result<ChunkTx> {
-    let to = link.peer();
-    let (queue, rx) = crossbeam_channel::unbounded::<Outgoing>();
-    let in_flight = Arc::new(AtomicUsize::new(0));
-    let counter = Arc::clone(&in_flight);
-    std::thread::Builder::new()
-        .name(format!("chunk-tx-{to}"))
-        .spawn(move || {
-            let mut seq = 0u32;
-            for chunk in rx.iter() {
-                let r = send_chunk(&mut link, &cfg, epoch, seq, &chunk);
-                seq = seq.wrapping_add(1);
-                counter.fetch_sub(1, Ordering::AcqRel);
-                match r {
-                    Ok(()) => {
-                        if events.send(Event::Sent { to }).is_err() {
-                            return;
-                        }
-                    }
-                    Err(error) => {
-                        let _ = events.send(Event::Failed { peer: to, error });
-                        return;
-                    }
-                }
-            }
-        })?;
-    Ok(ChunkTx {
-        to,
-        queue,
-        in_flight,
-    })
+    posted: VecDeque<Posted>,
 }
 
-fn send_chunk(
-    link: &mut OutLink,
-    cfg: &ChannelConfig,
-    epoch: Instant,
-    seq: u32,
-    chunk: &Outgoing,
-) -> Result<(), String> {
-    let flow = encode_chunk(&chunk.meta, &chunk.data, epoch.elapsed())?;
-    let opts = SendOptions {
-        round: seq,
-        loss_bound: Some(LossBound::RELIABLE),
-        ..SendOptions::new(cfg.job, CHUNK_TENSOR)
-    };
-    let prio = fixed_priority(Tag {
-        dscp: cfg.dscp,
-        ect: true,
-    });
-    link.send(&flow, &opts, &prio, &cfg.transfer)
-        .map_err(|e| e.to_string())?;
-    Ok(())
-}
+impl ChunkStream {
+    fn new(peer: u16, cfg: &ChannelConfig, epoch: Instant, events: Sender<Event>) -> ChunkStream {
+        ChunkStream {
+            peer,
+            depth: cfg.depth.max(1),
+            len: cfg.recv_len(),
+            epoch,
+            events,
+            posted: VecDeque::new(),
+        }
+    }
 
-/// Start the receiving thread of `link`; it reports every chunk to `events` and ends when
-/// the link closes or fails (reported), when `events` is gone, or when `stop` is set and
-/// its wait for the next chunk (`cfg.transfer.connect_timeout`) ends. Give that wait
-/// generously: a receive that stops waiting aborts the peer's next flow.
-pub fn spawn_rx(
-    mut link: InLink,
-    cfg: ChannelConfig,
-    epoch: Instant,
-    events: Sender<Event>,
-    stop: Arc<std::sync::atomic::AtomicBool>,
-) -> std::io::Result<std::thread::JoinHandle<()>> {
-    let from = link.peer();
-    std::thread::Builder::new()
-        .name(format!("chunk-rx-{from}"))
-        .spawn(move || {
-            let mut seq = 0u32;
-            loop {
-                if stop.load(Ordering::Acquire) {
-                    return;
-                }
-                match recv_chunk(&mut link, &cfg, epoch, seq, from) {
-                    Ok(Some(c)) => {
-                        if events.send(Event::Chunk(Box::new(c))).is_err() {
-                            return;
-                        }
-                    }
-                    // Nothing yet: keep waiting unless the node has stopped.
-                    Ok(None) => {
-                        if stop.load(Ordering::Acquire) {
-                            return;
-                        }
-                        continue;
-                    }
-                    Err(RxError::Closed) => {
-                        let _ = events.send(Event::Closed { peer: from });
-                        return;
-                    }
-                    Err(RxError::Failed(error)) => {
-                        let _ = events.send(Event::Failed { peer: from, error });
-                        return;
-                    }
-                }
-                seq = seq.wrapping_add(1);
-            }
-        })
-}
+    fn post(&mut self, cx: &mut OpCx<'_>, buf: BufId) -> Result<(), OpError> {
+        let msg = cx.reserve_recvs(self.peer, 1)?;
+        let opts = RecvOpts {
+            up_to: true,
+            patient: true,
+            ..RecvOpts::default()
+        };
+        cx.recv(self.peer, msg, buf, 0..self.len, opts)?;
+        self.posted.push_back(Posted {
+            msg,
+            buf,
+            done: None,
+        });
+        Ok(())
+    }
 
-/// Why a receive ended without a chunk.
-enum RxError {
-    /// The peer closed the link between chunks.
-    Closed,
-    /// Anything else.
-    Failed(String),
-}
-
-impl From<String> for RxError {
-    fn from(s: String) -> RxError {
-        RxError::Failed(s)
+    fn refuse(&self, reason: String) -> OpError {
+        OpError::Data {
+            peer: self.peer,
+            reason,
+        }
     }
 }
 
-/// The next chunk, or `None` when no chunk started within the wait.
-fn recv_chunk(
-    link: &mut InLink,
-    cfg: &ChannelConfig,
-    epoch: Instant,
-    seq: u32,
-    from: usize,
-) -> Result<Option<Incoming>, RxError> {
-    let opts = RecvOptions {
-        round: Some(seq),
-        loss_bound: Some(LossBound::RELIABLE),
-        max_bytes: Some((HEAD + MAX_META + MAX_CHUNK_BYTES) as u64),
-        ..RecvOptions::new(cfg.job, CHUNK_TENSOR)
-    };
-    let mut flow = Tensor::zeros(DType::Raw, 0);
-    let started = epoch.elapsed();
-    let r = match link.recv(&mut flow, &opts, &cfg.transfer) {
-        Ok(r) => r,
-        Err(TransferError::Stalled {
-            during: "waiting for FlowStart",
-            ..
-        }) => return Ok(None),
-        Err(TransferError::Channel(ChannelError::Closed { .. })) => return Err(RxError::Closed),
-        Err(e) => return Err(RxError::Failed(e.to_string())),
-    };
-    let (data, sent_ns, meta) =
-        decode_chunk(flow.as_bytes()).map_err(|e| format!("rank {from}: {e}"))?;
-    let first = r.stats.first_data_ns.unwrap_or(r.stats.start_ns);
-    let last = r.stats.bound_met_ns.unwrap_or(first);
-    let sample = ChunkSample {
-        bytes: flow.len_bytes() as u64,
-        sent_at: Duration::from_nanos(sent_ns),
-        first_arrival: started + Duration::from_nanos(first),
-        last_arrival: started + Duration::from_nanos(last),
-        packets: u32::try_from(r.stats.placed).unwrap_or(u32::MAX),
-    };
-    Ok(Some(Incoming {
-        from,
-        meta,
-        data,
-        sample,
-    }))
+impl Op for ChunkStream {
+    type Output = ();
+
+    fn start(&mut self, cx: &mut OpCx<'_>) -> Step<()> {
+        for _ in 0..self.depth {
+            let buf = cx.register(Region::owned(vec![0; self.len]));
+            self.post(cx, buf)?;
+        }
+        Ok(None)
+    }
+
+    fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Step<()> {
+        let OpEvent::Received { msg, report, .. } = ev else {
+            return Ok(None);
+        };
+        if let Some(p) = self.posted.iter_mut().find(|p| p.msg == msg) {
+            p.done = Some(report);
+        }
+        // In message order: a later chunk that finished first waits for the earlier one.
+        while self.posted.front().is_some_and(|p| p.done.is_some()) {
+            let Some(Posted {
+                buf,
+                done: Some(report),
+                ..
+            }) = self.posted.pop_front()
+            else {
+                break;
+            };
+            if report.missing != 0 {
+                return Err(self.refuse(format!(
+                    "a chunk ended with {} of {} segments missing on a reliable channel",
+                    report.missing, report.segments
+                )));
+            }
+            let bytes = cx
+                .buf(buf)
+                .get(..report.len as usize)
+                .ok_or_else(|| self.refuse("a chunk longer than its buffer".into()))?;
+            let (data, sent_ns, meta) =
+                decode_chunk(bytes).map_err(|e| self.refuse(format!("invalid chunk: {e}")))?;
+            let since = |t: Option<Instant>| {
+                t.map_or(Duration::ZERO, |t| t.saturating_duration_since(self.epoch))
+            };
+            let sample = ChunkSample {
+                bytes: u64::from(report.len),
+                sent_at: Duration::from_nanos(sent_ns),
+                first_arrival: since(report.first_at),
+                last_arrival: since(report.last_at.or(report.first_at)),
+                packets: report.segments.saturating_sub(report.missing),
+            };
+            let chunk = Incoming {
+                from: usize::from(self.peer),
+                meta,
+                data,
+                sample,
+            };
+            if self.events.send(Event::Chunk(Box::new(chunk))).is_err() {
+                // Nobody listens any more: the node has stopped.
+                return Ok(Some(()));
+            }
+            self.post(cx, buf)?;
+        }
+        Ok(None)
+    }
+
+    fn isolated(&self) -> bool {
+        true
+    }
 }
 
-/// A chunk's flow: the header, the caller's metadata, the values.
-fn encode_chunk(meta: &[u8], data: &Tensor, sent: Duration) -> Result<Tensor, String> {
+/// A chunk's message: the header, the caller's metadata, the values.
+pub fn encode_chunk(meta: &[u8], data: &Tensor, sent: Duration) -> Result<Vec<u8>, String> {
     if meta.len() > MAX_META {
         return Err(format!(
             "chunk metadata of {} bytes is above {MAX_META}",
@@ -326,23 +533,22 @@ fn encode_chunk(meta: &[u8], data: &Tensor, sent: Duration) -> Result<Tensor, St
                 values.len()
             )
         })?;
-    let mut t = Tensor::zeros(DType::Raw, HEAD + meta.len() + values.len());
-    let b = t.as_bytes_mut();
-    b[0..4].copy_from_slice(&len.to_be_bytes());
-    b[4] = data.dtype().code();
-    b[5..13].copy_from_slice(&(sent.as_nanos() as u64).to_be_bytes());
-    b[13..15].copy_from_slice(&(meta.len() as u16).to_be_bytes());
-    b[HEAD..HEAD + meta.len()].copy_from_slice(meta);
-    b[HEAD + meta.len()..].copy_from_slice(values);
-    Ok(t)
+    let mut b = Vec::with_capacity(HEAD + meta.len() + values.len());
+    b.extend_from_slice(&len.to_be_bytes());
+    b.push(data.dtype().code());
+    b.extend_from_slice(&(sent.as_nanos() as u64).to_be_bytes());
+    b.extend_from_slice(&(meta.len() as u16).to_be_bytes());
+    b.extend_from_slice(meta);
+    b.extend_from_slice(values);
+    Ok(b)
 }
 
-/// Parse a chunk's flow: (values, send time ns, caller metadata). The flow must be exactly
-/// as long as its header says.
+/// Parse a chunk's message: (values, send time ns, caller metadata). The message must be
+/// exactly as long as its header says.
 pub fn decode_chunk(b: &[u8]) -> Result<(Tensor, u64, Vec<u8>), String> {
     let head = b
         .get(..HEAD)
-        .ok_or("a chunk flow shorter than its header")?;
+        .ok_or("a chunk message shorter than its header")?;
     let bytes = u32::from_be_bytes([head[0], head[1], head[2], head[3]]) as usize;
     if bytes > MAX_CHUNK_BYTES {
         return Err(format!(
@@ -361,7 +567,8 @@ pub fn decode_chunk(b: &[u8]) -> Result<(Tensor, u64, Vec<u8>), String> {
     }
     if b.len() != HEAD + meta_len + bytes {
         return Err(format!(
-            "a chunk flow of {} bytes for a header saying {} (metadata {meta_len}, values {bytes})",
+            "a chunk message of {} bytes for a header saying {} (metadata {meta_len}, values \
+             {bytes})",
             b.len(),
             HEAD + meta_len + bytes
         ));
@@ -383,7 +590,7 @@ mod tests {
 
     proptest! {
         /// Any chunk the encoder writes decodes to what was encoded, and decoding is
-        /// canonical: a flow that decodes re-encodes to exactly its own bytes.
+        /// canonical: a message that decodes re-encodes to exactly its own bytes.
         #[test]
         fn chunks_round_trip_and_decoding_is_canonical(
             code in 0u8..4,
@@ -396,25 +603,25 @@ mod tests {
             let mut data = Tensor::zeros(dtype, elems);
             data.fill_pattern(seed);
             let t = encode_chunk(&meta, &data, Duration::from_nanos(ns)).unwrap();
-            let (back, got_ns, got_meta) = decode_chunk(t.as_bytes()).unwrap();
+            let (back, got_ns, got_meta) = decode_chunk(&t).unwrap();
             prop_assert_eq!(back.dtype(), dtype);
             prop_assert_eq!(got_ns, ns);
             prop_assert_eq!(&got_meta, &meta);
             prop_assert!(back.as_bytes() == data.as_bytes());
             let again = encode_chunk(&got_meta, &back, Duration::from_nanos(got_ns)).unwrap();
-            prop_assert!(again.as_bytes() == t.as_bytes());
+            prop_assert!(again == t);
         }
 
         /// Arbitrary bytes never panic the decoder, and what it accepts is exactly as long
         /// as its header says and re-encodes to the same bytes.
         #[test]
-        fn arbitrary_bytes_never_panic_and_accepted_flows_are_canonical(
+        fn arbitrary_bytes_never_panic_and_accepted_messages_are_canonical(
             b in proptest::collection::vec(any::<u8>(), 0..256),
         ) {
             if let Ok((data, ns, meta)) = decode_chunk(&b) {
                 prop_assert_eq!(b.len(), HEAD + meta.len() + data.len_bytes());
                 let again = encode_chunk(&meta, &data, Duration::from_nanos(ns)).unwrap();
-                prop_assert!(again.as_bytes() == b.as_slice());
+                prop_assert!(again == b);
             }
         }
     }
@@ -424,32 +631,42 @@ mod tests {
         let mut data = Tensor::zeros(DType::F32, 1024);
         data.fill_pattern(3);
         let t = encode_chunk(b"hello", &data, Duration::from_nanos(77)).unwrap();
-        let (back, ns, meta) = decode_chunk(t.as_bytes()).unwrap();
+        let (back, ns, meta) = decode_chunk(&t).unwrap();
         assert_eq!(
             (back.dtype(), ns, meta.as_slice()),
             (DType::F32, 77, &b"hello"[..])
         );
         assert!(back.as_bytes() == data.as_bytes());
         assert!(encode_chunk(&[0; MAX_META + 1], &data, Duration::ZERO).is_err());
-        // Unknown dtype, metadata past the end, a huge length, a short or long flow.
-        let mut b = t.as_bytes().to_vec();
+        // Unknown dtype, metadata past the end, a huge length, a short or long message.
+        let mut b = t.clone();
         b[4] = 99;
         assert!(decode_chunk(&b).is_err());
-        let mut b = t.as_bytes().to_vec();
+        let mut b = t.clone();
         b[13..15].copy_from_slice(&u16::MAX.to_be_bytes());
         assert!(decode_chunk(&b).is_err());
-        let mut b = t.as_bytes().to_vec();
+        let mut b = t.clone();
         b[0..4].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(decode_chunk(&b).is_err());
-        assert!(decode_chunk(&t.as_bytes()[..3]).is_err());
-        assert!(decode_chunk(&t.as_bytes()[..t.len_bytes() - 1]).is_err());
-        let mut b = t.as_bytes().to_vec();
+        assert!(decode_chunk(&t[..3]).is_err());
+        assert!(decode_chunk(&t[..t.len() - 1]).is_err());
+        let mut b = t.clone();
         b.push(0);
         assert!(decode_chunk(&b).is_err());
         // Values that are not whole elements of their dtype.
-        let mut b = t.as_bytes().to_vec();
+        let mut b = t.clone();
         b[0..4].copy_from_slice(&4095u32.to_be_bytes());
         b.pop();
         assert!(decode_chunk(&b).is_err());
+    }
+
+    #[test]
+    fn a_posted_receive_holds_the_largest_chunk_and_no_more() {
+        let c = ChannelConfig::new(10, 4 * 700);
+        assert_eq!(c.recv_len(), HEAD + MAX_META + 2800);
+        // The configured bound never exceeds the format's.
+        let c = ChannelConfig::new(10, usize::MAX);
+        assert_eq!(c.max_chunk_bytes, MAX_CHUNK_BYTES);
+        assert_eq!(c.recv_len(), HEAD + MAX_META + MAX_CHUNK_BYTES);
     }
 }

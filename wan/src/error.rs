@@ -8,8 +8,13 @@ use std::time::Duration;
 pub enum WanError {
     /// A chunk channel with a peer failed, or a peer sent what the round's policy forbids.
     /// A peer that failed closes its links, so the nodes whose links had closed before are
-    /// named too: one of them may be the cause (a dead node whose death failed the peer).
-    #[error("node {rank}: link with node {peer}: {error}{}", closed_before(.closed))]
+    /// named too: one of them may be the cause (a dead node whose death failed the peer),
+    /// and so is the node the peer itself named when it gave up.
+    #[error(
+        "node {rank}: link with node {peer}: {error}{}{}",
+        culprit_named(*.culprit),
+        closed_before(.closed)
+    )]
     Peer {
         /// This node.
         rank: usize,
@@ -19,6 +24,9 @@ pub enum WanError {
         error: String,
         /// Nodes whose links to this one had closed before (finished early, or dead).
         closed: Vec<usize>,
+        /// The node the peer's own failure names (it gave up its link with this node
+        /// because its link with that node failed).
+        culprit: Option<usize>,
     },
     /// A round did not finish in time: a node stopped answering, or the network is slower
     /// than the timeout allows.
@@ -56,9 +64,6 @@ pub enum WanError {
         /// The configured wait that ran out, when that is what happened.
         timed_out: Option<TimedOut>,
     },
-    /// Links could not be set up.
-    #[error(transparent)]
-    Collective(#[from] gradwire_collective::error::CollectiveError),
     /// A policy could not be formulated (a disconnected overlay, a bad root).
     #[error("policy formulation: {0}")]
     Plan(String),
@@ -89,9 +94,15 @@ impl WanError {
     /// Tests and reports read this instead of parsing the message.
     pub fn blamed(&self) -> Vec<usize> {
         let mut out = match self {
-            WanError::Peer { peer, closed, .. } => {
+            WanError::Peer {
+                peer,
+                closed,
+                culprit,
+                ..
+            } => {
                 let mut v = closed.clone();
                 v.push(*peer);
+                v.extend(*culprit);
                 v
             }
             WanError::RoundTimeout { closed, .. } => closed.clone(),
@@ -118,6 +129,13 @@ impl WanError {
     }
 }
 
+/// " (the peer gave up because of node N: see node N)", or nothing.
+fn culprit_named(culprit: Option<usize>) -> String {
+    culprit.map_or_else(String::new, |c| {
+        format!(" (the peer gave up because of node {c}: see node {c})")
+    })
+}
+
 /// " (links closed before by nodes [..])", or nothing when none had.
 fn closed_before(closed: &[usize]) -> String {
     if closed.is_empty() {
@@ -138,12 +156,26 @@ mod tests {
             peer: 12,
             error: "closed".into(),
             closed: vec![2, 12],
+            culprit: None,
         };
         assert_eq!(e.blamed(), vec![2, 12]);
         assert_eq!(e.timed_out(), None);
         assert_eq!(
             e.to_string(),
             "node 0: link with node 12: closed (links closed before by nodes [2, 12])"
+        );
+        let e = WanError::Peer {
+            rank: 0,
+            peer: 3,
+            error: "rank 3 gave up message 4".into(),
+            closed: vec![],
+            culprit: Some(5),
+        };
+        assert_eq!(e.blamed(), vec![3, 5]);
+        assert_eq!(
+            e.to_string(),
+            "node 0: link with node 3: rank 3 gave up message 4 (the peer gave up because of \
+             node 5: see node 5)"
         );
         let e = WanError::RoundTimeout {
             rank: 1,

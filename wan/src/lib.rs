@@ -1,9 +1,10 @@
-//! NetStorm's runtime over gradwire (../shared/papers/netstorm.txt §VIII): the scheduler
-//! process and the general nodes, on the pure algorithms and state machines of
+//! NetStorm's runtime over gradwire's message layer (../shared/papers/netstorm.txt §VIII):
+//! the scheduler process and the general nodes, on the pure algorithms and state machines of
 //! [`gradwire_netstorm`].
 //!
-//! - [`channel`]: chunk channels, one directed gradwire link each, driven by a thread per
-//!   direction, timing every chunk for the passive link measurement.
+//! - [`channel`]: chunk channels as messages of one `gradwire-msg` endpoint per node (one
+//!   socket for every peer, no thread per link, no handshake per chunk), timing every chunk
+//!   for the passive link measurement.
 //! - [`policy`]: the round's chunks under its policy.
 //! - [`plan`]: policy formulation for NetStorm's strategies and the baselines.
 //! - [`control`]: the node-scheduler connection (TRP before each PUSH, link reports).
@@ -13,8 +14,9 @@
 //! - [`workload`]: the synthetic model a WAN job synchronizes, with inputs whose exact
 //!   average every node checks, element by element, each round.
 //! - [`overlay`]: a WAN topology's sites and the scheduler's overlay of its inter-site links.
-//! - [`site`]: one site's node from start to finish (`gradwire wan node`): links by
-//!   rendezvous, the scheduler served or reached, verified rounds, the final barrier, and
+//! - [`site`]: one site's node from start to finish (`gradwire wan node`): every node's
+//!   endpoint address by the rendezvous (`gradwire-rendezvous`), the scheduler served or
+//!   reached, verified rounds, the final barrier, and
 //!   its report or its failure as data.
 //!
 //! The protocol itself (rounds, caching, relays, pinning) is the netstorm crate's

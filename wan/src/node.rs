@@ -9,39 +9,29 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::RecvTimeoutError;
-use gradwire::tensor::Tensor;
-use gradwire::transport::TransferConfig;
-use gradwire_collective::link::Links;
+use gradwire_msg::endpoint::Endpoint;
 use gradwire_netstorm::awareness::{ChunkSample, Estimator, LinkMonitor};
 use gradwire_netstorm::config::NetStormConfig;
 use gradwire_netstorm::consistency::{NodeState, Output, Payload};
 use gradwire_netstorm::wire::{ChunkHeader, LinkReport, Message, Phase};
 
-use crate::channel::{self, ChannelConfig, ChunkTx, Event, Outgoing};
+use gradwire_proto::tensor::Tensor;
+
+use crate::channel::{self, ChannelConfig, Channels, Event, Outgoing};
 use crate::control::SchedulerClient;
 use crate::error::WanError;
 use crate::policy::{aux_map, chunk_plan};
 
-/// How long a chunk receiver waits for the next chunk (a day: in practice, until the peer
-/// closes the link).
-const RX_IDLE: Duration = Duration::from_secs(24 * 3600);
-
 /// How a node runs.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
-    /// This node.
+    /// This node (its endpoint's rank).
     pub rank: usize,
-    /// The job id of its flows.
-    pub job: u32,
     /// NetStorm's options (chunk size, auxiliary paths, awareness).
     pub netstorm: NetStormConfig,
-    /// The transport.
-    pub transfer: TransferConfig,
     /// DSCP of the chunks.
     pub dscp: u8,
     /// Longest wait for a round (for the scheduler's answer or a peer's chunk).
@@ -82,10 +72,7 @@ impl Payload for Values {
 #[derive(Debug)]
 pub struct Node {
     cfg: NodeConfig,
-    txs: Vec<Option<ChunkTx>>,
-    events: crossbeam_channel::Receiver<Event>,
-    stop: Arc<AtomicBool>,
-    rx_threads: Vec<std::thread::JoinHandle<()>>,
+    channels: Channels,
     scheduler: SchedulerClient,
     state: NodeState<Values>,
     /// Peers whose links to this node have closed (finished, or dead).
@@ -95,8 +82,13 @@ pub struct Node {
 }
 
 impl Node {
-    /// A node over `links` (to every other node), talking to the scheduler at `scheduler`.
-    pub fn start(links: Links, scheduler: SocketAddr, cfg: NodeConfig) -> Result<Node, WanError> {
+    /// A node over `endpoint` (started, with every node's address; its peer timeout is how
+    /// long a silent peer is waited for), talking to the scheduler at `scheduler`.
+    pub fn start(
+        endpoint: Endpoint,
+        scheduler: SocketAddr,
+        cfg: NodeConfig,
+    ) -> Result<Node, WanError> {
         cfg.netstorm
             .validate()
             .map_err(|e| WanError::Config(e.to_string()))?;
@@ -111,42 +103,18 @@ impl Node {
         }
         let me = u16::try_from(cfg.rank)
             .map_err(|_| WanError::Config(format!("node {} is beyond 16-bit ids", cfg.rank)))?;
-        let epoch = Instant::now();
-        let (tx_events, events) = crossbeam_channel::unbounded();
-        let stop = Arc::new(AtomicBool::new(false));
-        let ccfg = ChannelConfig {
-            job: cfg.job,
-            transfer: cfg.transfer.clone(),
-            dscp: cfg.dscp,
-        };
-        // A receiver waits for the next chunk as long as the job runs: a receive that gave
-        // up waiting would abort the peer's next flow. It ends when the peer closes the link
-        // (the peer's shutdown, or its death), which the round loop judges.
-        let mut rx_cfg = ccfg.clone();
-        rx_cfg.transfer.connect_timeout = RX_IDLE;
-        let (outs, ins) = links.split();
-        let mut txs = Vec::with_capacity(outs.len());
-        for l in outs {
-            txs.push(match l {
-                Some(l) => Some(channel::spawn_tx(
-                    l,
-                    ccfg.clone(),
-                    epoch,
-                    tx_events.clone(),
-                )?),
-                None => None,
-            });
+        if endpoint.rank() != me {
+            return Err(WanError::Config(format!(
+                "node {} was given the endpoint of node {}",
+                cfg.rank,
+                endpoint.rank()
+            )));
         }
-        let mut rx_threads = Vec::new();
-        for l in ins.into_iter().flatten() {
-            rx_threads.push(channel::spawn_rx(
-                l,
-                rx_cfg.clone(),
-                epoch,
-                tx_events.clone(),
-                Arc::clone(&stop),
-            )?);
-        }
+        // f32 chunks: a posted receive holds the largest chunk of this job's CHUNK_SIZE.
+        let channels = Channels::start(
+            endpoint,
+            ChannelConfig::new(cfg.dscp, cfg.netstorm.chunk_size.saturating_mul(4)),
+        );
         let scheduler = SchedulerClient::connect(scheduler, cfg.round_timeout)?;
         let ns = &cfg.netstorm;
         let monitor = LinkMonitor::new(
@@ -164,10 +132,7 @@ impl Node {
                 link_reports: 0,
             },
             cfg,
-            txs,
-            events,
-            stop,
-            rx_threads,
+            channels,
             scheduler,
             state: NodeState::new(me, 0),
             closed: Vec::new(),
@@ -176,11 +141,16 @@ impl Node {
     }
 
     fn peer_err(&self, peer: usize, error: impl ToString) -> WanError {
+        self.peer_err_via(peer, error, None)
+    }
+
+    fn peer_err_via(&self, peer: usize, error: impl ToString, culprit: Option<usize>) -> WanError {
         WanError::Peer {
             rank: self.cfg.rank,
             peer,
             error: error.to_string(),
             closed: self.closed.clone(),
+            culprit,
         }
     }
 
@@ -220,7 +190,7 @@ impl Node {
         let deadline = started + self.cfg.round_timeout;
         while !done {
             let left = deadline.saturating_duration_since(Instant::now());
-            let ev = match self.events.recv_timeout(left) {
+            let ev = match self.channels.events().recv_timeout(left) {
                 Ok(ev) => ev,
                 Err(RecvTimeoutError::Timeout) => {
                     return Err(WanError::RoundTimeout {
@@ -237,11 +207,16 @@ impl Node {
                 }
             };
             match ev {
-                Event::Sent { .. } => {}
+                // A message slot to `to` is free: send what waits for it.
+                Event::Sent { to } => self.channels.pump(to),
                 // A peer that finished may leave; if this round still needed it, the round
                 // times out naming it.
                 Event::Closed { peer } => self.closed.push(peer),
-                Event::Failed { peer, error } => return Err(self.peer_err(peer, error)),
+                Event::Failed {
+                    peer,
+                    error,
+                    culprit,
+                } => return Err(self.peer_err_via(peer, error, culprit)),
                 Event::Chunk(c) => {
                     self.measure(c.from, c.sample)?;
                     let header = ChunkHeader::parse(&c.meta)
@@ -299,11 +274,6 @@ impl Node {
                             self.report.relayed += 1;
                         }
                     }
-                    let tx = self
-                        .txs
-                        .get(usize::from(to))
-                        .and_then(Option::as_ref)
-                        .ok_or_else(|| WanError::Internal(format!("no channel to node {to}")))?;
                     let meta = header
                         .to_vec()
                         .map_err(|e| WanError::Internal(e.to_string()))?;
@@ -311,9 +281,9 @@ impl Node {
                         meta,
                         data: Tensor::from_f32(&payload.0),
                     };
-                    if !tx.send(out) {
-                        return Err(self.peer_err(usize::from(to), "its channel has failed"));
-                    }
+                    self.channels
+                        .send(usize::from(to), &out)
+                        .map_err(|e| WanError::Internal(format!("a chunk for node {to}: {e}")))?;
                 }
                 Output::Result { chunk, payload, .. } => {
                     if let Some(slot) = results.get_mut(chunk as usize) {
@@ -340,12 +310,7 @@ impl Node {
         if !ns.enable_aux_path || header.is_aux || header.phase != Phase::Push {
             return Ok((to, header));
         }
-        let queued = |q: u16| {
-            self.txs
-                .get(usize::from(q))
-                .and_then(Option::as_ref)
-                .map_or(usize::MAX, ChunkTx::in_flight)
-        };
+        let queued = |q: u16| self.channels.in_flight(usize::from(q));
         if queued(to) < ns.primary_busy_bound {
             return Ok((to, header));
         }
@@ -390,19 +355,24 @@ impl Node {
         &self.report
     }
 
-    /// Finish sending what is queued (up to the round timeout: peers may still need this
-    /// node's last results), then stop the channels.
+    /// The channels' endpoint counters (datagrams, refusals, resends).
+    pub fn stats(&self) -> gradwire_msg::endpoint::EndpointStats {
+        self.channels.stats()
+    }
+
+    /// Delivers every chunk sent (those waiting for a message slot too), up to the round
+    /// timeout; whether all were. Chunks go out only while the node handles its events, so
+    /// a node that waits on anything else after its last round (a barrier) calls this
+    /// first: its peers may still need its last results.
+    pub fn flush(&mut self) -> bool {
+        self.channels.flush(self.cfg.round_timeout)
+    }
+
+    /// Finish delivering what was sent (up to the round timeout: peers may still need this
+    /// node's last results), then close the endpoint: its socket closes, which the peers
+    /// see as this node's links closing.
     pub fn shutdown(mut self) -> NodeReport {
-        let deadline = Instant::now() + self.cfg.round_timeout;
-        while Instant::now() < deadline && self.txs.iter().flatten().any(|t| t.in_flight() > 0) {
-            // Chunks that still arrive are not needed: this node has its results.
-            let _ = self.events.recv_timeout(Duration::from_millis(50));
-        }
-        self.stop.store(true, Ordering::Release);
-        // Closing this node's sending ends ends its peers' receivers; this node's receivers
-        // end as its peers close theirs (not joined: a peer may still be finishing).
-        self.txs.clear();
-        self.rx_threads.clear();
-        self.report.clone()
+        self.channels.flush(self.cfg.round_timeout);
+        self.report
     }
 }

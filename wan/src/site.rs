@@ -1,9 +1,10 @@
 //! One site's node from start to finish (`gradwire wan node`): the synthetic
-//! [`Workload`], links to every other node by the rendezvous at rank 0's address (the
-//! master), the scheduler served on rank 0 (`--serve-scheduler`, master port + 1, over the
-//! [`overlay`](crate::overlay) of the topology file) or reached elsewhere, N verified rounds
+//! [`Workload`], its message-layer endpoint, whose address every other node learns by the
+//! rendezvous at rank 0's address (the master), the scheduler served on rank 0
+//! (`--serve-scheduler`, master port + 1, over the [`overlay`](crate::overlay) of the
+//! topology file) or reached elsewhere, N verified rounds
 //! on the node loop ([`Node`]), then a final barrier (a second rendezvous at master port +
-//! 2) so that no node closes its links while another still needs them.
+//! 2) so that no node closes its endpoint while another still needs it.
 //!
 //! Every wait is bounded by `--timeout`; a node that does not come, a dead peer, a scheduler
 //! that does not answer end the node with an error naming it ([`NodeError`]), a timeout's
@@ -15,14 +16,11 @@ use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime};
 
-use gradwire::flow::SenderConfig;
-use gradwire::rate::RateMode;
-use gradwire::transport::TransferConfig;
-use gradwire_collective::error::CollectiveError;
-use gradwire_collective::link::{Links, NetLinkConfig};
-use gradwire_collective::rendezvous::{self, RendezvousConfig, RendezvousError};
 use gradwire_fabric::topology::Topology;
+use gradwire_msg::endpoint::{Endpoint, EndpointConfig};
 use gradwire_netstorm::config::NetStormConfig;
+use gradwire_proto::rate::RateMode;
+use gradwire_rendezvous::{self as rendezvous, RendezvousConfig, RendezvousError};
 use serde::{Deserialize, Serialize};
 
 use crate::error::WanError;
@@ -62,7 +60,7 @@ pub struct NodeSpec {
     pub rank: usize,
     /// Nodes.
     pub world: usize,
-    /// The job id of its flows and rendezvous.
+    /// The job id of its endpoint and rendezvous.
     pub job: u32,
     /// This node's address.
     pub ip: IpAddr,
@@ -83,11 +81,13 @@ pub struct NodeSpec {
     pub duration: Option<Duration>,
     /// Longest wait for the set-up, each round and the final barrier.
     pub timeout: Duration,
-    /// Line rate of this node's senders, bit/s.
+    /// Line rate of this node's senders, bit/s, as the experiment budgets its frames. Not
+    /// applied since the chunks moved onto the message layer: the layer has no pacer, its
+    /// congestion window sets the rate (issue #23 follow-up).
     pub rate_bps: u64,
-    /// Their rate control.
+    /// The flow transport's rate control; not applied on the message layer (see `rate_bps`).
     pub rate_mode: RateMode,
-    /// Its period (the receivers' rate report interval), ns.
+    /// The flow transport's rate report period, ns; not applied on the message layer.
     pub period_ns: u64,
     /// NetStorm's options (the strategy switches awareness and auxiliary paths).
     pub netstorm: NetStormConfig,
@@ -157,7 +157,8 @@ pub enum NodeError {
         /// Why.
         error: String,
     },
-    /// Links could not be set up (a node that did not come).
+    /// The nodes could not find each other (a node that did not come, a bad address
+    /// table) or this node's socket could not be bound.
     #[error(
         "node {rank}: connecting to the other {others} nodes through the rendezvous at \
          {master}: {error}"
@@ -169,7 +170,7 @@ pub enum NodeError {
         others: usize,
         /// Rank 0's address.
         master: SocketAddr,
-        /// What the collective layer said (it names the missing ranks).
+        /// What went wrong (the rendezvous names the missing ranks).
         error: String,
         /// The ranks that never joined, when the rendezvous timed out.
         missing: Vec<usize>,
@@ -291,11 +292,102 @@ fn unprefixed(rank: usize, error: &WanError) -> String {
         .map_or_else(|| m.clone(), str::to_owned)
 }
 
-/// Every ordered pair of `0..world`: the chunk channels' links.
-pub fn all_pairs(world: usize) -> Vec<(usize, usize)> {
-    (0..world)
-        .flat_map(|a| (0..world).filter(move |&b| b != a).map(move |b| (a, b)))
-        .collect()
+/// Ceiling of the message layer's retransmission timeout on a WAN. The layer's default
+/// (200 ms) is set for a data centre; WAN round trips are 60-180 ms on wan9 and more behind
+/// full router buffers, and a sender whose RTO fires before an answer can come counts its
+/// window lost and halves it, every RTO, down to the floor (measured: fapt's rounds went
+/// from 5.9 s to 88 s). The RTO still follows SRTT + 4 RTTVAR below this.
+pub const WAN_RTO_MAX: Duration = Duration::from_secs(3);
+/// The RTO before the first round-trip sample: RFC 6298's 1 s, above any WAN round trip, for
+/// the same reason.
+pub const WAN_RTO_INITIAL: Duration = Duration::from_secs(1);
+
+/// A receiver acknowledges progress every this many segments on a WAN (the layer's default:
+/// 32). A sender whose window is below the ACK interval hears nothing until its RTO, counts
+/// the window lost and halves it again: harmless at data-centre RTOs of a millisecond, a
+/// spiral at WAN RTOs (measured on wan9: a star root took in 0.6 Mbit/s). Every second
+/// segment, as TCP's delayed ACK, keeps the sender's window clocked down to its floor of 2.
+pub const WAN_ACK_EVERY: u32 = 2;
+
+/// Largest rendezvous payload: one endpoint address as text (`[v6]:port` fits).
+const MAX_ADDR_PAYLOAD: usize = 64;
+
+/// Every node's endpoint address from the rendezvous table (one `ip:port` in text per node,
+/// in rank order); an entry that is not an address, is unspecified or repeats another's is
+/// refused naming its node.
+pub fn endpoint_table(table: &[Vec<u8>]) -> Result<Vec<SocketAddr>, String> {
+    let mut out: Vec<SocketAddr> = Vec::with_capacity(table.len());
+    for (rank, entry) in table.iter().enumerate() {
+        let a: SocketAddr = std::str::from_utf8(entry)
+            .ok()
+            .and_then(|t| t.parse().ok())
+            .ok_or_else(|| {
+                format!(
+                    "node {rank}'s rendezvous entry is not an ip:port address ({} bytes): is \
+                     it a gradwire wan node of the same version?",
+                    entry.len()
+                )
+            })?;
+        if a.ip().is_unspecified() || a.port() == 0 {
+            return Err(format!(
+                "node {rank} published {a}, which no peer can send to: give it a concrete \
+                 address (--ip)"
+            ));
+        }
+        if let Some(other) = out.iter().position(|b| *b == a) {
+            return Err(format!(
+                "nodes {other} and {rank} both published {a}: every node needs its own address"
+            ));
+        }
+        out.push(a);
+    }
+    Ok(out)
+}
+
+/// This node's endpoint, started with every node's address: bound at `spec.ip`, its
+/// address published through the rendezvous at `spec.master`. A peer silent for
+/// `spec.timeout` fails the links with it.
+fn connect(spec: &NodeSpec) -> Result<Endpoint, NodeError> {
+    let rank = spec.rank;
+    let failed = |error: String, missing: Vec<usize>| NodeError::Connect {
+        rank,
+        others: spec.world - 1,
+        master: spec.master,
+        error,
+        missing,
+    };
+    let (r, w) = match (u16::try_from(rank), u16::try_from(spec.world)) {
+        (Ok(r), Ok(w)) => (r, w),
+        _ => {
+            return Err(failed(
+                format!("a world of {} is beyond 16-bit ranks", spec.world),
+                vec![],
+            ))
+        }
+    };
+    let mut cfg = EndpointConfig::new(spec.job, r, w, SocketAddr::new(spec.ip, 0));
+    cfg.core.peer_timeout = spec.timeout;
+    cfg.core.rto_max = WAN_RTO_MAX;
+    cfg.core.rto_initial = WAN_RTO_INITIAL;
+    cfg.core.ack_every = WAN_ACK_EVERY;
+    let bound = Endpoint::bind(cfg).map_err(|e| failed(e.to_string(), vec![]))?;
+    let me = bound.local_addr().to_string();
+    let table = rendezvous::exchange(
+        spec.master,
+        spec.job,
+        rank,
+        spec.world,
+        me.as_bytes(),
+        &RendezvousConfig {
+            timeout: spec.timeout,
+            max_payload: MAX_ADDR_PAYLOAD,
+        },
+    )
+    .map_err(|e| failed(e.to_string(), never_joined(&e)))?;
+    let addrs = endpoint_table(&table).map_err(|e| failed(e, vec![]))?;
+    bound
+        .start(addrs)
+        .map_err(|e| failed(e.to_string(), vec![]))
 }
 
 /// The final barrier's address: master port + 2.
@@ -326,44 +418,10 @@ pub fn run_node(
         SchedulerRole::Serve(addr) => Some(serve_scheduler(spec, &netstorm, addr)?),
         SchedulerRole::At(_) => None,
     };
-    let links = Links::connect(
-        spec.job,
-        rank,
-        spec.world,
-        spec.ip,
-        spec.master,
-        &all_pairs(spec.world),
-        None,
-        &NetLinkConfig {
-            connect_timeout: spec.timeout,
-            ..NetLinkConfig::default()
-        },
-    )
-    .map_err(|e| NodeError::Connect {
-        rank,
-        others: spec.world - 1,
-        master: spec.master,
-        error: e.to_string(),
-        missing: match &e {
-            CollectiveError::Rendezvous(r) => never_joined(r),
-            _ => Vec::new(),
-        },
-    })?;
+    let endpoint = connect(spec)?;
     let cfg = NodeConfig {
         rank,
-        job: spec.job,
         netstorm,
-        transfer: TransferConfig {
-            sender: {
-                let mut s = SenderConfig::with_mode(spec.rate_mode, spec.rate_bps);
-                s.rate.period_ns = spec.period_ns;
-                s
-            },
-            // A flow that makes no progress for a whole round fails it; less would fail
-            // flows a congested WAN link starves for seconds (a star's incast).
-            idle_timeout: spec.timeout,
-            ..TransferConfig::default()
-        },
         dscp: gradwire_qos::priority_dscp(0),
         round_timeout: spec.timeout,
     };
@@ -386,7 +444,7 @@ pub fn run_node(
             (error, _) => NodeError::Runtime { rank, round, error },
         }
     };
-    let mut node = Node::start(links, spec.scheduler.addr(), cfg).map_err(runtime(0))?;
+    let mut node = Node::start(endpoint, spec.scheduler.addr(), cfg).map_err(runtime(0))?;
     let w = &spec.workload;
     let mut starts = Vec::new();
     let mut rounds = 0u32;
@@ -414,7 +472,11 @@ pub fn run_node(
         drop(node);
         return Err(e);
     }
-    // Nobody closes its links while another node may still need them.
+    // This node's last results reach its peers before it waits for them (its queued chunks
+    // go out only while it handles its channels' events); whatever did not is the peers'
+    // round timeout to report. Nobody closes its endpoint while another node may still
+    // need it.
+    node.flush();
     let bar = barrier_addr(spec.master);
     rendezvous::exchange(
         bar,
@@ -521,11 +583,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn pairs_and_the_barrier() {
-        assert_eq!(all_pairs(3).len(), 6);
-        assert!(all_pairs(3).iter().all(|(a, b)| a != b));
+    fn the_barrier_and_the_endpoint_table() {
         let m: SocketAddr = "198.18.1.0:29500".parse().unwrap();
         assert_eq!(barrier_addr(m).port(), 29_502);
+        let t = |v: &[&[u8]]| endpoint_table(&v.iter().map(|e| e.to_vec()).collect::<Vec<_>>());
+        assert_eq!(
+            t(&[b"10.0.0.1:5000", b"[fd00::2]:5001"]).unwrap(),
+            vec![
+                "10.0.0.1:5000".parse::<SocketAddr>().unwrap(),
+                "[fd00::2]:5001".parse().unwrap()
+            ]
+        );
+        // Not an address, not UTF-8, unspecified, port 0, the same address twice: refused
+        // naming the node.
+        for (bad, node) in [
+            (t(&[b"10.0.0.1:5000", b"hello"]), "node 1"),
+            (t(&[&[0xff, 0xfe]]), "node 0"),
+            (t(&[b"0.0.0.0:5000"]), "node 0"),
+            (t(&[b"10.0.0.1:0"]), "node 0"),
+            (t(&[b"10.0.0.1:5000", b"10.0.0.1:5000"]), "nodes 0 and 1"),
+        ] {
+            let e = bad.unwrap_err();
+            assert!(e.contains(node), "{e}");
+        }
     }
 
     #[test]
@@ -556,6 +636,7 @@ mod tests {
                 peer: 3,
                 error: "closed".into(),
                 closed: vec![2],
+                culprit: None,
             },
         };
         assert_eq!(peer.failure(1).blamed, vec![2, 3]);

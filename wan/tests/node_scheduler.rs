@@ -13,10 +13,9 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::bounded;
+use common::{bounded, endpoints};
 
-use gradwire::transport::TransferConfig;
-use gradwire_collective::link::{Links, MemLinkConfig};
+use gradwire_msg::endpoint::Endpoint;
 use gradwire_netstorm::config::NetStormConfig;
 use gradwire_netstorm::graph::Overlay;
 use gradwire_netstorm::wire::Message;
@@ -33,23 +32,18 @@ const ROUND_TIMEOUT: Duration = Duration::from_secs(2);
 fn config(rank: usize) -> NodeConfig {
     NodeConfig {
         rank,
-        job: 9,
         netstorm: Strategy::MrFapt.netstorm(&NetStormConfig {
             chunk_size: 500,
             ..NetStormConfig::default()
         }),
-        transfer: TransferConfig {
-            idle_timeout: Duration::from_secs(2),
-            ..TransferConfig::default()
-        },
         dscp: 10,
         round_timeout: ROUND_TIMEOUT,
     }
 }
 
-/// In-memory links between two nodes, both ways.
-fn links() -> Vec<Links> {
-    Links::in_memory(2, &[(0, 1), (1, 0)], &MemLinkConfig::default()).unwrap()
+/// Two nodes' endpoints on loopback.
+fn links() -> Vec<Endpoint> {
+    endpoints(2, 9, ROUND_TIMEOUT)
 }
 
 /// The error names the scheduler at `addr`, as a scheduler error.
@@ -86,7 +80,8 @@ fn fake_scheduler(
 /// Node 0 of two runs one round against the scheduler at `addr`; its error.
 fn one_round(addr: SocketAddr) -> WanError {
     let mut ls = links();
-    // Node 1's ends stay open: only the scheduler can fail the round.
+    // Node 1's endpoint stays open (it answers node 0's liveness checks): only the scheduler
+    // can fail the round.
     let peer = ls.pop().unwrap();
     let l0 = ls.pop().unwrap();
     let e = bounded(Duration::from_secs(60), move || {

@@ -107,6 +107,7 @@ impl Reduction {
             deadline,
             up_to: false,
             skip_meta_zero: false,
+            patient: false,
         }
     }
 

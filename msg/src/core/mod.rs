@@ -155,6 +155,11 @@ pub struct RecvOpts {
     /// A segment whose meta word is 0 counts as arrived but its bytes are not placed (a
     /// relay's "I do not hold this block": the receiver keeps its own).
     pub skip_meta_zero: bool,
+    /// Wait for the message as long as the peer answers: a receive posted ahead of a message
+    /// that may come much later (a stream of chunks whose sender decides when) fails only
+    /// when the peer itself has been silent for the peer timeout (no PONG to the receive's
+    /// PINGs, no datagram at all), not when the message alone made no progress.
+    pub patient: bool,
 }
 
 impl Default for RecvOpts {
@@ -166,6 +171,7 @@ impl Default for RecvOpts {
             keep_meta: false,
             up_to: false,
             skip_meta_zero: false,
+            patient: false,
         }
     }
 }
@@ -665,7 +671,7 @@ impl Core {
         if let Some(u) = self.peers[i].unexpected.remove(&msg) {
             self.unexpected_bytes -= u.bytes;
             for seg in u.segs {
-                self.place(now, i, msg, &seg.header, &seg.payload, seg.tos);
+                self.place(now, seg.at, i, msg, &seg.header, &seg.payload, seg.tos);
             }
             if let Some(pass) = u.pass_end {
                 self.end_of_pass(now, i, msg, pass);
@@ -894,7 +900,7 @@ impl Core {
                 p.sends.values().filter_map(|s| s.timer).chain(
                     p.recvs
                         .values()
-                        .map(|r| r.next_timer(self.cfg.peer_timeout)),
+                        .map(|r| r.next_timer(self.cfg.peer_timeout, p.alive_at)),
                 )
             })
             .min()

@@ -25,6 +25,13 @@ pub struct RecvReport {
     pub passes: u32,
     /// The message's length (the posted range's, or less for an `up_to` receive).
     pub len: u32,
+    /// When the first placed segment arrived (on the clock the core is driven with; for
+    /// data kept before the receive was posted, its arrival, not the posting). `None` when
+    /// nothing was placed. With `last_at`, a receiver times a message's packets (passive
+    /// throughput measurement) without a clock of its own in the core.
+    pub first_at: Option<Instant>,
+    /// When the last placed segment arrived.
+    pub last_at: Option<Instant>,
 }
 
 impl RecvReport {
@@ -63,6 +70,9 @@ pub(super) struct RecvMsg {
     /// The highest pass the sender said it finished.
     pass_end: Option<u8>,
     heard: Instant,
+    /// Arrival of the first and the last placed segment.
+    first_at: Option<Instant>,
+    last_at: Option<Instant>,
 }
 
 impl RecvMsg {
@@ -97,15 +107,26 @@ impl RecvMsg {
             pinged: None,
             pass_end: None,
             heard: now,
+            first_at: None,
+            last_at: None,
             opts,
         }
     }
 
-    pub(super) fn next_timer(&self, peer_timeout: Duration) -> Instant {
-        let idle = (self.heard + peer_timeout).min(self.next_ping(peer_timeout));
+    pub(super) fn next_timer(&self, peer_timeout: Duration, alive_at: Option<Instant>) -> Instant {
+        let idle = (self.silent_since(alive_at) + peer_timeout).min(self.next_ping(peer_timeout));
         match self.opts.deadline {
             Some(d) => d.min(idle),
             None => idle,
+        }
+    }
+
+    /// Since when the receive counts its peer silent: the last progress, or for a patient
+    /// receive the peer's last datagram of any kind if later (its PONGs keep it waiting).
+    fn silent_since(&self, alive_at: Option<Instant>) -> Instant {
+        match alive_at {
+            Some(t) if self.opts.patient => self.heard.max(t),
+            _ => self.heard,
         }
     }
 
@@ -215,6 +236,8 @@ pub(super) struct KeptSeg {
     pub(super) header: DataHeader,
     pub(super) payload: Vec<u8>,
     pub(super) tos: u8,
+    /// When it arrived (the report's `first_at`/`last_at` are arrivals, not the posting).
+    pub(super) at: Instant,
 }
 
 /// Data kept for a message not posted yet.
@@ -237,7 +260,7 @@ impl Core {
     ) {
         let p = &mut self.peers[i];
         if p.recvs.contains_key(&h.msg) {
-            self.place(now, i, h.msg, h, payload, tos);
+            self.place(now, now, i, h.msg, h, payload, tos);
             if h.flags & flags::LAST != 0 {
                 self.end_of_pass(now, i, h.msg, h.pass);
             }
@@ -277,16 +300,20 @@ impl Core {
             header: *h,
             payload: payload.to_vec(),
             tos,
+            at: now,
         });
         self.unexpected_bytes += payload.len();
         self.stats.unexpected_kept += 1;
     }
 
     /// Places one segment of posted receive `msg` (checked against its shape), then ends the
-    /// receive if it is complete or, after a finished pass, within its bound.
+    /// receive if it is complete or, after a finished pass, within its bound. `arrived`: when
+    /// the segment arrived (`now`, or earlier for data kept before the receive was posted).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn place(
         &mut self,
         now: Instant,
+        arrived: Instant,
         i: usize,
         msg: u32,
         h: &DataHeader,
@@ -336,6 +363,8 @@ impl Core {
             }
         }
         self.stats.data_placed += 1;
+        r.first_at = Some(r.first_at.map_or(arrived, |t| t.min(arrived)));
+        r.last_at = Some(r.last_at.map_or(arrived, |t| t.max(arrived)));
         r.got[seg as usize / 64] |= 1 << (seg % 64);
         r.count += 1;
         r.highest = r.highest.max(seg + 1);
@@ -432,6 +461,8 @@ impl Core {
                 meta: r.meta,
                 passes: r.pass_end.map_or(1, |p| u32::from(p) + 1),
                 len: r.total,
+                first_at: r.first_at,
+                last_at: r.last_at,
             },
         });
     }
@@ -533,11 +564,13 @@ impl Core {
         for i in 0..self.peers.len() {
             let mut due = Vec::new();
             let mut pings = Vec::new();
+            let alive_at = self.peers[i].alive_at;
             for (&msg, r) in self.peers[i].recvs.iter_mut() {
+                let silent = now.saturating_duration_since(r.silent_since(alive_at));
                 if r.opts.deadline.is_some_and(|d| d <= now) {
                     due.push((msg, None));
-                } else if now.saturating_duration_since(r.heard) >= peer_timeout {
-                    due.push((msg, Some(now.saturating_duration_since(r.heard))));
+                } else if silent >= peer_timeout {
+                    due.push((msg, Some(silent)));
                 } else if r.next_ping(peer_timeout) <= now {
                     r.pinged = Some(now);
                     pings.push(msg);

@@ -776,3 +776,129 @@ fn a_gap_nack_after_the_pass_ended_or_for_unsent_segments_changes_nothing() {
     assert_eq!(net.cores[0].stats().gap_resent, 0);
     assert_eq!(net.cores[0].stats().data_resent, 0);
 }
+
+/// Rank 1 posts receive 0 from rank 0 (any length up to 64 x 8 bytes) with `patient`.
+fn post_stream_recv(net: &mut Net, patient: bool) -> BufId {
+    let now = net.now;
+    let dst = net.cores[1].register(Region::owned(vec![0; 64 * 8]));
+    net.cores[1].reserve_recvs(0, 1).expect("peer");
+    let opts = RecvOpts {
+        up_to: true,
+        patient,
+        ..RecvOpts::default()
+    };
+    net.cores[1]
+        .post_recv(now, 0, 0, dst, 0..64 * 8, opts)
+        .expect("recv");
+    dst
+}
+
+fn recv_failures(net: &Net) -> Vec<MsgError> {
+    net.events[1]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Failed {
+                send: false, error, ..
+            } => Some(error.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_patient_receive_waits_while_its_peer_answers_and_fails_once_it_is_silent() {
+    // A live sender with nothing to send for 2.5 peer timeouts: the patient receive keeps
+    // waiting (the sender answers its PINGs), then takes the message when it comes.
+    let mut net = Net::new(2, Box::new(|_, _| false));
+    let dst = post_stream_recv(&mut net, true);
+    net.run(Duration::from_secs(5));
+    assert!(recv_failures(&net).is_empty(), "{:?}", net.events[1]);
+    assert!(net.cores[1].stats().ctrl_received > 0, "no PONG came back");
+    let data = pattern(64 * 3 + 7, 2);
+    let src = net.cores[0].register(Region::owned(data.clone()));
+    net.cores[0].reserve_sends(1, 1).expect("peer");
+    let now = net.now;
+    net.cores[0]
+        .post_send(now, 1, 0, src, 0..data.len(), SendOpts::default())
+        .expect("send");
+    net.run(Duration::from_secs(1));
+    let r = received(&net, 1);
+    assert_eq!((r.len(), r[0].len, r[0].missing), (1, data.len() as u32, 0));
+    assert_eq!(
+        &net.cores[1].buffer(dst).expect("buffer")[..data.len()],
+        &data[..]
+    );
+
+    // The same wait without `patient` fails: the message made no progress.
+    let mut net = Net::new(2, Box::new(|_, _| false));
+    post_stream_recv(&mut net, false);
+    net.run(Duration::from_secs(5));
+    let f = recv_failures(&net);
+    assert!(
+        matches!(
+            f.as_slice(),
+            [MsgError::PeerSilent {
+                peer: 0,
+                alive: true,
+                ..
+            }]
+        ),
+        "{f:?}"
+    );
+
+    // A dead sender (nothing of it arrives) fails the patient receive after the peer
+    // timeout, as dead.
+    let mut net = Net::new(2, Box::new(|_, _| true));
+    post_stream_recv(&mut net, true);
+    net.run(Duration::from_secs(5));
+    match recv_failures(&net).as_slice() {
+        [MsgError::PeerSilent {
+            peer: 0,
+            alive: false,
+            waited,
+            ..
+        }] => assert!(*waited >= Duration::from_secs(2), "failed after {waited:?}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_report_times_the_first_and_last_arrival_even_of_data_kept_before_posting() {
+    // The third datagram (a data segment) is lost: its resend, after the pass's NACK, is
+    // the last to arrive, later than the first.
+    let mut net = Net::new(2, Box::new(|n, d| d[1] == wire::KIND_DATA && n == 3));
+    let start = net.now;
+    one_message(&mut net, &pattern(64 * 10, 1), RecvOpts::default());
+    net.run(Duration::from_secs(1));
+    let r = received(&net, 1);
+    let (first, last) = (r[0].first_at.expect("first"), r[0].last_at.expect("last"));
+    assert!(
+        start <= first && first < last,
+        "{start:?} {first:?} {last:?}"
+    );
+
+    // Data kept before the receive is posted: the arrivals, not the posting.
+    let mut net = Net::new(2, Box::new(|_, _| false));
+    let data = pattern(64 * 4, 3);
+    let src = net.cores[0].register(Region::owned(data.clone()));
+    net.cores[0].reserve_sends(1, 1).expect("peer");
+    let now = net.now;
+    net.cores[0]
+        .post_send(now, 1, 0, src, 0..data.len(), SendOpts::default())
+        .expect("send");
+    net.run(Duration::from_millis(3));
+    net.now += Duration::from_millis(50);
+    let posted = net.now;
+    let dst = net.cores[1].register(Region::owned(vec![0; data.len()]));
+    net.cores[1].reserve_recvs(0, 1).expect("peer");
+    net.cores[1]
+        .post_recv(posted, 0, 0, dst, 0..data.len(), RecvOpts::default())
+        .expect("recv");
+    net.run(Duration::from_secs(1));
+    let r = received(&net, 1);
+    let (first, last) = (r[0].first_at.expect("first"), r[0].last_at.expect("last"));
+    assert!(
+        first <= last && last < posted,
+        "{first:?} {last:?} posted {posted:?}"
+    );
+}

@@ -19,3 +19,27 @@ pub fn bounded<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send 
         Err(mpsc::RecvTimeoutError::Timeout) => panic!("the thread under test hung for {limit:?}"),
     }
 }
+
+/// `n` message-layer endpoints of job `job` on loopback, started with each other's
+/// addresses: the nodes of an in-process test. A peer silent for `peer_timeout` fails the
+/// links with it.
+pub fn endpoints(
+    n: usize,
+    job: u32,
+    peer_timeout: Duration,
+) -> Vec<gradwire_msg::endpoint::Endpoint> {
+    use gradwire_msg::endpoint::{Endpoint, EndpointConfig};
+    let bound: Vec<_> = (0..n)
+        .map(|r| {
+            let mut cfg =
+                EndpointConfig::new(job, r as u16, n as u16, "127.0.0.1:0".parse().unwrap());
+            cfg.core.peer_timeout = peer_timeout;
+            Endpoint::bind(cfg).expect("bind a loopback endpoint")
+        })
+        .collect();
+    let table: Vec<_> = bound.iter().map(|b| b.local_addr()).collect();
+    bound
+        .into_iter()
+        .map(|b| b.start(table.clone()).expect("start an endpoint"))
+        .collect()
+}

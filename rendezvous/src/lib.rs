@@ -33,13 +33,17 @@
 //! The encoding ([`wire`]) is pure (no I/O) and never panics on any input; it is fuzzed by
 //! `fuzz/fuzz_targets/rendezvous.rs`.
 
+#![deny(unsafe_code)]
+
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::job::MAX_RANKS;
 use wire::{Join, Kind, Refuse, Table, WireError, HEADER_LEN};
 
+/// Largest number of ranks in a job (bounds every per-rank table, on the wire too); the
+/// collectives' job files use the same bound (`gradwire_collective::job::MAX_RANKS`).
+pub const MAX_RANKS: usize = 4096;
 /// Default overall deadline of an exchange.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default largest payload per rank.
@@ -798,7 +802,7 @@ fn attempt(
 /// anything is read; the decoders check it against the fields, so a frame has exactly one
 /// encoding. Decoders take one whole frame and never panic.
 pub mod wire {
-    use crate::job::MAX_RANKS;
+    use crate::MAX_RANKS;
 
     /// First bytes of every frame.
     pub const MAGIC: [u8; 4] = *b"GWRV";
