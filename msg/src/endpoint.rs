@@ -492,8 +492,9 @@ impl Driver {
         }
         // The ranks may now disagree on where they are in their sequence of operations, and
         // this rank's group refuses further ones: every peer gives up everything with it, now,
-        // naming the rank this operation failed on.
-        if let Some(c) = culprit {
+        // naming the rank this operation failed on (unless the operation is a link's own
+        // stream, `Op::failure_breaks_group`).
+        if let Some(c) = culprit.filter(|_| run.op.failure_breaks_group()) {
             let (me, world) = (self.core.config().rank, self.core.config().world);
             for p in (0..world).filter(|&p| p != me) {
                 self.core.abort_peer(p, c);

@@ -93,6 +93,14 @@ pub trait Op: Send + 'static {
     fn start(&mut self, cx: &mut OpCx<'_>) -> Step<Self::Output>;
     /// One of its messages finished.
     fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Step<Self::Output>;
+    /// Whether this operation's failure on a peer makes every peer give up everything with
+    /// this rank (ABORT of all messages). True by default: in a collective the ranks would
+    /// otherwise disagree on their message numbers. An operation that is one link's own
+    /// stream of messages (a parameter server's link, which routes around a dead peer and
+    /// goes on with the others) says false: its failure ends only its own messages.
+    fn failure_breaks_group(&self) -> bool {
+        true
+    }
 }
 
 /// Key of a routed message: (peer, message, is a send).
@@ -351,6 +359,7 @@ pub(crate) trait Erased: Send {
     fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Result<bool, OpError>;
     fn deliver(&mut self);
     fn fail(&mut self, e: OpError);
+    fn failure_breaks_group(&self) -> bool;
 }
 
 pub(crate) struct Typed<O: Op> {
@@ -379,5 +388,9 @@ impl<O: Op> Erased for Typed<O> {
 
     fn fail(&mut self, e: OpError) {
         self.slot.complete(Err(e));
+    }
+
+    fn failure_breaks_group(&self) -> bool {
+        self.op.failure_breaks_group()
     }
 }
