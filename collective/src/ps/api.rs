@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::TransferConfig;
+use gradwire_msg::core::CoreConfig;
 
 use super::core::{hop_bound, AggIn};
-use super::io::node_main;
+use super::io::{bind, node_main};
 use super::repair::fault_tolerant_edges;
 use super::state::{describe, take_error, Counters, Ctx, Shared, State};
 use crate::aggregate::{BlockLayout, Contributors};
@@ -48,6 +49,9 @@ pub struct PsConfig {
     pub max_reparents: usize,
     /// Elements per aggregation block; `None`: exactly one transport segment.
     pub block_elems: Option<usize>,
+    /// Testing: the node's endpoint drops this fraction of the data segments arriving at it
+    /// (default 0).
+    pub inject_loss: f64,
     /// The server keeps the contributor sets of its last `keep_updates` updates (returned in
     /// [`PsStats::updates`]); 0: none.
     pub keep_updates: usize,
@@ -67,6 +71,7 @@ impl Default for PsConfig {
             max_reparents: 1,
             block_elems: None,
             keep_updates: 0,
+            inject_loss: 0.0,
         }
     }
 }
@@ -202,6 +207,9 @@ pub enum PsError {
     /// The node failed earlier (that error was returned then); it cannot go on.
     #[error("this node failed earlier ({0}); shut it down and restart the job")]
     Failed(String),
+    /// The node's message-layer endpoint failed (its socket or progress thread).
+    #[error("the parameter-server node's message-layer endpoint failed: {0}; restart the node")]
+    Endpoint(String),
     /// The node's background threads have stopped.
     #[error("the parameter-server node has stopped; start a new one")]
     Stopped,
@@ -315,14 +323,21 @@ impl PsNode {
             }
         }
         let any_peer = peers.first().copied().unwrap_or(0);
+        let toward = links.out(any_peer)?.dst();
+        let bound = bind(
+            toward,
+            job,
+            rank,
+            world,
+            transfer.mtu,
+            cfg.failure_timeout,
+            cfg.inject_loss,
+        )?;
         let block_elems = match cfg.block_elems {
             Some(b) => b,
+            // One block per segment of the layer, so a lost segment costs one block.
             None => {
-                let mtu = transfer.mtu;
-                let payload = links
-                    .out(any_peer)?
-                    .segment_payload(dtype, mtu)
-                    .ok_or_else(|| PsError::Config(format!("mtu {mtu} leaves no payload")))?;
+                let payload = CoreConfig::seg_payload_for_mtu(transfer.mtu, toward.is_ipv6());
                 (payload / dtype.elem_size()).max(1)
             }
         };
@@ -371,6 +386,8 @@ impl PsNode {
             }),
             cv: Condvar::new(),
             force: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            byes: (0..world).map(|_| AtomicBool::new(false)).collect(),
             counters: Counters::default(),
         });
         let ctx = Arc::new(Ctx {
@@ -403,7 +420,7 @@ impl PsNode {
         let owner = std::thread::Builder::new()
             .name(format!("gw-ps{rank}"))
             .spawn(move || {
-                node_main(links, &ctx, thread_tx, agg_rx);
+                node_main(links, bound, &ctx, thread_tx, agg_rx);
                 {
                     let mut st = ctx.shared.lock();
                     st.stopped = true;

@@ -3,8 +3,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use std::sync::mpsc::Sender;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
@@ -89,6 +89,8 @@ pub(super) enum AggIn {
         reason: String,
     },
     Stop,
+    /// For the I/O, not the aggregator: a version's send to the peer finished.
+    Sent(usize),
 }
 
 /// The loss bound of each hop of a tree of `height` hops, so that the whole path stays within
@@ -170,7 +172,10 @@ impl Pending {
 /// what goes up and down.
 pub(super) struct Agg<'a> {
     pub(super) ctx: &'a Ctx,
-    pub(super) outs: BTreeMap<usize, Sender<Out>>,
+    /// The ranks this node has links with.
+    pub(super) links: Vec<usize>,
+    /// Messages for the I/O to send, in order: `(peer, message)`.
+    pub(super) outbox: Vec<(usize, Out)>,
     pub(super) tree: Tree,
     pub(super) dead: BTreeSet<usize>,
     pub(super) fell_back: bool,
@@ -202,12 +207,13 @@ pub(super) struct Agg<'a> {
 }
 
 impl<'a> Agg<'a> {
-    pub(super) fn new(ctx: &'a Ctx, outs: BTreeMap<usize, Sender<Out>>) -> Agg<'a> {
+    pub(super) fn new(ctx: &'a Ctx, links: Vec<usize>) -> Agg<'a> {
         let tree = ctx.tree0.clone();
         let children = tree.children(ctx.rank).to_vec();
         Agg {
             ctx,
-            outs,
+            links,
+            outbox: Vec::new(),
             up: tree.parent(ctx.rank),
             tree,
             dead: BTreeSet::new(),
@@ -236,9 +242,9 @@ impl<'a> Agg<'a> {
         self.ctx.rank != self.ctx.root
     }
 
-    pub(super) fn send(&self, peer: usize, m: Out) {
-        if let Some(tx) = self.outs.get(&peer) {
-            let _ = tx.send(m);
+    pub(super) fn send(&mut self, peer: usize, m: Out) {
+        if self.links.contains(&peer) {
+            self.outbox.push((peer, m));
         }
     }
 
@@ -254,6 +260,7 @@ impl<'a> Agg<'a> {
     pub(super) fn handle(&mut self, msg: AggIn) {
         match msg {
             AggIn::Stop => self.stop = true,
+            AggIn::Sent(_) => {}
             AggIn::Own { clock, grads } => self.on_own(clock, grads),
             AggIn::Child {
                 peer,
@@ -268,7 +275,7 @@ impl<'a> Agg<'a> {
                 if all.len() > self.dead.len() {
                     // Pass the news on (flooding: the root may not reach everyone directly).
                     let list: Arc<Vec<usize>> = Arc::new(all.iter().copied().collect());
-                    for &q in self.outs.keys() {
+                    for q in self.links.clone() {
                         if !all.contains(&q) && !self.bye_sent.contains(&q) {
                             self.send(q, Out::Tree(list.clone()));
                         }
@@ -376,7 +383,7 @@ impl<'a> Agg<'a> {
     }
 
     /// This node's cache to `peer`.
-    pub(super) fn send_version(&self, peer: usize) {
+    pub(super) fn send_version(&mut self, peer: usize) {
         let msg = {
             let st = self.ctx.shared.lock();
             let Some(version) = st.cache.weights_clock() else {
@@ -403,7 +410,7 @@ impl<'a> Agg<'a> {
                 let mut all = self.dead.clone();
                 all.insert(peer);
                 let list: Arc<Vec<usize>> = Arc::new(all.iter().copied().collect());
-                for &q in self.outs.keys() {
+                for q in self.links.clone() {
                     if !all.contains(&q) && !self.bye_sent.contains(&q) {
                         self.send(q, Out::Tree(list.clone()));
                     }
@@ -642,7 +649,7 @@ impl<'a> Agg<'a> {
 
     pub(super) fn leave(&mut self) {
         self.left = true;
-        let peers: Vec<usize> = self.outs.keys().copied().collect();
+        let peers = self.links.clone();
         for q in peers {
             if self.bye_sent.insert(q) {
                 self.send(q, Out::Finish);
@@ -707,6 +714,56 @@ pub(super) fn publish(ctx: &Ctx, clock: Option<u64>) {
         st.have.fill(version + 1);
     }
     ctx.shared.cv.notify_all();
+}
+
+/// When each link is due a heartbeat: one that sent nothing for `period`. The peer's layer
+/// fails its receive of a link silent for `failure_timeout` (it pings the peer meanwhile), so
+/// an idle live link must say something; a dead one says nothing and fails. Driven by the
+/// clock passed in.
+#[derive(Debug)]
+pub(super) struct Beats {
+    period: Duration,
+    last: BTreeMap<usize, Instant>,
+}
+
+impl Beats {
+    /// Links to `peers`, each last heard of (by its peer) at `now`.
+    pub(super) fn new(period: Duration, peers: &[usize], now: Instant) -> Beats {
+        Beats {
+            period,
+            last: peers.iter().map(|&p| (p, now)).collect(),
+        }
+    }
+
+    /// Something was sent to `peer` at `now`.
+    pub(super) fn sent(&mut self, peer: usize, now: Instant) {
+        if let Some(t) = self.last.get_mut(&peer) {
+            *t = (*t).max(now);
+        }
+    }
+
+    /// The link to `peer` ended (Bye sent, or it failed): no more heartbeats.
+    pub(super) fn stop(&mut self, peer: usize) {
+        self.last.remove(&peer);
+    }
+
+    /// The links due a heartbeat at `now`, each counted as sent then.
+    pub(super) fn due(&mut self, now: Instant) -> Vec<usize> {
+        let period = self.period;
+        let mut out = Vec::new();
+        for (&p, t) in self.last.iter_mut() {
+            if now.saturating_duration_since(*t) >= period {
+                *t = now;
+                out.push(p);
+            }
+        }
+        out
+    }
+
+    /// When the next heartbeat is due, if any link is live.
+    pub(super) fn next(&self) -> Option<Instant> {
+        self.last.values().min().map(|&t| t + self.period)
+    }
 }
 
 #[cfg(test)]

@@ -58,6 +58,10 @@ pub(super) struct Shared {
     pub(super) state: Mutex<State>,
     pub(super) cv: Condvar,
     pub(super) force: AtomicBool,
+    /// The node closed its endpoint: its messages' failures mean nothing.
+    pub(super) closing: AtomicBool,
+    /// Per rank: its Bye arrived (nothing more is owed on the link).
+    pub(super) byes: Vec<AtomicBool>,
     pub(super) counters: Counters,
 }
 
@@ -86,6 +90,18 @@ impl Shared {
         }
         drop(st);
         self.cv.notify_all();
+    }
+
+    pub(super) fn said_bye(&self, peer: usize) -> bool {
+        self.byes
+            .get(peer)
+            .is_some_and(|b| b.load(Ordering::SeqCst))
+    }
+
+    pub(super) fn set_bye(&self, peer: usize) {
+        if let Some(b) = self.byes.get(peer) {
+            b.store(true, Ordering::SeqCst);
+        }
     }
 
     pub(super) fn forced(&self) -> bool {

@@ -87,6 +87,42 @@ impl Header {
     }
 }
 
+impl Header {
+    /// Bytes of the body that follows the header in the same message: a failure's reason, a
+    /// tree update's dead ranks (8 bytes each); nothing for the other kinds.
+    pub(super) fn body_len(&self) -> usize {
+        match self.kind {
+            Kind::Fail => self.len as usize,
+            Kind::Tree => (self.len as usize).saturating_mul(8),
+            _ => 0,
+        }
+    }
+}
+
+/// A header message: the header, then its body.
+pub(super) fn encode_msg(h: &Header, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+    out.extend_from_slice(&h.encode());
+    out.extend_from_slice(body);
+    out
+}
+
+/// Splits a received header message into its header and body; refuses a body that is not
+/// the length its header says.
+pub(super) fn decode_msg(b: &[u8]) -> Result<(Header, &[u8]), String> {
+    let (head, body) = b.split_at(HEADER_LEN.min(b.len()));
+    let h = Header::decode(head)?;
+    if body.len() != h.body_len() {
+        return Err(format!(
+            "a {:?} message with {} body bytes where its header says {}",
+            h.kind,
+            body.len(),
+            h.body_len()
+        ));
+    }
+    Ok((h, body))
+}
+
 /// The message header's codec, for the fuzz target `ps_header` (not an API: the header is
 /// internal to the parameter server's links).
 #[doc(hidden)]
@@ -182,6 +218,26 @@ mod tests {
         assert_eq!(decode_clocks(&bytes, 3, 3), Ok(c.clone()));
         assert!(decode_clocks(&bytes, 3, 2).unwrap_err().contains("newer"));
         assert!(decode_clocks(&bytes[..16], 3, 3).is_err());
+    }
+
+    #[test]
+    fn header_messages_carry_exactly_their_body() {
+        let mut fail = Header::new(Kind::Fail, 0, 4);
+        fail.len = 3;
+        let m = encode_msg(&fail, b"why");
+        assert_eq!(decode_msg(&m), Ok((fail, &b"why"[..])));
+        assert!(decode_msg(&m[..m.len() - 1]).is_err());
+        let mut longer = m.clone();
+        longer.push(0);
+        assert!(decode_msg(&longer).is_err());
+        let beat = encode_msg(&Header::new(Kind::Heartbeat, 0, 0), &[]);
+        assert!(decode_msg(&beat).is_ok());
+        assert!(decode_msg(&[beat.clone(), vec![1]].concat()).is_err());
+        assert!(decode_msg(&beat[..3]).is_err());
+        let mut tree = Header::new(Kind::Tree, 0, 2);
+        tree.len = 2;
+        assert!(decode_msg(&encode_msg(&tree, &[0; 16])).is_ok());
+        assert!(decode_msg(&encode_msg(&tree, &[0; 8])).is_err());
     }
 
     proptest! {
