@@ -103,9 +103,11 @@ mod core;
 mod io;
 mod repair;
 mod state;
+mod types;
 mod wire;
 
-pub use api::{PsConfig, PsError, PsNode, PsStats, PullReport, UpdateRecord};
+pub use api::PsNode;
 pub use repair::{fault_tolerant_edges, repaired_tree};
+pub use types::{PsConfig, PsError, PsStats, PullReport, UpdateRecord};
 #[doc(hidden)]
 pub use wire::header_codec;

@@ -10,7 +10,8 @@ use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::TransferConfig;
 
-use super::api::{PsError, UpdateRecord};
+use super::core::hop_bound;
+use super::types::{PsConfig, PsError, UpdateRecord};
 use crate::aggregate::{BlockLayout, Contributors};
 use crate::clock::WeightCache;
 use crate::tree::Tree;
@@ -157,6 +158,99 @@ pub(super) struct Ctx {
     pub(super) reroute: bool,
     pub(super) max_reparents: usize,
     pub(super) shared: Arc<Shared>,
+}
+
+impl Ctx {
+    /// The context of `rank`'s node (of `world` ranks) of `job` on `tree`, with links to `peers`, a model like
+    /// `initial` (whose values are the node's until a version arrives; the server's are
+    /// version 0) in blocks of `block_elems`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        rank: usize,
+        world: usize,
+        job: u32,
+        tree: Tree,
+        peers: Vec<usize>,
+        initial: &Tensor,
+        block_elems: usize,
+        cfg: &PsConfig,
+        transfer: TransferConfig,
+    ) -> Ctx {
+        let dtype = initial.dtype();
+        let layout = BlockLayout::new(initial.elems(), block_elems);
+        let blocks = layout.blocks();
+        let root = tree.root();
+        let subtree_of = |c: usize| {
+            let mut s = Contributors::none(1, world);
+            if !tree.contains(c) {
+                return s;
+            }
+            let mut stack = vec![c];
+            while let Some(q) = stack.pop() {
+                if q != root {
+                    s.insert(0, q);
+                }
+                stack.extend_from_slice(tree.children(q));
+            }
+            s
+        };
+        let subtree0: Vec<Contributors> = (0..world).map(subtree_of).collect();
+        let hop = hop_bound(cfg.loss_bound, tree.height());
+        let heartbeat = cfg.heartbeat;
+        let server = tree.parent(rank).is_none();
+        let mut cache = WeightCache::new();
+        let mut have = vec![0u64; blocks];
+        if server {
+            cache.on_weights(0);
+            have.fill(1);
+        }
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                cache,
+                weights: initial.clone(),
+                have,
+                error: None,
+                failed: None,
+                note: None,
+                waiting: None,
+                updates: VecDeque::new(),
+                updates_applied: 0,
+                stopped: false,
+                dead: Vec::new(),
+                tree_version: 0,
+                fell_back: false,
+            }),
+            cv: Condvar::new(),
+            force: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            byes: (0..world).map(|_| AtomicBool::new(false)).collect(),
+            counters: Counters::default(),
+        });
+        Ctx {
+            rank,
+            world,
+            job,
+            root,
+            workers: tree.len() - 1,
+            tree0: tree,
+            peers,
+            subtree0,
+            dtype,
+            layout,
+            bb: block_elems * dtype.elem_size(),
+            reliable: hop == LossBound::RELIABLE,
+            hop_bound: hop,
+            transfer,
+            heartbeat,
+            failure_timeout: cfg.failure_timeout,
+            poll: heartbeat.min(Duration::from_millis(50)),
+            learning_rate: cfg.learning_rate,
+            keep_updates: cfg.keep_updates,
+            reroute: cfg.reroute,
+            max_reparents: cfg.max_reparents,
+            shared,
+        }
+    }
 }
 
 impl Ctx {

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 
-use super::api::{PsError, UpdateRecord};
 use super::repair::repaired_tree;
 use super::state::{tensor_of, Ctx};
+use super::types::{PsError, UpdateRecord};
 use super::wire::{block_clocks, encode_clocks, NOT_HELD};
 use crate::aggregate::{accumulate, add_into, finish, scale, Contributors, Partial, ReduceOp};
 use crate::error::CollectiveError;
@@ -767,89 +767,4 @@ impl Beats {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::aggregate::test_bytes::{f32_bytes, f32_of};
-    use proptest::prelude::*;
-
-    #[test]
-    fn the_loss_bound_is_split_over_the_hops() {
-        let p = LossBound::from_fraction(0.05).unwrap();
-        assert_eq!(hop_bound(p, 1), p);
-        assert_eq!(hop_bound(p, 2).ppm(), 25_000);
-        assert_eq!(hop_bound(p, 0), p);
-        assert_eq!(hop_bound(LossBound::RELIABLE, 3), LossBound::RELIABLE);
-        // Too small to split: reliable, never more loss than asked for.
-        assert_eq!(
-            hop_bound(LossBound::from_ppm(2).unwrap(), 3),
-            LossBound::RELIABLE
-        );
-    }
-
-    #[test]
-    fn the_update_is_exact_for_small_values() {
-        let mut w = f32_bytes(&[1.0, -2.0, 3.5]);
-        apply_update(DType::F32, &mut w, &f32_bytes(&[0.5, 1.0, -2.0]), 0.5).unwrap();
-        assert_eq!(f32_of(&w), vec![0.75, -2.5, 4.5]);
-        let mut h: Vec<u8> = [half::f16::from_f32(1.0), half::f16::from_f32(4.0)]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
-        let g: Vec<u8> = [half::f16::from_f32(2.0), half::f16::from_f32(-1.0)]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
-        apply_update(DType::F16, &mut h, &g, 0.25).unwrap();
-        assert_eq!(half::f16::from_le_bytes([h[0], h[1]]).to_f32(), 0.5);
-        assert_eq!(half::f16::from_le_bytes([h[2], h[3]]).to_f32(), 4.25);
-        assert!(apply_update(DType::F32, &mut w, &[0u8; 4], 1.0).is_err());
-    }
-
-    #[test]
-    fn sets_must_stay_inside_the_subtree() {
-        let world = 6;
-        let mut allowed = Contributors::none(1, world);
-        allowed.insert(0, 2);
-        allowed.insert(0, 4);
-        let mut sets = Contributors::none(3, world);
-        sets.insert(0, 2);
-        sets.insert(1, 4);
-        sets.insert(1, 2);
-        assert!(sets_within(&sets, &allowed));
-        sets.insert(2, 5);
-        assert!(!sets_within(&sets, &allowed));
-    }
-
-    proptest! {
-        /// Whatever order and loss versions arrive with, each block holds the newest
-        /// version whose block reached it, and never goes back.
-        #[test]
-        fn merge_keeps_the_newest_block_that_arrived(
-            arrivals in proptest::collection::vec(
-                (0u64..20, proptest::collection::vec(any::<bool>(), 4)), 0..30),
-        ) {
-            let (bb, blocks) = (8usize, 4usize);
-            let value = |clock: u64, b: usize| (clock * 10 + b as u64) as f32;
-            let mut w = vec![0u8; bb * blocks];
-            let mut have = vec![0u64; blocks];
-            let mut best: Vec<Option<u64>> = vec![None; blocks];
-            for (clock, arrived) in arrivals {
-                let incoming = f32_bytes(
-                    &(0..blocks).flat_map(|b| [value(clock, b); 2]).collect::<Vec<_>>(),
-                );
-                let before = have.clone();
-                merge_blocks(&mut w, &mut have, &incoming, &vec![clock; blocks], &arrived, bb);
-                for b in 0..blocks {
-                    if arrived[b] {
-                        best[b] = best[b].max(Some(clock));
-                    }
-                    prop_assert!(have[b] >= before[b]);
-                    prop_assert_eq!(have[b], best[b].map_or(0, |c| c + 1));
-                    if let Some(c) = best[b] {
-                        prop_assert_eq!(f32_of(&w[b * bb..(b + 1) * bb]), vec![value(c, b); 2]);
-                    }
-                }
-            }
-        }
-    }
-}
+mod tests;
