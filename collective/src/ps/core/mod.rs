@@ -91,6 +91,12 @@ pub(super) enum AggIn {
     Stop,
     /// For the I/O, not the aggregator: a version's send to the peer finished.
     Sent(usize),
+    /// For the I/O, not the aggregator: a message from `peer` began (`busy`: its data is
+    /// on the way) or ended.
+    Heard {
+        peer: usize,
+        busy: bool,
+    },
 }
 
 /// The loss bound of each hop of a tree of `height` hops, so that the whole path stays within
@@ -260,7 +266,7 @@ impl<'a> Agg<'a> {
     pub(super) fn handle(&mut self, msg: AggIn) {
         match msg {
             AggIn::Stop => self.stop = true,
-            AggIn::Sent(_) => {}
+            AggIn::Sent(_) | AggIn::Heard { .. } => {}
             AggIn::Own { clock, grads } => self.on_own(clock, grads),
             AggIn::Child {
                 peer,
@@ -763,6 +769,58 @@ impl Beats {
     /// When the next heartbeat is due, if any link is live.
     pub(super) fn next(&self) -> Option<Instant> {
         self.last.values().min().map(|&t| t + self.period)
+    }
+}
+
+/// Which links fell silent: one heard from at least once that then says nothing for
+/// `timeout` has failed (its peer sends a heartbeat every `heartbeat` while idle). A link
+/// never heard from is judged by the set-up (the address exchange) and by the layer's peer
+/// timeout; one in the middle of a message's data by the layer, which fails a message that
+/// makes no progress. Driven by the clock passed in.
+#[derive(Debug)]
+pub(super) struct Liveness {
+    timeout: Duration,
+    /// Per link heard from: when last, and whether a message's data is on the way.
+    heard: BTreeMap<usize, (Instant, bool)>,
+    ended: BTreeSet<usize>,
+}
+
+impl Liveness {
+    pub(super) fn new(timeout: Duration) -> Liveness {
+        Liveness {
+            timeout,
+            heard: BTreeMap::new(),
+            ended: BTreeSet::new(),
+        }
+    }
+
+    /// A message from `peer` began (`busy`) or ended at `now`.
+    pub(super) fn heard(&mut self, peer: usize, now: Instant, busy: bool) {
+        if !self.ended.contains(&peer) {
+            let e = self.heard.entry(peer).or_insert((now, busy));
+            *e = (e.0.max(now), busy);
+        }
+    }
+
+    /// The link with `peer` ended (its Bye, or it failed): it is no longer watched.
+    pub(super) fn stop(&mut self, peer: usize) {
+        self.ended.insert(peer);
+        self.heard.remove(&peer);
+    }
+
+    /// The links silent for the timeout at `now`, each reported once.
+    pub(super) fn silent(&mut self, now: Instant) -> Vec<usize> {
+        let timeout = self.timeout;
+        let out: Vec<usize> = self
+            .heard
+            .iter()
+            .filter(|(_, &(t, busy))| !busy && now.saturating_duration_since(t) >= timeout)
+            .map(|(&p, _)| p)
+            .collect();
+        for &p in &out {
+            self.stop(p);
+        }
+        out
     }
 }
 

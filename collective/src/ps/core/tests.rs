@@ -351,3 +351,29 @@ fn heartbeats_go_to_links_idle_for_a_period_on_a_virtual_clock() {
     assert_eq!(b.next(), None);
     assert!(b.due(ms(20_000)).is_empty());
 }
+
+#[test]
+fn a_link_heard_from_then_silent_for_the_timeout_has_failed_on_a_virtual_clock() {
+    let t0 = Instant::now();
+    let ms = |n: u64| t0 + Duration::from_millis(n);
+    let mut l = Liveness::new(Duration::from_millis(1_000));
+    // Never heard from: the set-up and the layer judge it, not this.
+    assert!(l.silent(ms(5_000)).is_empty());
+    l.heard(1, ms(5_000), false);
+    l.heard(2, ms(5_000), false);
+    l.heard(1, ms(5_800), false);
+    assert_eq!(l.silent(ms(6_000)), vec![2]);
+    // Reported once.
+    assert!(l.silent(ms(6_100)).is_empty());
+    // A message's data on the way: the layer watches its progress, however long it takes.
+    l.heard(1, ms(6_200), true);
+    assert!(l.silent(ms(60_000)).is_empty());
+    l.heard(1, ms(60_000), false);
+    assert!(l.silent(ms(60_999)).is_empty());
+    assert_eq!(l.silent(ms(61_000)), vec![1]);
+    // An ended link is never reported, even if something late arrives on it.
+    l.heard(3, ms(61_000), false);
+    l.stop(3);
+    l.heard(3, ms(61_500), false);
+    assert!(l.silent(ms(99_000)).is_empty());
+}

@@ -109,6 +109,8 @@ impl Inbox {
         let (h, body) =
             decode_msg(bytes).map_err(|what| self.refuse(format!("message {msg}: {what}")))?;
         let peer = self.rank();
+        let busy = matches!(h.kind, Kind::Push | Kind::Weights) && h.flags & F_EMPTY == 0;
+        self.tell(AggIn::Heard { peer, busy });
         match h.kind {
             Kind::Heartbeat => {}
             Kind::Bye => {
@@ -316,6 +318,10 @@ impl Op for Inbox {
                 }
                 if d.report.is_some() && (d.side.is_none() || d.side_done) {
                     self.on_data(&d, cx)?;
+                    self.tell(AggIn::Heard {
+                        peer: self.rank(),
+                        busy: false,
+                    });
                     self.post_header(cx)?;
                 } else {
                     self.wait = Some(Wait::Data(d));

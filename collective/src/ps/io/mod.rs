@@ -39,7 +39,7 @@ use gradwire_msg::op::{Handle, Op, OpCx, OpError, OpEvent, Step};
 
 use crate::error::CollectiveError;
 use crate::link::Links;
-use crate::ps::core::{publish, Agg, AggIn, Beats, Out, PushMsg, VersionMsg};
+use crate::ps::core::{publish, Agg, AggIn, Beats, Liveness, Out, PushMsg, VersionMsg};
 use crate::ps::state::Ctx;
 use crate::ps::types::PsError;
 use crate::ps::wire::{encode_msg, Header, Kind, F_EMPTY, F_SIDE, MAX_REASON};
@@ -126,6 +126,7 @@ struct Net {
     ctx: Arc<Ctx>,
     agg: Sender<AggIn>,
     beats: Beats,
+    liveness: Liveness,
     /// Links that still carry messages (not failed, Bye not sent).
     open: BTreeSet<usize>,
     /// Links that ended: the peer's Bye arrived, or the link failed.
@@ -281,8 +282,24 @@ impl Net {
         self.header(peer, &h, reason.as_bytes());
     }
 
-    /// Failure news, heartbeats on idle links, and forgetting finished sends.
+    /// Links silent for `failure_timeout` have failed.
+    fn watch(&mut self) {
+        let ctx = self.ctx.clone();
+        for p in self.liveness.silent(Instant::now()) {
+            let e = CollectiveError::Peer {
+                peer: p,
+                reason: format!(
+                    "rank {p} sent nothing (no message, no heartbeat) for {:?}: it is dead, hung or cut off",
+                    ctx.failure_timeout
+                ),
+            };
+            link_error(&ctx, p, e.into(), &self.agg);
+        }
+    }
+
+    /// Failure news, heartbeats on idle links, silent links, and forgetting finished sends.
     fn tick(&mut self) {
+        self.watch();
         for p in self.open.clone() {
             self.tell_fail(p);
         }
@@ -310,12 +327,18 @@ impl Net {
                 }
                 None
             }
+            AggIn::Heard { peer, busy } => {
+                self.liveness.heard(peer, Instant::now(), busy);
+                None
+            }
             AggIn::Bye(peer) => {
                 self.ended.insert(peer);
+                self.liveness.stop(peer);
                 Some(AggIn::Bye(peer))
             }
             AggIn::Down { peer, reason } => {
                 self.ended.insert(peer);
+                self.liveness.stop(peer);
                 self.close(peer);
                 Some(AggIn::Down { peer, reason })
             }
@@ -341,6 +364,7 @@ impl Net {
         }
         let mut all_ended: Option<Instant> = None;
         while !ctx.shared.forced() {
+            self.watch();
             self.sends.retain(|h| !h.test());
             if ctx.peers.iter().all(|p| self.ended.contains(p)) {
                 let since = *all_ended.get_or_insert_with(Instant::now);
@@ -456,6 +480,7 @@ pub(in crate::ps) fn node_main(
         ctx: ctx.clone(),
         agg: agg_tx.clone(),
         beats: Beats::new(ctx.heartbeat, &live, Instant::now()),
+        liveness: Liveness::new(ctx.failure_timeout),
         open: live.iter().copied().collect(),
         ended: BTreeSet::new(),
         told_fail: BTreeSet::new(),

@@ -44,9 +44,12 @@ pub(in crate::ps) fn bind(
         ))
     })?;
     let mut cfg = EndpointConfig::new(job, r, w, SocketAddr::new(ip, 0));
-    // The layer fails a receive whose peer is silent this long, naming it: exactly the
-    // parameter server's "a link silent for failure_timeout has failed".
-    cfg.core.peer_timeout = failure_timeout;
+    // The layer fails a message whose peer says nothing about it for this long, naming the
+    // peer. Twice the failure timeout: a neighbour starts its endpoint only once its own
+    // address exchange is over, which a dead neighbour of its own holds up for up to a
+    // failure timeout. Once a link has been heard from, the node itself fails it after
+    // `failure_timeout` of silence (`core::Liveness`).
+    cfg.core.peer_timeout = failure_timeout.saturating_mul(2);
     cfg.mtu = mtu;
     cfg.inject_loss = inject_loss;
     cfg.seed = u64::from(job);
