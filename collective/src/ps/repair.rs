@@ -32,7 +32,7 @@ pub fn repaired_tree(
     Ok((t, false))
 }
 
-/// The links a route-around job needs ([`PsConfig::reroute`]), directed `(from, to)`, each
+/// The links a route-around job needs ([`PsConfig::reroute`](super::PsConfig::reroute)), directed `(from, to)`, each
 /// once: the tree's edges both ways, every node <-> its grandparent (where children re-attach
 /// when their parent dies), and the root <-> every member (failure news, and the STAR
 /// fallback). The extra links stay idle, kept alive by heartbeats, until a failure needs them.

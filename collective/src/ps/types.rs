@@ -17,18 +17,20 @@ pub struct PsConfig {
     pub learning_rate: f32,
     /// End-to-end loss bound of gradients and weights (split over the tree's hops).
     pub loss_bound: LossBound,
-    /// Transport configuration of every transfer.
+    /// Transport configuration of the set-up's address exchange over the links; its `mtu`
+    /// also sets the message layer's segment size (and so the default block).
     pub transfer: TransferConfig,
     /// Longest wait of a blocking call (pull, wait_clock, each phase of shutdown).
     pub op_timeout: Duration,
     /// Period of the heartbeats on every idle link (default 200 ms).
     pub heartbeat: Duration,
-    /// Silence after which a link's peer counts as dead (default 1 s; it is also the
-    /// transport's connect timeout). Must exceed `heartbeat`.
+    /// Silence after which a link's peer counts as dead (default 1 s; it is also the connect
+    /// timeout of the set-up's address exchange, and half the message layer's peer timeout).
+    /// Must exceed `heartbeat`.
     pub failure_timeout: Duration,
     /// Route around failed workers (MLNET §3.1, default true): the root declares a rank
     /// dead when its link fails or stays silent for `failure_timeout`, and the tree is
-    /// repaired ([`repaired_tree`]). Needs the links of [`fault_tolerant_edges`]. Off: a
+    /// repaired ([`repaired_tree`](super::repaired_tree)). Needs the links of [`fault_tolerant_edges`](super::fault_tolerant_edges). Off: a
     /// failed rank is an error at every rank.
     pub reroute: bool,
     /// Failures repaired by re-attaching children to their grandparent (default 1); one
@@ -90,7 +92,7 @@ pub struct UpdateRecord {
     pub delivered_fraction: f64,
 }
 
-/// What a node did, returned by [`PsNode::shutdown`].
+/// What a node did, returned by [`PsNode::shutdown`](super::PsNode::shutdown).
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct PsStats {
     /// This rank.
@@ -119,7 +121,8 @@ pub struct PsStats {
     pub versions_sent: u64,
     /// Heartbeats sent.
     pub heartbeats_sent: u64,
-    /// Payload bytes of data flows sent (gradients and weights, retransmissions included).
+    /// Bytes of the data messages submitted (gradients, weights, contributor sets, block
+    /// clocks; the layer's retransmissions not included).
     pub bytes_sent: u64,
     /// Clocks still incomplete when the node stopped (some push never came).
     pub dropped_clocks: u64,
@@ -188,7 +191,7 @@ pub enum PsError {
         /// The tensor's.
         got: String,
     },
-    /// Bad arguments to [`PsNode::start`].
+    /// Bad arguments to [`PsNode::start`](super::PsNode::start).
     #[error("invalid parameter-server set-up: {0}")]
     Config(String),
     /// The node failed earlier (that error was returned then); it cannot go on.

@@ -3,7 +3,8 @@
 
 pub(super) const HEADER_LEN: usize = 16;
 pub(super) const MAGIC: u8 = 0x50;
-/// Header flag: a contributor-set flow (push) or block-clock flow (weights) follows.
+/// Header flag: a contributor-set message (push) or block-clock message (weights) follows
+/// the values.
 pub(super) const F_SIDE: u8 = 1;
 /// Header flag: an empty push (nobody in the subtree contributed to this clock).
 pub(super) const F_EMPTY: u8 = 2;
@@ -23,7 +24,7 @@ pub(super) enum Kind {
     Adopt = 7,
 }
 
-/// The header flow of every message: `[magic, kind, flags, 0, len u32, clock u64]`, LE.
+/// The header that starts every message: `[magic, kind, flags, 0, len u32, clock u64]`, LE.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Header {
     pub(super) kind: Kind,
