@@ -132,8 +132,9 @@ struct Net {
     /// Links that ended: the peer's Bye arrived, or the link failed.
     ended: BTreeSet<usize>,
     told_fail: BTreeSet<usize>,
-    /// Child links with a version in flight, and the newest one waiting behind it.
-    busy: BTreeSet<usize>,
+    /// Child links with a version in flight (its messages not yet acknowledged), and the
+    /// newest one waiting behind it.
+    busy: BTreeMap<usize, u32>,
     newest: BTreeMap<usize, Arc<VersionMsg>>,
     sends: Vec<Handle<()>>,
 }
@@ -176,7 +177,7 @@ impl Net {
         self.tell_fail(peer);
         match m {
             Out::Push(p, epoch) => self.push(peer, &p, epoch),
-            Out::Weights(v) if self.busy.contains(&peer) => {
+            Out::Weights(v) if self.busy.contains_key(&peer) => {
                 // Only the newest of the versions queued behind one in flight matters.
                 self.newest.insert(peer, v);
             }
@@ -228,13 +229,14 @@ impl Net {
         let flags = if m.block_clocks.is_some() { F_SIDE } else { 0 };
         self.header(peer, &Header::new(Kind::Weights, flags, m.clock), &[]);
         self.bytes_sent(m.weights.as_bytes().len());
-        let last_is_values = m.block_clocks.is_none();
-        self.send(peer, m.weights.as_bytes().to_vec(), last_is_values);
+        self.send(peer, m.weights.as_bytes().to_vec(), true);
+        let mut in_flight = 1;
         if let Some(c) = &m.block_clocks {
             self.bytes_sent(c.len());
             self.send(peer, c.clone(), true);
+            in_flight += 1;
         }
-        self.busy.insert(peer);
+        self.busy.insert(peer, in_flight);
         self.ctx
             .shared
             .counters
@@ -319,6 +321,11 @@ impl Net {
     fn observe(&mut self, m: AggIn) -> Option<AggIn> {
         match m {
             AggIn::Sent(peer) => {
+                let left = self.busy.get(&peer).map_or(0, |n| n.saturating_sub(1));
+                if left > 0 {
+                    self.busy.insert(peer, left);
+                    return None;
+                }
                 self.busy.remove(&peer);
                 if let Some(v) = self.newest.remove(&peer) {
                     if self.open.contains(&peer) {
@@ -484,7 +491,7 @@ pub(in crate::ps) fn node_main(
         open: live.iter().copied().collect(),
         ended: BTreeSet::new(),
         told_fail: BTreeSet::new(),
-        busy: BTreeSet::new(),
+        busy: BTreeMap::new(),
         newest: BTreeMap::new(),
         sends: Vec::new(),
     };
