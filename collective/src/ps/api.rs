@@ -135,7 +135,14 @@ impl PsNode {
             rank,
             world,
             transfer.mtu,
-            cfg.failure_timeout,
+            // Twice the failure timeout: a neighbour starts its endpoint only once its own
+            // address exchange is over, which a dead neighbour of its own holds up for up to
+            // a failure timeout. At least the transfers' idle timeout: a message's data may
+            // stall that long under incast before it counts as dead, as a flow's could. An
+            // idle link heard from fails after `failure_timeout` (`core::Liveness`).
+            cfg.failure_timeout
+                .saturating_mul(2)
+                .max(transfer.idle_timeout),
             cfg.inject_loss,
         )?;
         let block_elems = match cfg.block_elems {

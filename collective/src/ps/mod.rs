@@ -38,7 +38,8 @@
 //!   and then silent for [`PsConfig::failure_timeout`] (1 s) has failed. The layer judges
 //!   what the node cannot see: a link's header receive is always posted, so the layer pings
 //!   a silent peer and fails the receive naming it (its peer timeout is twice
-//!   `failure_timeout`, for a neighbour still busy with its set-up); a peer whose socket
+//!   `failure_timeout`, for a neighbour still busy with its set-up, and at least the
+//!   transfers' `idle_timeout`, 5 s, for data stalled under incast); a peer whose socket
 //!   closed fails at once (ICMP port unreachable); a message's data that makes no progress
 //!   fails the same way. A link's failure ends that link only
 //!   (`Op::failure_breaks_group` is false for its operations): the node routes around the

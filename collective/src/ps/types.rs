@@ -25,7 +25,8 @@ pub struct PsConfig {
     /// Period of the heartbeats on every idle link (default 200 ms).
     pub heartbeat: Duration,
     /// Silence after which a link's peer counts as dead (default 1 s; it is also the connect
-    /// timeout of the set-up's address exchange, and half the message layer's peer timeout).
+    /// timeout of the set-up's address exchange; the message layer's peer timeout is twice
+    /// it, at least `transfer.idle_timeout`).
     /// Must exceed `heartbeat`.
     pub failure_timeout: Duration,
     /// Route around failed workers (MLNET §3.1, default true): the root declares a rank

@@ -22,14 +22,15 @@ const T_ADDR: u32 = 7 << 27;
 /// Bytes of an address in the exchange: its text, zero-padded.
 const ADDR_LEN: usize = 64;
 /// Binds the node's endpoint for `rank` of `world` in `job`, on the address this host sends
-/// to `toward` (a neighbour) from.
+/// to `toward` (a neighbour) from; the layer fails a message whose peer says nothing about
+/// it for `peer_timeout`, naming the peer.
 pub(in crate::ps) fn bind(
     toward: IpAddr,
     job: u32,
     rank: usize,
     world: usize,
     mtu: usize,
-    failure_timeout: Duration,
+    peer_timeout: Duration,
     inject_loss: f64,
 ) -> Result<Bound, PsError> {
     let (Ok(r), Ok(w)) = (u16::try_from(rank), u16::try_from(world)) else {
@@ -44,12 +45,7 @@ pub(in crate::ps) fn bind(
         ))
     })?;
     let mut cfg = EndpointConfig::new(job, r, w, SocketAddr::new(ip, 0));
-    // The layer fails a message whose peer says nothing about it for this long, naming the
-    // peer. Twice the failure timeout: a neighbour starts its endpoint only once its own
-    // address exchange is over, which a dead neighbour of its own holds up for up to a
-    // failure timeout. Once a link has been heard from, the node itself fails it after
-    // `failure_timeout` of silence (`core::Liveness`).
-    cfg.core.peer_timeout = failure_timeout.saturating_mul(2);
+    cfg.core.peer_timeout = peer_timeout;
     cfg.mtu = mtu;
     cfg.inject_loss = inject_loss;
     cfg.seed = u64::from(job);
