@@ -62,6 +62,11 @@ impl OutLink {
         self.peer
     }
 
+    /// The peer's address this link sends to.
+    pub fn dst(&self) -> IpAddr {
+        self.dst
+    }
+
     /// Payload bytes of each segment of a `dtype` tensor sent over this link: what the
     /// transport's sender will choose (an authenticated link makes room for the tag).
     pub fn segment_payload(&self, dtype: DType, mtu: usize) -> Option<usize> {

@@ -55,7 +55,11 @@ fn collectives_over_af_xdp_are_exact_and_use_only_the_af_xdp_sockets() {
             tb.spawn_in(r, move || {
                 let ip = IpAddr::V4(host_ipv4(r));
                 let mut cfg = GroupConfig::new(21, r, WORLD, ip, Duration::from_secs(10));
-                cfg.endpoint.bind = SocketAddr::new(ip, PORT);
+                // A port per rank: the XDP classifier matches the destination port, not the
+                // address, so a frame the bridge floods to every host (before it learned where
+                // a MAC is) would reach another rank's socket on a shared port (refused there
+                // by the core, counted, but a cost).
+                cfg.endpoint.bind = SocketAddr::new(ip, PORT + r as u16);
                 cfg.afxdp_ifname = Some(HOST_IFNAME.to_string());
                 let pending = PendingGroup::bind(cfg).expect("AF_XDP group");
                 addr_tx.send((r, pending.address())).unwrap();
@@ -103,9 +107,8 @@ fn collectives_over_af_xdp_are_exact_and_use_only_the_af_xdp_sockets() {
     for h in handles {
         let (r, results, stats) = h.join().expect("rank thread");
         for (k, n) in [300_000usize, 3_000].into_iter().enumerate() {
-            let want: Vec<f32> = (0..n)
-                .map(|i| (0..WORLD).map(|q| input(q, n)[i]).sum())
-                .collect();
+            let inputs: Vec<Vec<f32>> = (0..WORLD).map(|q| input(q, n)).collect();
+            let want: Vec<f32> = (0..n).map(|i| inputs.iter().map(|v| v[i]).sum()).collect();
             assert!(
                 results[k] == want,
                 "rank {r}: all-reduce {k} is not the exact sum"

@@ -1,0 +1,84 @@
+//! An operation that is one link's own stream (`Op::isolated` true: the
+//! parameter server's links) fails alone when its peer fails: the rank goes on with its other
+//! peers. A collective's operation (the default) makes every peer give up everything with the
+//! rank, naming the culprit.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use gradwire_msg::core::{RecvOpts, SendOpts};
+use gradwire_msg::endpoint::{Endpoint, EndpointConfig};
+use gradwire_msg::mem::Region;
+use gradwire_msg::op::{Op, OpCx, OpEvent, Step};
+use gradwire_msg::p2p::{Recv, Send};
+
+/// Three ranks on loopback whose peers count as silent after `peer_timeout`.
+fn three(peer_timeout: Duration) -> Vec<Endpoint> {
+    let bound: Vec<_> = (0..3u16)
+        .map(|r| {
+            let mut c =
+                EndpointConfig::new(5, r, 3, SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0));
+            c.core.peer_timeout = peer_timeout;
+            Endpoint::bind(c).unwrap()
+        })
+        .collect();
+    let addrs: Vec<SocketAddr> = bound.iter().map(|b| b.local_addr()).collect();
+    bound
+        .into_iter()
+        .map(|b| b.start(addrs.clone()).unwrap())
+        .collect()
+}
+
+/// A receive whose failure is its own.
+struct Alone(Recv);
+
+impl Op for Alone {
+    type Output = ();
+
+    fn start(&mut self, cx: &mut OpCx<'_>) -> Step<()> {
+        Ok(self.0.start(cx)?.map(|_| ()))
+    }
+
+    fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Step<()> {
+        Ok(self.0.on_event(ev, cx)?.map(|_| ()))
+    }
+
+    fn isolated(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn a_link_operation_fails_alone_a_collective_one_breaks_the_group() {
+    let wait = Duration::from_secs(5);
+    for alone in [true, false] {
+        let eps = three(Duration::from_millis(300));
+        // Rank 1 never sends: rank 0's receive from it fails, naming it.
+        let from_1 = Recv::new(Region::owned(vec![0; 8]), 1, RecvOpts::default());
+        let err = if alone {
+            eps[0].run(Alone(from_1), wait).unwrap_err()
+        } else {
+            eps[0].run(from_1, wait).map(|_| ()).unwrap_err()
+        };
+        assert_eq!(err.peer(), Some(1), "{err}");
+        // Then rank 2 sends to rank 0.
+        let send = eps[2].submit(Send::new(Region::owned(vec![7; 8]), 0, SendOpts::default()));
+        if alone {
+            let (region, report) = eps[0]
+                .run(
+                    Recv::new(Region::owned(vec![0; 8]), 2, RecvOpts::default()),
+                    wait,
+                )
+                .unwrap();
+            assert_eq!(report.missing, 0);
+            assert_eq!(region.unwrap().as_slice(), &[7; 8]);
+            send.wait_timeout(wait).unwrap().unwrap();
+        } else {
+            // Rank 0 told rank 2 to give up everything with it, naming rank 1.
+            let e = send.wait_timeout(wait).unwrap().unwrap_err();
+            assert_eq!(e.peer(), Some(1), "{e}");
+        }
+    }
+}
