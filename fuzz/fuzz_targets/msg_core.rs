@@ -41,6 +41,7 @@ fuzz_target!(|data: &[u8]| {
         deadline: None,
         up_to: mode & 8 != 0,
         skip_meta_zero: mode & 16 != 0,
+        patient: mode & 32 != 0,
     };
     let _ = core.reserve_recvs(0, 1);
     core.post_recv(now, 0, 0, buf, GUARD..GUARD + LEN, opts).expect("post");
