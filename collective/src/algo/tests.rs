@@ -689,7 +689,9 @@ fn adaptive_time_bounds_learn_from_the_steps_and_the_ranks_still_agree() {
                     let mut b = f32s(&input(g.rank(), n));
                     let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
                     let r = g.all_reduce(t, &o).expect("all-reduce");
-                    assert!(r.steps.iter().all(|s| s.waited > Duration::ZERO));
+                    // One report per reduce-scatter step (a step whose data arrived before
+                    // it started reports a zero wait, so the waits themselves may be 0).
+                    assert_eq!(r.steps.len(), world - 1);
                     let c = r.contributors.expect("sets");
                     let sets: Vec<Vec<usize>> = (0..c.blocks()).map(|b| c.ranks(b)).collect();
                     (vals(&b), sets)
