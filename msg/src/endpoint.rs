@@ -111,6 +111,7 @@ pub struct EndpointStats {
 enum Cmd {
     Submit(u64, Box<dyn Erased>),
     Cancel(u64),
+    AbortAll(u16),
 }
 
 struct Shared {
@@ -336,6 +337,19 @@ impl Endpoint {
     }
 }
 
+impl Endpoint {
+    /// Makes every peer give up everything with this rank, naming `culprit` as the rank it
+    /// failed on: for a runtime whose operations are isolated (`Op::isolated`), which fails
+    /// because of one peer and leaves, so its other peers learn who failed rather than only
+    /// that this rank left. Sent before the endpoint closes, even if it is dropped at once.
+    pub fn abort_all(&self, culprit: u16) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(Cmd::AbortAll(culprit));
+            self.waker.wake();
+        }
+    }
+}
+
 impl Drop for Endpoint {
     fn drop(&mut self) {
         self.tx = None;
@@ -378,8 +392,18 @@ impl Driver {
                         id,
                         Err(OpError::Cancelled("cancelled by its caller".into())),
                     ),
+                    Ok(Cmd::AbortAll(culprit)) => {
+                        let (me, world) = (self.core.config().rank, self.core.config().world);
+                        for p in (0..world).filter(|&p| p != me) {
+                            self.core.abort_peer(p, Some(culprit));
+                        }
+                    }
                     Err(mpsc::TryRecvError::Empty) => break,
-                    Err(mpsc::TryRecvError::Disconnected) => return Ok(()),
+                    // Dropped: what is queued (an ABORT of everything) still goes out.
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        let _ = self.transmit(now);
+                        return Ok(());
+                    }
                 }
             }
             // Input.

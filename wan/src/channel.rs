@@ -308,6 +308,15 @@ impl Channels {
         });
     }
 
+    /// This node fails because of node `culprit`: every peer gives up its links with this
+    /// node naming `culprit` (an ABORT of everything, sent even if the node exits at once),
+    /// so a node that hears of it first through this node's leaving still names `culprit`.
+    pub fn give_up(&self, culprit: usize) {
+        if let Ok(c) = u16::try_from(culprit) {
+            self.ep.abort_all(c);
+        }
+    }
+
     /// Waits up to `timeout` until every chunk sent has been delivered (or failed), sending
     /// what still waits; whether they all were. Chunks that arrive meanwhile are dropped:
     /// for a node that has its results.

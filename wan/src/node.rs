@@ -216,7 +216,10 @@ impl Node {
                     peer,
                     error,
                     culprit,
-                } => return Err(self.peer_err_via(peer, error, culprit)),
+                } => {
+                    self.channels.give_up(culprit.unwrap_or(peer));
+                    return Err(self.peer_err_via(peer, error, culprit));
+                }
                 Event::Chunk(c) => {
                     self.measure(c.from, c.sample)?;
                     let header = ChunkHeader::parse(&c.meta)
