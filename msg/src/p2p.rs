@@ -12,6 +12,7 @@ pub struct Send {
     opts: SendOpts,
     region: Option<Region>,
     buf: Option<BufId>,
+    isolated: bool,
 }
 
 impl Send {
@@ -22,7 +23,15 @@ impl Send {
             opts,
             region: Some(region),
             buf: None,
+            isolated: false,
         }
+    }
+
+    /// A send whose failure ends its own message only ([`Op::isolated`]): one message of a
+    /// link's own stream (a parameter server's link, a NetStorm chunk channel).
+    pub fn isolated(mut self) -> Send {
+        self.isolated = true;
+        self
     }
 }
 
@@ -44,6 +53,10 @@ impl Op for Send {
 
     fn on_event(&mut self, _ev: OpEvent, cx: &mut OpCx<'_>) -> Step<Option<Region>> {
         Ok(Some(self.buf.take().and_then(|b| cx.unregister(b))))
+    }
+
+    fn isolated(&self) -> bool {
+        self.isolated
     }
 }
 

@@ -282,18 +282,21 @@ impl Channels {
         );
         sending.fetch_add(1, Ordering::AcqRel);
         let tos = (self.cfg.dscp << 2) | 0b10; // ECN-capable (ECT(0)), as the flows were
-        let h = self.ep.submit(ChunkSend {
-            peer,
+                                               // One chunk: a reliable, isolated message at the chunk's TOS.
+        let opts = SendOpts {
             tos,
-            region: Some(Region::owned(bytes)),
-        });
+            ..SendOpts::default()
+        };
+        let h = self
+            .ep
+            .submit(gradwire_msg::p2p::Send::new(Region::owned(bytes), peer, opts).isolated());
         let tx = self.events_tx.clone();
         let me = self.ep.rank();
         h.on_complete(move |r| {
             sending.fetch_sub(1, Ordering::AcqRel);
             counter.fetch_sub(1, Ordering::AcqRel);
             let ev = match r {
-                Ok(()) => Event::Sent { to },
+                Ok(_) => Event::Sent { to },
                 Err(e) => match link_ended(me, peer, &e) {
                     // A peer that left while this node still sends to it broke the link.
                     Event::Closed { .. } => Event::Failed {
@@ -358,42 +361,6 @@ fn link_ended(me: u16, peer: u16, e: &OpError) -> Event {
             error: e.to_string(),
             culprit: None,
         },
-    }
-}
-
-/// One chunk to one peer: a reliable message at the chunk's TOS.
-#[derive(Debug)]
-struct ChunkSend {
-    peer: u16,
-    tos: u8,
-    region: Option<Region>,
-}
-
-impl Op for ChunkSend {
-    type Output = ();
-
-    fn start(&mut self, cx: &mut OpCx<'_>) -> Step<()> {
-        let region = self
-            .region
-            .take()
-            .ok_or_else(|| OpError::Invalid("started twice".into()))?;
-        let len = region.len();
-        let buf = cx.register(region);
-        let msg = cx.reserve_sends(self.peer, 1)?;
-        let opts = SendOpts {
-            tos: self.tos,
-            ..SendOpts::default()
-        };
-        cx.send(self.peer, msg, buf, 0..len, opts)?;
-        Ok(None)
-    }
-
-    fn on_event(&mut self, _ev: OpEvent, _cx: &mut OpCx<'_>) -> Step<()> {
-        Ok(Some(()))
-    }
-
-    fn isolated(&self) -> bool {
-        true
     }
 }
 

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use gradwire_msg::core::SendOpts;
 use gradwire_msg::endpoint::{Bound, Endpoint};
 use gradwire_msg::mem::Region;
-use gradwire_msg::op::{Handle, Op, OpCx, OpError, OpEvent, Step};
+use gradwire_msg::op::{Handle, OpError};
 
 use crate::error::CollectiveError;
 use crate::link::Links;
@@ -86,40 +86,6 @@ pub(super) fn layer_error(ctx: &Ctx, peer: usize, e: OpError, agg: &Sender<AggIn
     link_error(ctx, peer, err, agg);
 }
 
-/// One message of a link (the layer's plain send fails the rank's whole group with it).
-struct LinkSend {
-    peer: u16,
-    region: Option<Region>,
-}
-
-impl Op for LinkSend {
-    type Output = ();
-
-    fn start(&mut self, cx: &mut OpCx<'_>) -> Step<()> {
-        let region = self
-            .region
-            .take()
-            .ok_or_else(|| OpError::Invalid("started twice".into()))?;
-        let len = region.len();
-        let buf = cx.register(region);
-        let msg = cx.reserve_sends(self.peer, 1)?;
-        let opts = SendOpts {
-            tos: DATA_TOS,
-            ..SendOpts::default()
-        };
-        cx.send(self.peer, msg, buf, 0..len, opts)?;
-        Ok(None)
-    }
-
-    fn on_event(&mut self, _ev: OpEvent, _cx: &mut OpCx<'_>) -> Step<()> {
-        Ok(Some(()))
-    }
-
-    fn isolated(&self) -> bool {
-        true
-    }
-}
-
 /// The sending side of the node: the endpoint, and per link what is in flight.
 struct Net {
     ep: Endpoint,
@@ -136,21 +102,26 @@ struct Net {
     /// newest one waiting behind it.
     busy: BTreeMap<usize, u32>,
     newest: BTreeMap<usize, Arc<VersionMsg>>,
-    sends: Vec<Handle<()>>,
+    sends: Vec<Handle<Option<Region>>>,
 }
 
 impl Net {
     fn send(&mut self, peer: usize, bytes: Vec<u8>, notify: bool) {
-        let h = self.ep.submit(LinkSend {
-            peer: peer as u16,
-            region: Some(Region::owned(bytes)),
-        });
+        // One message of the link: isolated (a dead peer ends this link only; the node
+        // routes around it).
+        let opts = SendOpts {
+            tos: DATA_TOS,
+            ..SendOpts::default()
+        };
+        let h = self.ep.submit(
+            gradwire_msg::p2p::Send::new(Region::owned(bytes), peer as u16, opts).isolated(),
+        );
         let (ctx, agg) = (self.ctx.clone(), self.agg.clone());
         h.on_complete(move |r| match r {
-            Ok(()) if notify => {
+            Ok(_) if notify => {
                 let _ = agg.send(AggIn::Sent(peer));
             }
-            Ok(()) => {}
+            Ok(_) => {}
             Err(e) => layer_error(&ctx, peer, e, &agg),
         });
         self.sends.push(h);
