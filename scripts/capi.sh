@@ -82,7 +82,10 @@ done
 # Built together with the rest of the workspace (cargo test --workspace), the transport comes
 # with its AF_XDP feature and the archive holds the vendored libbpf, which needs libelf and
 # zlib (scripts/deps.sh installs both).
-if ar t "$from/libgradwire_c.a" 2>/dev/null | grep -qx 'btf.o' && [[ $static_libs != *-lelf* ]]; then
+# The member list is read whole first: `ar t | grep -q` under pipefail fails whenever grep's
+# early exit kills ar with SIGPIPE (CI lost the -lelf -lz this way).
+members=$(ar t "$from/libgradwire_c.a")
+if grep -qx 'btf.o' <<<"$members" && [[ $static_libs != *-lelf* ]]; then
     static_libs="$static_libs -lelf -lz"
 fi
 
