@@ -190,8 +190,13 @@ pub struct UdpStats {
     pub send_datagrams: u64,
     /// Payload bytes the kernel took.
     pub send_bytes: u64,
-    /// `send` calls that stopped early because the socket would block (`EAGAIN`/`ENOBUFS`).
+    /// `send` calls that stopped early because the socket would block (`EAGAIN`).
     pub send_would_block: u64,
+    /// Datagrams the local stack dropped (`ENOBUFS` with `IP_RECVERR`: a full device queue,
+    /// e.g. a veth whose XDP reader is behind). Counted as sent: the protocol recovers them
+    /// as losses. Sending them again at once would repeat what the device did take and spin
+    /// while the queue stays full (the socket stays writable).
+    pub send_local_drops: u64,
     /// Times GSO was turned off after the kernel refused a GSO send with `EIO` (0 or 1).
     pub gso_fallbacks: u64,
     /// `recvmmsg` calls made (including ones that found nothing).

@@ -143,7 +143,7 @@ impl UdpIo {
     /// call, one per GSO bundle).
     ///
     /// Returns how many bundles (from the front of `batch`) the kernel took. Fewer than
-    /// `batch.len()` when the socket would block (`EAGAIN`/`ENOBUFS`), or when a later bundle
+    /// `batch.len()` when the socket would block (`EAGAIN`), or when a later bundle
     /// fails: that bundle is then first in the next call, which reports its error. `Err` means
     /// the first bundle of `batch` was refused. A bundle sent as several `msghdr`s (without
     /// GSO, or above [`UdpIo::max_bundle_bytes`]) that the socket cuts short counts as not
@@ -181,7 +181,26 @@ impl UdpIo {
                     }
                 }
                 Err(Errno::EINTR) => {}
-                Err(Errno::EAGAIN | Errno::ENOBUFS) => {
+                Err(Errno::EAGAIN) => {
+                    self.stats.send_would_block += 1;
+                    return Ok(bundle);
+                }
+                // With IP_RECVERR the kernel reports a datagram its device queue dropped as
+                // ENOBUFS (without it the drop is silent): the first piece is gone, not
+                // waiting. Go on past it, as a loss on the wire.
+                Err(Errno::ENOBUFS) if self.recverr => {
+                    if let Some(p) = self.tx.pieces.first() {
+                        self.stats.send_local_drops += p.segs as u64;
+                        if p.last {
+                            (bundle, off) = (p.bundle + 1, 0);
+                        } else {
+                            (bundle, off) = (p.bundle, p.end);
+                        }
+                    } else {
+                        return Ok(bundle);
+                    }
+                }
+                Err(Errno::ENOBUFS) => {
                     self.stats.send_would_block += 1;
                     return Ok(bundle);
                 }
