@@ -27,14 +27,15 @@
 //! Control frame (kind 5), 32-byte header then `bitmap_len` bytes:
 //! 0   1    version   1
 //! 1   1    kind      5
-//! 2   1    op        1 ACK, 2 DONE, 3 NACK, 4 POLL, 5 ABORT, 6 PING, 7 PONG
+//! 2   1    op        1 ACK, 2 DONE, 3 NACK, 4 POLL, 5 ABORT, 6 PING, 7 PONG, 8 GRANT
 //! 3   1    pass      the pass it answers (ACK/DONE/NACK) or asks about (POLL)
 //! 4   4    job
 //! 8   2    src       sender of this frame
 //! 10  2    dst
 //! 12  4    msg       the message (numbered on the channel of its data: for ACK, DONE and
 //!                    NACK the channel dst -> src)
-//! 16  4    a         ACK/DONE: distinct segments received; NACK: first segment of the bitmap
+//! 16  4    a         ACK/DONE: distinct segments received; NACK: first segment of the bitmap;
+//!                    GRANT: the sender's first pass may send segments below a
 //! 20  4    b         ACK/DONE: segments that arrived CE-marked; NACK: bits in the bitmap
 //! 24  4    c         DONE: segments left missing; ABORT: reason code; NACK: 0 at the end
 //!                    of a pass, NACK_GAP (1) for a gap seen within a first pass
@@ -200,6 +201,9 @@ pub enum CtrlOp {
     Ping = 6,
     /// The sender is alive (`a` = 1: it has posted the message).
     Pong = 7,
+    /// The receiver lets the sender's first pass go up to segment `a` (exclusive): its
+    /// share of the receiver's budget of segments in flight towards it (incast control).
+    Grant = 8,
 }
 
 impl TryFrom<u8> for CtrlOp {
@@ -213,6 +217,7 @@ impl TryFrom<u8> for CtrlOp {
             5 => CtrlOp::Abort,
             6 => CtrlOp::Ping,
             7 => CtrlOp::Pong,
+            8 => CtrlOp::Grant,
             _ => return Err(Error::UnknownKind),
         })
     }

@@ -15,7 +15,11 @@
 //!
 //! Data for a message the receiver has not posted yet is kept, bounded in bytes, and placed
 //! when it is posted (a peer a step ahead is the normal case, not an error).
+//!
+//! Incast is the receiver's to schedule ([`grant`]): it grants each peer sending to it a
+//! share of one budget of segments in flight, so many senders offer one window together.
 
+pub mod grant;
 mod recv;
 mod rtt;
 mod send;
@@ -72,6 +76,16 @@ pub struct CoreConfig {
     pub ctrl_tos: u8,
     /// Segments per bundle (the GSO limit of the socket).
     pub max_bundle: usize,
+    /// Receiver grants ([`grant`]): a receiver splits one budget of segments in flight
+    /// towards it over the peers sending to it, and a sender keeps what it was granted.
+    /// Off: neither side grants nor waits (each sender's own window only).
+    pub grants: bool,
+    /// First-pass segments a sender may keep in flight towards a peer before that peer's
+    /// first grant (the unscheduled first window).
+    pub unscheduled: u32,
+    /// The receiver's initial budget of segments in flight towards it (it adapts within
+    /// [`CoreConfig::ack_every`] and [`CoreConfig::max_cwnd`]).
+    pub grant_window: u32,
 }
 
 impl CoreConfig {
@@ -96,6 +110,9 @@ impl CoreConfig {
             unexpected_window: 1 << 16,
             ctrl_tos: gradwire_qos::CONTROL_DSCP << 2,
             max_bundle: 64,
+            grants: true,
+            unscheduled: 64,
+            grant_window: 128,
         }
     }
 
@@ -345,6 +362,8 @@ pub struct Stats {
     pub gap_nacks: u64,
     /// Segments resent within their first pass on a gap NACK.
     pub gap_resent: u64,
+    /// GRANT frames sent (incast scheduling).
+    pub grants: u64,
 }
 
 /// A run of data segments to one peer for one GSO send.
@@ -422,6 +441,8 @@ struct Peer {
     /// Every receive numbered below this is finished; `done` holds finished ones above it.
     done_below: u32,
     done: BTreeSet<u32>,
+    /// Grants in both directions.
+    grants: grant::PeerGrants,
 }
 
 impl Peer {
@@ -456,6 +477,8 @@ pub struct Core {
     unexpected_bytes: usize,
     /// Round-robin start of the next transmit poll.
     rr: usize,
+    /// The receiver's budget of segments in flight towards it.
+    budget: grant::Budget,
 }
 
 impl Core {
@@ -477,8 +500,10 @@ impl Core {
                 gave_up: None,
                 done_below: 0,
                 done: BTreeSet::new(),
+                grants: grant::PeerGrants::default(),
             })
             .collect();
+        let budget = grant::Budget::new(cfg.grant_window, cfg.max_cwnd, cfg.ack_every);
         Core {
             cfg,
             peers,
@@ -488,6 +513,7 @@ impl Core {
             stats: Stats::default(),
             unexpected_bytes: 0,
             rr: 0,
+            budget,
         }
     }
 
@@ -718,8 +744,8 @@ impl Core {
     /// Whether any send has segments it may send now.
     pub fn wants_transmit(&self) -> bool {
         !self.ctrl.is_empty()
-            || self.peers.iter().any(|p| {
-                let room = p.win.segments().saturating_sub(p.in_flight());
+            || self.peers.iter().enumerate().any(|(i, p)| {
+                let room = self.send_window(i).saturating_sub(p.in_flight());
                 p.sends.values().any(|s| s.can_send(room))
             })
     }

@@ -65,6 +65,8 @@ pub(super) struct RecvMsg {
     /// ones among them the loss bound absorbs (not asked for).
     gap_checked: u32,
     gap_tolerated: u32,
+    /// Segments the gap scan found missing (named or tolerated), for the receiver's budget.
+    gap_lost: u32,
     /// When we last asked the silent sender whether it is alive.
     pinged: Option<Instant>,
     /// The highest pass the sender said it finished.
@@ -104,6 +106,7 @@ impl RecvMsg {
             since_ack: 0,
             gap_checked: 0,
             gap_tolerated: 0,
+            gap_lost: 0,
             pinged: None,
             pass_end: None,
             heard: now,
@@ -203,6 +206,7 @@ impl RecvMsg {
         let mut seg = self.gap_checked;
         while seg < limit {
             if !self.has(seg) {
+                self.gap_lost += 1;
                 if self.gap_tolerated < may_lose {
                     self.gap_tolerated += 1;
                 } else {
@@ -258,6 +262,9 @@ impl Core {
         payload: &[u8],
         tos: u8,
     ) {
+        if h.pass == 0 {
+            self.note_arrival(now, i, tos & 3 == 3);
+        }
         let p = &mut self.peers[i];
         if p.recvs.contains_key(&h.msg) {
             self.place(now, now, i, h.msg, h, payload, tos);
@@ -321,7 +328,7 @@ impl Core {
         tos: u8,
     ) {
         let seg_payload = self.cfg.seg_payload;
-        let ack_every = self.cfg.ack_every;
+        let ack_every = self.ack_interval(i);
         let Some(r) = self.peers[i].recvs.get_mut(&msg) else {
             return;
         };
@@ -378,11 +385,14 @@ impl Core {
         let complete = r.count == r.nsegs;
         let bound = r.pass_end.is_some() && r.count >= r.need;
         let ack = r.since_ack >= ack_every;
+        let lost_before = r.gap_lost;
         let gaps = if complete || bound {
             None
         } else {
             r.new_gaps(self.cfg.gap_reorder)
         };
+        let lost = r.gap_lost - lost_before;
+        self.note_gaps(lost);
         if complete {
             self.finish(i, msg, Ended::Complete);
         } else if bound {
@@ -390,6 +400,8 @@ impl Core {
         } else {
             if ack {
                 self.send_ack(i, msg);
+                // The budget moved with these arrivals: shares follow it.
+                self.regrant(now, None);
             }
             if let Some((first, map, bits)) = gaps {
                 let mut c = self.ctrl_to(i, CtrlOp::Nack, msg, h.pass);
@@ -521,7 +533,11 @@ impl Core {
             }
             match c.op {
                 CtrlOp::Poll if c.c != 0 => self.end_of_pass(now, i, c.msg, c.pass),
-                CtrlOp::Poll => self.send_ack(i, c.msg),
+                CtrlOp::Poll => {
+                    self.send_ack(i, c.msg);
+                    // A sender stalled on its window may have lost our GRANT.
+                    self.regrant(now, Some(i));
+                }
                 CtrlOp::Pong => {}
                 _ => {}
             }
@@ -530,6 +546,8 @@ impl Core {
         if c.op != CtrlOp::Poll {
             return;
         }
+        self.regrant(now, Some(i));
+        let p = &mut self.peers[i];
         if p.is_done(c.msg) {
             let f = self.ctrl_to(i, CtrlOp::Done, c.msg, c.pass);
             self.ctrl_frame(i, f, &[]);
@@ -546,6 +564,7 @@ impl Core {
     pub(super) fn on_ctrl(&mut self, now: Instant, i: usize, c: &Ctrl, bitmap: &[u8]) {
         match c.op {
             CtrlOp::Ack | CtrlOp::Done | CtrlOp::Nack => self.on_send_ctrl(now, i, c, bitmap),
+            CtrlOp::Grant => self.on_grant(i, c),
             CtrlOp::Poll | CtrlOp::Abort | CtrlOp::Pong => self.on_recv_ctrl(now, i, c),
             CtrlOp::Ping => {
                 let posted = self.peers[i].sends.contains_key(&c.msg);

@@ -64,9 +64,10 @@ pub struct Window {
     ssthresh: f64,
     min: f64,
     max: f64,
-    /// Acked segments and CE marks since the last decrease decision.
+    /// Acked segments, CE marks and segments seen lost since the last decrease decision.
     acked: u64,
     marked: u64,
+    lost: u64,
 }
 
 impl Window {
@@ -89,6 +90,7 @@ impl Window {
             max: f64::from(max),
             acked: 0,
             marked: 0,
+            lost: 0,
         }
     }
 
@@ -108,17 +110,28 @@ impl Window {
                 self.cwnd += f64::from(acked) / self.cwnd;
             }
         }
-        // One decrease per window's worth of acks, by half the marked fraction (DCTCP).
+        // One decrease per window's worth of acks: halved when more than 10 % of it was seen
+        // lost (as on_pass_loss), else by half the marked fraction (DCTCP).
         if self.acked as f64 >= self.cwnd {
-            if self.marked > 0 {
+            if self.lost as f64 > 0.1 * self.acked as f64 {
+                self.cwnd /= 2.0;
+                self.ssthresh = self.cwnd;
+            } else if self.marked > 0 {
                 let f = self.marked as f64 / self.acked as f64;
                 self.cwnd *= 1.0 - f / 2.0;
                 self.ssthresh = self.cwnd;
             }
             self.acked = 0;
             self.marked = 0;
+            self.lost = 0;
         }
         self.cwnd = self.cwnd.clamp(self.min, self.max);
+    }
+
+    /// `n` segments were seen lost (a receiver's gaps): counted against the current window
+    /// of acks by [`Window::on_ack`].
+    pub fn on_lost(&mut self, n: u32) {
+        self.lost += u64::from(n);
     }
 
     /// A retransmission timeout with the window full: halve, as on heavy loss.
@@ -174,6 +187,17 @@ mod tests {
             w.on_pass_loss(100, 100);
         }
         assert_eq!(w.segments(), 2);
+    }
+
+    #[test]
+    fn a_window_of_arrivals_with_heavy_gaps_halves_and_random_loss_does_not() {
+        let mut w = Window::new(100, 100);
+        w.on_lost(2);
+        w.on_ack(100, 0);
+        assert_eq!(w.segments(), 100, "2 % of a window lost is not congestion");
+        w.on_lost(20);
+        w.on_ack(100, 0);
+        assert_eq!(w.segments(), 50);
     }
 
     #[test]

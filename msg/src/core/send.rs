@@ -31,6 +31,12 @@ pub(super) struct SendMsg {
     /// When the LAST segment or POLL of this pass went out, and POLLs unanswered.
     last_tx: Option<Instant>,
     polls: u32,
+    /// A first-pass segment timed for an RTT sample, and when it went: the ACK that first
+    /// shows the receiver past it gives the sample (one at a time, as TCP times segments).
+    /// So the RTO follows the time an ACK takes while a window is queued on the path, not
+    /// only the end-of-pass round trip, and a sender whose window waits in a slow queue does
+    /// not time out and halve it.
+    probe: Option<(u32, Instant)>,
     pub(super) timer: Option<Instant>,
     heard: Instant,
 }
@@ -60,6 +66,7 @@ impl SendMsg {
             ce: 0,
             last_tx: None,
             polls: 0,
+            probe: None,
             timer: None,
             heard: now,
         }
@@ -77,6 +84,13 @@ impl SendMsg {
     /// Whether the message has segments it may send with `room` in the window.
     pub(super) fn can_send(&self, room: u32) -> bool {
         !self.resend.is_empty() || (self.pass == 0 && self.next < self.nsegs && room > 0)
+    }
+
+    /// More room came (a grant grew): a first pass that waited for it need not ask.
+    pub(super) fn clear_stall_timer(&mut self) {
+        if self.pass == 0 && !self.finished_pass {
+            self.timer = None;
+        }
     }
 
     fn seg_range(&self, seg: u32, seg_payload: usize) -> (usize, usize) {
@@ -123,8 +137,9 @@ impl Core {
                 break;
             }
             let i = (self.rr + k) % world;
+            let window = self.send_window(i);
             let p = &mut self.peers[i];
-            let mut room = p.win.segments().saturating_sub(p.in_flight());
+            let mut room = window.saturating_sub(p.in_flight());
             let rto = p.rtt.rto();
             for (&msg, s) in p.sends.iter_mut() {
                 while out.bundles.len() < max_bundles && s.can_send(room) {
@@ -155,6 +170,9 @@ impl Core {
                             // segments, the last of which ends it.
                             s.resend.is_empty() && (s.pass > 0 || s.next == s.nsegs)
                         } else {
+                            if s.probe.is_none() {
+                                s.probe = Some((seg, now));
+                            }
                             s.next += 1;
                             room -= 1;
                             s.next == s.nsegs
@@ -241,6 +259,15 @@ impl Core {
         }
         match c.op {
             CtrlOp::Ack => {
+                if let Some((seg, sent)) = s.probe {
+                    // Karn: not when a POLL may have asked for this ACK.
+                    if c.c > seg {
+                        if s.polls == 0 {
+                            p.rtt.sample(now.saturating_duration_since(sent));
+                        }
+                        s.probe = None;
+                    }
+                }
                 if c.a > s.acked {
                     let marked = c.b.saturating_sub(s.ce);
                     p.win.on_ack(c.a - s.acked, marked);
@@ -284,6 +311,9 @@ impl Core {
                         s.set_queued(seg);
                         s.resend.push_back(seg);
                         self.stats.gap_resent += 1;
+                        if s.probe.is_some_and(|(p, _)| p == seg) {
+                            s.probe = None;
+                        }
                     }
                 }
             }
@@ -326,7 +356,7 @@ impl Core {
                     s.timer = Some(now + p.rtt.rto());
                 }
             }
-            CtrlOp::Poll | CtrlOp::Abort | CtrlOp::Ping | CtrlOp::Pong => {}
+            CtrlOp::Poll | CtrlOp::Abort | CtrlOp::Ping | CtrlOp::Pong | CtrlOp::Grant => {}
         }
     }
 

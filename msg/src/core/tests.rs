@@ -902,3 +902,175 @@ fn the_report_times_the_first_and_last_arrival_even_of_data_kept_before_posting(
         "{first:?} {last:?} posted {posted:?}"
     );
 }
+
+/// Four senders (ranks 1-4) each send `segs` segments to rank 0 at once; returns the data
+/// segments that reached rank 0 in each step of the network that moved any (segments in
+/// flight towards it per round trip) and the net. `lose_grants`: GRANT frames to drop
+/// first.
+fn incast(
+    segs: usize,
+    tweak: impl Fn(&mut CoreConfig) + 'static,
+    lose_grants: u32,
+) -> (Vec<usize>, Net) {
+    use std::cell::Cell;
+    use std::rc::Rc;
+    let arrivals = Rc::new(Cell::new(0usize));
+    let grants_left = Rc::new(Cell::new(lose_grants));
+    let (a, g) = (arrivals.clone(), grants_left.clone());
+    let drop: Drop = Box::new(move |_, d| {
+        let data_to_0 = d[1] == wire::KIND_DATA && d[10..12] == [0, 0];
+        if data_to_0 {
+            a.set(a.get() + 1);
+        }
+        let grant = d[1] == wire::KIND_CTRL && d[2] == CtrlOp::Grant as u8;
+        if grant && g.get() > 0 {
+            g.set(g.get() - 1);
+            return true;
+        }
+        false
+    });
+    let mut net = Net::with(5, drop, move |c| {
+        c.init_cwnd = 64;
+        c.max_cwnd = 64;
+        c.ack_every = 8;
+        tweak(c);
+    });
+    let len = segs * 64;
+    let dst = net.cores[0].register(Region::owned(vec![0; 4 * len]));
+    let now = net.now;
+    for s in 1..5u16 {
+        let data = pattern(len, s as u8);
+        let src = net.cores[usize::from(s)].register(Region::owned(data));
+        net.cores[usize::from(s)].reserve_sends(0, 1).expect("peer");
+        net.cores[0].reserve_recvs(s, 1).expect("peer");
+        let at = (usize::from(s) - 1) * len;
+        net.cores[0]
+            .post_recv(now, s, 0, dst, at..at + len, RecvOpts::default())
+            .expect("recv");
+        net.cores[usize::from(s)]
+            .post_send(now, 0, 0, src, 0..len, SendOpts::default())
+            .expect("send");
+    }
+    let mut per_step = Vec::new();
+    let end = net.now + Duration::from_secs(5);
+    while net.now < end && received(&net, 0).len() < 4 {
+        arrivals.set(0);
+        if net.step() {
+            if arrivals.get() > 0 {
+                per_step.push(arrivals.get());
+            }
+            net.now += Duration::from_micros(20);
+            continue;
+        }
+        match net.cores.iter().filter_map(Core::next_timeout).min() {
+            Some(t) => {
+                net.now = t.max(net.now);
+                for c in &mut net.cores {
+                    c.handle_timeout(net.now);
+                }
+            }
+            None => break,
+        }
+    }
+    for s in 1..5usize {
+        let at = (s - 1) * len;
+        assert_eq!(
+            net.cores[0].buffer(dst).expect("buf")[at..at + len],
+            pattern(len, s as u8)[..],
+            "sender {s}'s message"
+        );
+    }
+    assert_eq!(received(&net, 0).len(), 4);
+    (per_step, net)
+}
+
+#[test]
+fn receiver_grants_hold_an_incast_to_the_receivers_budget() {
+    // Without grants every sender offers its own window: 4 x 64 segments per round trip.
+    let (ungranted, net) = incast(400, |c| c.grants = false, 0);
+    assert_eq!(net.cores[0].stats().grants, 0);
+    assert_eq!(ungranted[0], 4 * 64, "{ungranted:?}");
+    // With grants the four share the receiver's budget (32, growing to its max_cwnd, 64):
+    // 4 x 8 unscheduled segments first, then their shares.
+    let (granted, net) = incast(
+        400,
+        |c| {
+            c.unscheduled = 8;
+            c.grant_window = 32;
+        },
+        0,
+    );
+    assert!(net.cores[0].stats().grants > 0);
+    assert_eq!(granted[0], 4 * 8, "{granted:?}");
+    assert!(
+        granted.iter().all(|&n| n <= 64),
+        "{granted:?} (budget at most 64)"
+    );
+    for s in 1..5 {
+        assert_eq!(net.cores[s].stats().data_resent, 0, "nothing was lost");
+        let g = net.cores[s].granted_by(0).expect("a grant");
+        assert!((4..=32).contains(&g), "sender {s} was granted {g}: a share, not the budget");
+    }
+    // A GRANT per share change, not per segment: 4 senders x 400 segments took a few.
+    assert!(
+        net.cores[0].stats().grants <= 16,
+        "{} grants",
+        net.cores[0].stats().grants
+    );
+}
+
+#[test]
+fn lost_grants_leave_the_senders_on_the_window_they_had_and_cost_no_hang() {
+    // The first 6 GRANTs are lost: the senders keep what they had (their unscheduled 8, or
+    // an older share) until a later GRANT, and every message completes.
+    let (per_step, net) = incast(
+        100,
+        |c| {
+            c.unscheduled = 8;
+            c.grant_window = 32;
+        },
+        6,
+    );
+    assert!(per_step.iter().all(|&n| n <= 64), "{per_step:?}");
+    assert!(net.cores[0].stats().grants > 6);
+}
+
+#[test]
+fn ranks_configured_with_and_without_grants_still_finish() {
+    // The receiver grants nothing: the senders keep their 8 unscheduled segments.
+    let (per_step, net) = incast(
+        100,
+        |c| {
+            c.grants = c.rank != 0;
+            c.unscheduled = 8;
+        },
+        0,
+    );
+    assert_eq!(net.cores[0].stats().grants, 0);
+    assert!(per_step.iter().all(|&n| n <= 4 * 8), "{per_step:?}");
+    // The senders ignore the receiver's grants.
+    let (per_step, _) = incast(100, |c| c.grants = c.rank == 0, 0);
+    assert_eq!(per_step[0], 4 * 64, "{per_step:?}");
+}
+
+#[test]
+fn acks_time_a_segment_so_the_rto_follows_a_queued_window() {
+    let mut net = Net::with(2, Box::new(|_, _| false), |c| {
+        c.ack_every = 8;
+        c.init_cwnd = 16;
+        c.max_cwnd = 16;
+    });
+    let data = pattern(64 * 400, 1);
+    one_message(&mut net, &data, RecvOpts::default());
+    assert_eq!(net.cores[0].srtt(1), None);
+    // A few round trips: ACKs, no DONE yet.
+    for _ in 0..6 {
+        net.step();
+        net.now += Duration::from_micros(20);
+    }
+    assert!(received(&net, 1).is_empty(), "the message is still under way");
+    assert!(
+        net.cores[0].srtt(1).is_some(),
+        "an ACK past the timed segment gave an RTT sample before the pass ended"
+    );
+}
