@@ -400,6 +400,13 @@ pub struct MlnetArgs {
     /// Seed of the placement of servers and workers.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Protocol of the trees: msg (the message layer, grants per endpoint) or flow (the flow
+    /// transport, one rate-grant pool per host).
+    #[arg(long, default_value = "msg", value_parser = ["msg", "flow"])]
+    pub transport: String,
+    /// On the message layer, receiver grants (off: each sender's own window only).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub grants: String,
     /// Write mlnet.json, mlnet.csv and mlnet.png into this directory.
     #[arg(long)]
     pub out: Option<std::path::PathBuf>,

@@ -8,6 +8,7 @@ use gradwire_collective::tree::Strategy;
 use gradwire_experiment::csv_field;
 use gradwire_experiment::mlnet::{
     run_mlnet, run_priority, MlnetConfig, MlnetReport, PriorityConfig, PriorityMode, PriorityReport,
+    RunSettings, Transport,
 };
 use plotters::prelude::*;
 
@@ -39,12 +40,22 @@ pub fn mlnet(a: &MlnetArgs) -> Res {
         model_bytes: a.model_bytes,
         iterations: a.iterations,
         seed: a.seed,
+        settings: RunSettings {
+            transport: if a.transport == "flow" {
+                Transport::Flow
+            } else {
+                Transport::Msg
+            },
+            grants: a.grants == "on",
+            ..defaults.settings.clone()
+        },
         ..defaults
     };
     let report = run_mlnet(&cfg)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
+        println!("trees on the {} transport", report.transport.name());
         println!(
             "{:<8} {:>7} {:>12} {:>8} {:>11} {:>6}  error",
             "strategy", "servers", "makespan_ms", "vs_star", "cross-rack", "valid"
@@ -133,7 +144,8 @@ fn plot_mlnet(r: &MlnetReport, path: &Path) -> Res {
     let mut chart = ChartBuilder::on(&root)
         .caption(
             format!(
-                "MLNET trees on {} ({} workers, {:.1} MB model, {} iterations): makespan",
+                "MLNET trees ({}) on {} ({} workers, {:.1} MB model, {} iterations): makespan",
+                r.transport.name(),
                 r.topology,
                 r.workers,
                 r.model_bytes as f64 / 1e6,

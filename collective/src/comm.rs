@@ -36,6 +36,7 @@ use crate::aggregate::{
     accumulate, adopt_or_finish, arrived_blocks, finish, BlockLayout, Contributors, Partial,
     ReduceOp,
 };
+use crate::algo::ReduceOutcome;
 use crate::error::CollectiveError;
 use crate::link::{InLink, Links, OutLink};
 use crate::tree::Tree;
@@ -183,6 +184,50 @@ pub struct AllReduceReport {
 }
 
 impl AllReduceReport {
+    /// The report of a message-layer all-reduce ([`crate::group::Group`]) in this shape, so
+    /// one set of checks reads both engines: `elems` reduced in blocks of `block_elems`
+    /// over `world` ranks, `bytes_sent` by this rank.
+    pub fn of_outcome(
+        out: ReduceOutcome,
+        elems: usize,
+        block_elems: usize,
+        world: usize,
+        bytes_sent: u64,
+    ) -> AllReduceReport {
+        let contributors = out
+            .contributors
+            .unwrap_or_else(|| Contributors::all(out.blocks, world));
+        let blocks = out.blocks.max(1) as f64;
+        let delivered_fraction = (0..out.blocks)
+            .map(|b| contributors.count(b) as f64 / world as f64)
+            .sum::<f64>()
+            / blocks;
+        let rank_delivered = (0..world)
+            .map(|q| {
+                (0..out.blocks)
+                    .filter(|&b| contributors.contains(b, q))
+                    .count() as f64
+                    / blocks
+            })
+            .collect();
+        AllReduceReport {
+            algorithm: out.algorithm,
+            elems,
+            block_elems,
+            complete_blocks: out.complete_blocks,
+            blocks: out.blocks,
+            delivered_fraction: if out.blocks == 0 {
+                1.0
+            } else {
+                delivered_fraction
+            },
+            rank_delivered,
+            elapsed: out.elapsed,
+            bytes_sent,
+            contributors,
+        }
+    }
+
     fn new(
         algorithm: &'static str,
         layout: &BlockLayout,

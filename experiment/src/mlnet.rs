@@ -38,8 +38,9 @@ use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::TransferConfig;
 use gradwire_collective::aggregate::ReduceOp;
 use gradwire_collective::comm::{
-    Algorithm, AllReduceOptions, AllReduceReport, CommConfig, Communicator,
+    Algorithm, AllReduceOptions, AllReduceReport, CommConfig, Communicator, TensorMut,
 };
+use gradwire_collective::group::{AllReduceAlgo, GroupConfig, GroupReduceOptions, PendingGroup};
 use gradwire_collective::link::{tree_edges, Links, NetLinkConfig};
 use gradwire_collective::tree::{Strategy, Tree};
 use gradwire_fabric::netns::FabricNet;
@@ -103,8 +104,36 @@ pub struct RunSettings {
     pub period_ns: u64,
     /// Loss bound of every transfer.
     pub loss_bound: LossBound,
-    /// Blocks per pipeline chunk.
+    /// Blocks per pipeline chunk (flows; the message layer's tree pipelines
+    /// `gradwire_collective::algo::tree::PIPELINE_BLOCKS`, also 64).
     pub pipeline_blocks: usize,
+    /// Which protocol carries the trees.
+    pub transport: Transport,
+    /// On the message layer: receiver grants (off: every sender's own window only, for the
+    /// ablation).
+    pub grants: bool,
+}
+
+/// Which protocol carries a run's trees.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// The message layer: one endpoint per rank (`gradwire_collective::group::Group`),
+    /// receivers scheduling incast with grants of their own (one budget per endpoint).
+    Msg,
+    /// The flow transport: links per tree edge, one rate-grant pool per host shared by every
+    /// job there, with priority classes (the priority experiment needs those).
+    Flow,
+}
+
+impl Transport {
+    /// `msg` or `flow`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Msg => "msg",
+            Transport::Flow => "flow",
+        }
+    }
 }
 
 impl Default for RunSettings {
@@ -114,6 +143,8 @@ impl Default for RunSettings {
             period_ns: 2_000_000,
             loss_bound: LossBound::RELIABLE,
             pipeline_blocks: 64,
+            transport: Transport::Flow,
+            grants: true,
         }
     }
 }
@@ -281,6 +312,84 @@ pub fn check_all_reduce(
     Ok(())
 }
 
+/// What a rank of one tree is, for [`LayerRank::run`].
+struct RankCtx {
+    job: u32,
+    local: usize,
+    world: usize,
+    ip: IpAddr,
+    iterations: u32,
+    shard: usize,
+    timeout: Duration,
+    exact: bool,
+    grants: bool,
+}
+
+/// A rank of one tree on the message layer: its endpoint's address goes into the tree's
+/// table, and the group starts once every rank's is there.
+struct LayerRank {
+    table: Arc<Mutex<Vec<Option<SocketAddr>>>>,
+    gate: Arc<Gate>,
+    tree: Tree,
+    opts: GroupReduceOptions,
+}
+
+impl LayerRank {
+    /// Binds, exchanges addresses, then the timed iterations (each result kept and checked
+    /// after the loop, as on flows). Returns the loop's start and end.
+    fn run(
+        self,
+        c: &RankCtx,
+        start_gate: &Gate,
+        host_gate: &Gate,
+    ) -> Result<(Instant, Instant), String> {
+        let mut cfg = GroupConfig::new(c.job, c.local, c.world, c.ip, c.timeout);
+        cfg.endpoint.core.grants = c.grants;
+        let pending = PendingGroup::bind(cfg).map_err(|e| e.to_string())?;
+        self.table
+            .lock()
+            .map_err(|_| "address table poisoned".to_string())?[c.local] = Some(pending.address());
+        self.gate.wait(c.timeout)?;
+        let addrs: Option<Vec<SocketAddr>> = self
+            .table
+            .lock()
+            .map_err(|_| "address table poisoned".to_string())?
+            .iter()
+            .copied()
+            .collect();
+        let addrs = addrs.ok_or("a rank of the tree published no address")?;
+        let group = pending.start(addrs).map_err(|e| e.to_string())?;
+        let mut t = Tensor::zeros(DType::F32, c.shard);
+        let mut results = Vec::with_capacity(c.iterations as usize);
+        start_gate.wait(c.timeout)?;
+        let start = Instant::now();
+        for it in 0..c.iterations {
+            if let Some(v) = t.as_f32_mut() {
+                fill_input(v, c.local, it);
+            }
+            let before = group.stats().core.payload_bytes_sent;
+            let out = group
+                .all_reduce_tree(TensorMut::from(&mut t), &self.tree, &self.opts)
+                .map_err(|e| e.to_string())?;
+            let sent = group
+                .stats()
+                .core
+                .payload_bytes_sent
+                .saturating_sub(before);
+            let report =
+                AllReduceReport::of_outcome(out, c.shard, group.block_bytes() / 4, c.world, sent);
+            results.push((t.as_f32().map(<[f32]>::to_vec), report));
+            host_gate.wait(c.timeout)?;
+        }
+        let end = Instant::now();
+        for (it, (got, report)) in results.iter().enumerate() {
+            let got = got.as_deref().unwrap_or_default();
+            check_all_reduce(got, report, c.world, it as u32, c.exact)?;
+        }
+        Ok((start, end))
+    }
+}
+
 /// Run `jobs` at once on a running fabric (`net` built from `topo`); outcomes in job order.
 pub fn run_jobs(
     topo: &Topology,
@@ -334,6 +443,11 @@ pub fn run_jobs(
                 30_000 + (plan.job as u16 % 200) * 16 + j as u16,
             );
             let edges = tree_edges(&tree);
+            // The message layer's ranks publish their endpoint addresses here and start once
+            // every rank of the tree has.
+            let table: Arc<Mutex<Vec<Option<SocketAddr>>>> =
+                Arc::new(Mutex::new(vec![None; hosts.len()]));
+            let table_gate = Gate::new(hosts.len());
             for (local, &h) in hosts.iter().enumerate() {
                 let Some(ns) = net.host_ns(h) else {
                     setup_error = Some(format!("no namespace for host {h}"));
@@ -379,12 +493,43 @@ pub fn run_jobs(
                     settings.timeout,
                 );
                 let exact = settings.loss_bound == LossBound::RELIABLE;
+                let on_layer = LayerRank {
+                    table: table.clone(),
+                    gate: table_gate.clone(),
+                    tree: tree.clone(),
+                    opts: GroupReduceOptions {
+                        op: ReduceOp::Sum,
+                        loss_bound: settings.loss_bound.as_fraction(),
+                        algorithm: AllReduceAlgo::Auto,
+                        dscp: plan.dscp,
+                        layer: 0,
+                        step_deadline: Default::default(),
+                    },
+                };
+                let transport = settings.transport;
+                let grants = settings.grants;
                 let run = move || -> Done {
                     let fail = |e: String| {
                         host_gate.break_all();
                         gate.break_all();
                         e
                     };
+                    if transport == Transport::Msg {
+                        let ctx = RankCtx {
+                            job,
+                            local,
+                            world,
+                            ip,
+                            iterations,
+                            shard,
+                            timeout,
+                            exact,
+                            grants,
+                        };
+                        return on_layer
+                            .run(&ctx, &gate, &host_gate)
+                            .map_err(|e| fail(format!("rank {local} on {ip}: {e}")));
+                    }
                     let links =
                         Links::connect(job, local, world, ip, master, &edges, None, &link_cfg)
                             .map_err(|e| fail(format!("rank {local} on {ip}: {e}")))?;
@@ -695,6 +840,10 @@ pub struct MlnetReport {
     pub model_bytes: u64,
     /// Iterations per run.
     pub iterations: u32,
+    /// The protocol that carried the trees: `msg` or `flow`.
+    pub transport: Transport,
+    /// On the message layer, whether receivers granted.
+    pub grants: bool,
     /// Runs.
     pub results: Vec<MlnetResult>,
 }
@@ -743,6 +892,8 @@ pub fn run_mlnet(cfg: &MlnetConfig) -> Result<MlnetReport, ExperimentError> {
         workers: cfg.workers,
         model_bytes: cfg.model_bytes,
         iterations: cfg.iterations,
+        transport: cfg.settings.transport,
+        grants: cfg.settings.grants,
         results,
     })
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use gradwire_collective::tree::Strategy;
 use gradwire_experiment::mlnet::{
     run_mlnet, run_on_fresh_fabric, run_pair, run_priority, JobPlan, MlnetConfig, PriorityConfig,
-    PriorityMode, RunSettings,
+    PriorityMode, RunSettings, Transport,
 };
 use gradwire_fabric::topology::Topology;
 use gradwire_netns::{require_root, FabricLock};
@@ -27,19 +27,33 @@ fn short_mlnet_runs_every_strategy() {
         return;
     }
     let _fabric = FabricLock::acquire().unwrap();
+    for transport in [Transport::Msg, Transport::Flow] {
+        short_mlnet_on(transport);
+    }
+}
+
+/// Every strategy with 1 and 2 servers over `transport`: each completes, checked and valid.
+fn short_mlnet_on(transport: Transport) {
+    let defaults = MlnetConfig::new(&root());
     let cfg = MlnetConfig {
         strategies: vec![Strategy::Star, Strategy::Rack, Strategy::BINARY],
         servers: vec![1, 2],
         model_bytes: 256 << 10,
         iterations: 1,
-        ..MlnetConfig::new(&root())
+        settings: RunSettings {
+            transport,
+            ..defaults.settings.clone()
+        },
+        ..defaults
     };
     let report = run_mlnet(&cfg).unwrap();
+    assert_eq!(report.transport, transport);
     assert_eq!(report.results.len(), 6);
     for r in &report.results {
         assert!(
             r.error.is_none(),
-            "{}/{}: {:?}",
+            "{} {}/{}: {:?}",
+            transport.name(),
             r.strategy,
             r.servers,
             r.error

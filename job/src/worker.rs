@@ -18,9 +18,7 @@ use gradwire::job_secret::load_secret;
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::TransferConfig;
-use gradwire_collective::aggregate::Contributors;
 use gradwire_collective::aggregate::ReduceOp;
-use gradwire_collective::algo::ReduceOutcome;
 use gradwire_collective::comm::{
     Algorithm, AllReduceOptions, AllReduceReport, CommConfig, Communicator, TensorMut,
 };
@@ -430,7 +428,7 @@ pub fn run_worker(w: &WorkerSpec, mut progress: impl FnMut(&str)) -> Result<Work
                     }
                     .map_err(coll)?;
                     let sent = g.stats().core.payload_bytes_sent.saturating_sub(before);
-                    report_of(out, layer.elems, g.block_bytes() / 4, world, sent)
+                    AllReduceReport::of_outcome(out, layer.elems, g.block_bytes() / 4, world, sent)
                 }
                 (_, Some(comm), _) => comm.all_reduce(&mut t, &opts).map_err(coll)?,
                 _ => unreachable_engine(rank, world)?,
@@ -480,44 +478,3 @@ fn unreachable_engine<T>(rank: usize, world: usize) -> Result<T, Error> {
     })
 }
 
-/// The flow transport's report from a message-layer all-reduce, for the checks.
-fn report_of(
-    out: ReduceOutcome,
-    elems: usize,
-    block_elems: usize,
-    world: usize,
-    bytes_sent: u64,
-) -> AllReduceReport {
-    let contributors = out
-        .contributors
-        .unwrap_or_else(|| Contributors::all(out.blocks, world));
-    let blocks = out.blocks.max(1) as f64;
-    let delivered_fraction = (0..out.blocks)
-        .map(|b| contributors.count(b) as f64 / world as f64)
-        .sum::<f64>()
-        / blocks;
-    let rank_delivered = (0..world)
-        .map(|q| {
-            (0..out.blocks)
-                .filter(|&b| contributors.contains(b, q))
-                .count() as f64
-                / blocks
-        })
-        .collect();
-    AllReduceReport {
-        algorithm: out.algorithm,
-        elems,
-        block_elems,
-        complete_blocks: out.complete_blocks,
-        blocks: out.blocks,
-        delivered_fraction: if out.blocks == 0 {
-            1.0
-        } else {
-            delivered_fraction
-        },
-        rank_delivered,
-        elapsed: out.elapsed,
-        bytes_sent,
-        contributors,
-    }
-}
