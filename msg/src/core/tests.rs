@@ -1009,7 +1009,10 @@ fn receiver_grants_hold_an_incast_to_the_receivers_budget() {
     for s in 1..5 {
         assert_eq!(net.cores[s].stats().data_resent, 0, "nothing was lost");
         let g = net.cores[s].granted_by(0).expect("a grant");
-        assert!((4..=32).contains(&g), "sender {s} was granted {g}: a share, not the budget");
+        assert!(
+            (4..=32).contains(&g),
+            "sender {s} was granted {g}: a share, not the budget"
+        );
     }
     // A GRANT per share change, not per segment: 4 senders x 400 segments took a few.
     assert!(
@@ -1068,7 +1071,10 @@ fn acks_time_a_segment_so_the_rto_follows_a_queued_window() {
         net.step();
         net.now += Duration::from_micros(20);
     }
-    assert!(received(&net, 1).is_empty(), "the message is still under way");
+    assert!(
+        received(&net, 1).is_empty(),
+        "the message is still under way"
+    );
     assert!(
         net.cores[0].srtt(1).is_some(),
         "an ACK past the timed segment gave an RTT sample before the pass ended"
