@@ -7,8 +7,8 @@ use std::path::Path;
 use gradwire_collective::tree::Strategy;
 use gradwire_experiment::csv_field;
 use gradwire_experiment::mlnet::{
-    run_mlnet, run_priority, MlnetConfig, MlnetReport, PriorityConfig, PriorityMode, PriorityReport,
-    RunSettings, Transport,
+    run_mlnet, run_priority, MlnetConfig, MlnetReport, PriorityConfig, PriorityMode,
+    PriorityReport, RunSettings, Transport,
 };
 use plotters::prelude::*;
 
@@ -49,7 +49,6 @@ pub fn mlnet(a: &MlnetArgs) -> Res {
             grants: a.grants == "on",
             ..defaults.settings.clone()
         },
-        ..defaults
     };
     let report = run_mlnet(&cfg)?;
     if a.json {

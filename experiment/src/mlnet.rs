@@ -371,11 +371,7 @@ impl LayerRank {
             let out = group
                 .all_reduce_tree(TensorMut::from(&mut t), &self.tree, &self.opts)
                 .map_err(|e| e.to_string())?;
-            let sent = group
-                .stats()
-                .core
-                .payload_bytes_sent
-                .saturating_sub(before);
+            let sent = group.stats().core.payload_bytes_sent.saturating_sub(before);
             let report =
                 AllReduceReport::of_outcome(out, c.shard, group.block_bytes() / 4, c.world, sent);
             results.push((t.as_f32().map(<[f32]>::to_vec), report));

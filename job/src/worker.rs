@@ -477,4 +477,3 @@ fn unreachable_engine<T>(rank: usize, world: usize) -> Result<T, Error> {
         ),
     })
 }
-
