@@ -1,7 +1,16 @@
 //! Ring all-reduce: `world - 1` reduce-scatter steps (each arriving segment is added into
-//! the chunk as it lands), then `world - 1` all-gather steps (reliable). Every receive of the
-//! operation is posted when it starts; a step's send is posted when the step before it has
-//! received. Rank r ends the reduce-scatter owning chunk r.
+//! the chunk as it lands), then `world - 1` all-gather steps (reliable). The reduce-scatter
+//! receives are posted when the operation starts, the all-gather receives once every
+//! reduce-scatter receive of this rank has ended (data that comes earlier is kept by the
+//! layer); a step's send is posted when the step before it has received. Rank r ends the
+//! reduce-scatter owning chunk r.
+//!
+//! Why the all-gather waits: an all-gather receive writes a chunk that a reduce-scatter
+//! receive also adds into (with 3 ranks, the first reduce-scatter step's and the last
+//! all-gather step's). Without time bounds the reduce-scatter one has always ended first (the
+//! all-gather data depends on it through the ring), but a step cut short by its deadline
+//! breaks that chain: a late reduce-scatter segment could then be added onto the finished
+//! values, and that rank would end with values the others do not have.
 
 use gradwire_msg::core::SendOpts;
 use gradwire_msg::mem::Region;
@@ -32,6 +41,8 @@ pub struct Ring {
     /// Steps of each half (0 when the half does not run).
     rs_steps: usize,
     ag_steps: usize,
+    /// Reduce-scatter receives not ended yet (the all-gather receives wait for 0).
+    rs_left: usize,
 }
 
 impl Ring {
@@ -45,7 +56,21 @@ impl Ring {
             recv_base: 0,
             rs_steps: 0,
             ag_steps: 0,
+            rs_left: 0,
         }
+    }
+
+    /// Posts every all-gather receive (once no reduce-scatter receive can add into a chunk).
+    fn post_all_gather(&mut self, cx: &mut OpCx<'_>) -> Result<(), OpError> {
+        let buf = self.r.buf()?;
+        let prev = ((self.r.rank + self.r.world - 1) % self.r.world) as u16;
+        for s in 0..self.ag_steps {
+            let c = self.r.chunks.sub(self.r.rank, s + 1);
+            let opts = self.r.result_opts();
+            let k = (self.rs_steps + s) as u32;
+            cx.recv(prev, self.recv_base + k, buf, self.r.chunks.bytes(c), opts)?;
+        }
+        Ok(())
     }
 
     fn rs_send(&mut self, cx: &mut OpCx<'_>, s: usize) -> Result<(), OpError> {
@@ -124,11 +149,9 @@ impl Op for Ring {
                 opts,
             )?;
         }
-        for s in 0..self.ag_steps {
-            let c = self.r.chunks.sub(self.r.rank, s + 1);
-            let opts = self.r.result_opts();
-            let k = (self.rs_steps + s) as u32;
-            cx.recv(prev, self.recv_base + k, buf, self.r.chunks.bytes(c), opts)?;
+        self.rs_left = self.rs_steps;
+        if self.rs_steps == 0 {
+            self.post_all_gather(cx)?;
         }
         if let (Some(d), true) = (self.r.spec.step_deadline, self.rs_steps > 0) {
             let now = cx.now();
@@ -152,6 +175,10 @@ impl Op for Ring {
                 let k = msg.wrapping_sub(self.recv_base) as usize;
                 let prev = usize::from(peer);
                 if k < self.rs_steps {
+                    self.rs_left = self.rs_left.saturating_sub(1);
+                    if self.rs_left == 0 {
+                        self.post_all_gather(cx)?;
+                    }
                     let c = self.r.chunks.sub(self.r.rank, k + 2);
                     self.r.record_step(cx.now(), peer, &report);
                     if let Some(m) = &mut self.r.masks {
