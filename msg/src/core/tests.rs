@@ -933,6 +933,7 @@ fn incast(
         c.init_cwnd = 64;
         c.max_cwnd = 64;
         c.ack_every = 8;
+        c.grants = true;
         tweak(c);
     });
     let len = segs * 64;
