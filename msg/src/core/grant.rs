@@ -2,9 +2,9 @@
 //!
 //! Many senders meeting at one receiver each have a congestion window of their own, and
 //! together they offer the sum of them to the receiver's downlink. So the receiver keeps one
-//! budget of first-pass segments in flight towards it, a [`Window`] of its own (slow start,
-//! DCTCP on the CE marks of its arrivals, halved when more than 10 % of a window of arrivals
-//! were gaps), and splits it evenly over the peers whose first passes are arriving: each
+//! budget of first-pass segments in flight towards it, a [`Window`](super::Window) of its
+//! own (slow start, DCTCP on the CE marks of its arrivals, halved when more than 10 % of a
+//! window of arrivals were gaps), and splits it evenly over the peers whose first passes are arriving: each
 //! hears its share in a GRANT, and a sender keeps at most `min(cwnd, grant)` first-pass
 //! segments in flight towards that receiver, over all its messages. Before its first grant a
 //! sender may have `unscheduled` segments in flight (the unscheduled first window).
@@ -19,7 +19,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Core, CtrlOp, Window};
+use super::{Core, CtrlOp};
 use crate::wire::Ctrl;
 
 /// Smallest share a peer is granted, segments.
@@ -40,20 +40,6 @@ pub(super) struct PeerGrants {
     active_at: Option<Instant>,
     granted: u32,
     seq: u32,
-}
-
-/// The receiver's side: its budget.
-#[derive(Debug, Clone)]
-pub(super) struct Budget {
-    pub(super) win: Window,
-}
-
-impl Budget {
-    pub(super) fn new(initial: u32, max: u32, floor: u32) -> Budget {
-        Budget {
-            win: Window::with_floor(initial, max, floor),
-        }
-    }
 }
 
 impl Core {
@@ -97,7 +83,7 @@ impl Core {
         if !self.cfg.grants {
             return;
         }
-        self.budget.win.on_ack(1, u32::from(ce));
+        self.budget.on_ack(1, u32::from(ce));
         let was = self.rx_active(i, now);
         self.peers[i].grants.active_at = Some(now);
         if !was {
@@ -108,7 +94,7 @@ impl Core {
     /// Segments of a first pass found missing: the budget counts them against its window.
     pub(super) fn note_gaps(&mut self, n: u32) {
         if self.cfg.grants && n > 0 {
-            self.budget.win.on_lost(n);
+            self.budget.on_lost(n);
         }
     }
 
@@ -134,7 +120,7 @@ impl Core {
             .filter(|&q| self.rx_active(q, now))
             .collect();
         let n = active.len().max(1) as u32;
-        let share = (self.budget.win.segments() / n).max(MIN_GRANT);
+        let share = (self.budget.segments() / n).max(MIN_GRANT);
         for q in active {
             let g = &mut self.peers[q].grants;
             let old = g.granted;

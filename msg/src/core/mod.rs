@@ -481,7 +481,7 @@ pub struct Core {
     /// Round-robin start of the next transmit poll.
     rr: usize,
     /// The receiver's budget of segments in flight towards it.
-    budget: grant::Budget,
+    budget: Window,
 }
 
 impl Core {
@@ -506,7 +506,7 @@ impl Core {
                 grants: grant::PeerGrants::default(),
             })
             .collect();
-        let budget = grant::Budget::new(cfg.grant_window, cfg.max_cwnd, cfg.ack_every);
+        let budget = Window::with_floor(cfg.grant_window, cfg.max_cwnd, cfg.ack_every);
         Core {
             cfg,
             peers,

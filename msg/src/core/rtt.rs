@@ -78,8 +78,8 @@ impl Window {
 
     /// A window of `initial` segments that stays within [`floor`, `max`] (a floor of at least
     /// 2). A sender's window must not fall below the receiver's ACK interval: a window smaller
-    /// than that is never acknowledged by itself, only after a retransmission timeout, and a
-    /// timeout halves the window again, so the sender would crawl a few segments per timeout.
+    /// than that is never acknowledged by itself, only after a retransmission timeout, so the
+    /// sender would crawl a few segments per timeout.
     pub fn with_floor(initial: u32, max: u32, floor: u32) -> Window {
         let max = max.max(2);
         let min = floor.clamp(2, max);
@@ -132,12 +132,6 @@ impl Window {
     /// of acks by [`Window::on_ack`].
     pub fn on_lost(&mut self, n: u32) {
         self.lost += u64::from(n);
-    }
-
-    /// A retransmission timeout with the window full: halve, as on heavy loss.
-    pub fn on_timeout(&mut self) {
-        self.cwnd = (self.cwnd / 2.0).max(self.min);
-        self.ssthresh = self.cwnd;
     }
 
     /// A pass ended with `lost` of `sent` segments missing: halve on heavy loss (above 10 %,
@@ -204,14 +198,13 @@ mod tests {
     fn a_floored_window_never_falls_below_the_ack_interval() {
         let mut w = Window::with_floor(128, 16384, 32);
         for _ in 0..20 {
-            w.on_timeout();
             w.on_pass_loss(100, 100);
         }
         assert_eq!(w.segments(), 32);
         // A floor above the ceiling is the ceiling; below 2 it is 2.
         assert_eq!(Window::with_floor(8, 16, 64).segments(), 16);
         let mut w = Window::with_floor(1, 16, 0);
-        w.on_timeout();
+        w.on_pass_loss(100, 100);
         assert_eq!(w.segments(), 2);
     }
 }

@@ -87,10 +87,19 @@ impl Net {
     /// Runs until quiet, advancing the clock to the next timer when nothing moves, until
     /// `limit` of virtual time passed.
     fn run(&mut self, limit: Duration) {
+        self.run_with(limit, |_| true);
+    }
+
+    /// As [`Net::run`], calling `after_step` after every step that moved datagrams; it
+    /// returns `false` to stop.
+    fn run_with(&mut self, limit: Duration, mut after_step: impl FnMut(&mut Net) -> bool) {
         let end = self.now + limit;
         while self.now < end {
             if self.step() {
                 self.now += Duration::from_micros(20);
+                if !after_step(self) {
+                    return;
+                }
                 continue;
             }
             match self.cores.iter().filter_map(Core::next_timeout).min() {
@@ -953,26 +962,12 @@ fn incast(
             .expect("send");
     }
     let mut per_step = Vec::new();
-    let end = net.now + Duration::from_secs(5);
-    while net.now < end && received(&net, 0).len() < 4 {
-        arrivals.set(0);
-        if net.step() {
-            if arrivals.get() > 0 {
-                per_step.push(arrivals.get());
-            }
-            net.now += Duration::from_micros(20);
-            continue;
+    net.run_with(Duration::from_secs(5), |net| {
+        if arrivals.get() > 0 {
+            per_step.push(arrivals.replace(0));
         }
-        match net.cores.iter().filter_map(Core::next_timeout).min() {
-            Some(t) => {
-                net.now = t.max(net.now);
-                for c in &mut net.cores {
-                    c.handle_timeout(net.now);
-                }
-            }
-            None => break,
-        }
-    }
+        received(net, 0).len() < 4
+    });
     for s in 1..5usize {
         let at = (s - 1) * len;
         assert_eq!(
