@@ -359,31 +359,54 @@ impl LayerRank {
             .collect();
         let addrs = addrs.ok_or("a rank of the tree published no address")?;
         let group = pending.start(addrs).map_err(|e| e.to_string())?;
-        let mut t = Tensor::zeros(DType::F32, c.shard);
-        let mut results = Vec::with_capacity(c.iterations as usize);
-        start_gate.wait(c.timeout)?;
-        let start = Instant::now();
-        for it in 0..c.iterations {
-            if let Some(v) = t.as_f32_mut() {
-                fill_input(v, c.local, it);
-            }
+        timed_iterations(c, "", start_gate, host_gate, |t| {
             let before = group.stats().core.payload_bytes_sent;
             let out = group
-                .all_reduce_tree(TensorMut::from(&mut t), &self.tree, &self.opts)
+                .all_reduce_tree(TensorMut::from(t), &self.tree, &self.opts)
                 .map_err(|e| e.to_string())?;
             let sent = group.stats().core.payload_bytes_sent.saturating_sub(before);
-            let report =
-                AllReduceReport::of_outcome(out, c.shard, group.block_bytes() / 4, c.world, sent);
-            results.push((t.as_f32().map(<[f32]>::to_vec), report));
-            host_gate.wait(c.timeout)?;
-        }
-        let end = Instant::now();
-        for (it, (got, report)) in results.iter().enumerate() {
-            let got = got.as_deref().unwrap_or_default();
-            check_all_reduce(got, report, c.world, it as u32, c.exact)?;
-        }
-        Ok((start, end))
+            Ok(AllReduceReport::of_outcome(
+                out,
+                c.shard,
+                group.block_bytes() / 4,
+                c.world,
+                sent,
+            ))
+        })
     }
+}
+
+/// The timed loop of one rank, either transport: after the start gate, `iterations` times
+/// fill the input, all-reduce it with `reduce`, keep the result and wait for the host's
+/// other trees; then check every kept result, so a tree that skipped work is an error, not
+/// a faster run. Errors of `reduce` and of the checks start with `label`; a gate's error is
+/// returned as it is. Returns the loop's start and end.
+fn timed_iterations(
+    c: &RankCtx,
+    label: &str,
+    start_gate: &Gate,
+    host_gate: &Gate,
+    mut reduce: impl FnMut(&mut Tensor) -> Result<AllReduceReport, String>,
+) -> Result<(Instant, Instant), String> {
+    let mut t = Tensor::zeros(DType::F32, c.shard);
+    let mut results = Vec::with_capacity(c.iterations as usize);
+    start_gate.wait(c.timeout)?;
+    let start = Instant::now();
+    for it in 0..c.iterations {
+        if let Some(v) = t.as_f32_mut() {
+            fill_input(v, c.local, it);
+        }
+        let report = reduce(&mut t).map_err(|e| format!("{label}{e}"))?;
+        results.push((t.as_f32().map(<[f32]>::to_vec), report));
+        host_gate.wait(c.timeout)?;
+    }
+    let end = Instant::now();
+    for (it, (got, report)) in results.iter().enumerate() {
+        let got = got.as_deref().unwrap_or_default();
+        check_all_reduce(got, report, c.world, it as u32, c.exact)
+            .map_err(|e| format!("{label}{e}"))?;
+    }
+    Ok((start, end))
 }
 
 /// Run `jobs` at once on a running fabric (`net` built from `topo`); outcomes in job order.
@@ -510,18 +533,18 @@ pub fn run_jobs(
                         gate.break_all();
                         e
                     };
+                    let ctx = RankCtx {
+                        job,
+                        local,
+                        world,
+                        ip,
+                        iterations,
+                        shard,
+                        timeout,
+                        exact,
+                        grants,
+                    };
                     if transport == Transport::Msg {
-                        let ctx = RankCtx {
-                            job,
-                            local,
-                            world,
-                            ip,
-                            iterations,
-                            shard,
-                            timeout,
-                            exact,
-                            grants,
-                        };
                         return on_layer
                             .run(&ctx, &gate, &host_gate)
                             .map_err(|e| fail(format!("rank {local} on {ip}: {e}")));
@@ -531,29 +554,11 @@ pub fn run_jobs(
                             .map_err(|e| fail(format!("rank {local} on {ip}: {e}")))?;
                     let mut comm =
                         Communicator::new(links, job, comm_cfg).map_err(|e| fail(e.to_string()))?;
-                    let mut t = Tensor::zeros(DType::F32, shard);
-                    // Every result is kept and checked once the timed loop is over, so a
-                    // tree that skipped work is an error, not a faster run.
-                    let mut results = Vec::with_capacity(iterations as usize);
-                    gate.wait(timeout).map_err(&fail)?;
-                    let start = Instant::now();
-                    for it in 0..iterations {
-                        if let Some(v) = t.as_f32_mut() {
-                            fill_input(v, local, it);
-                        }
-                        let report = comm
-                            .all_reduce(&mut t, &opts)
-                            .map_err(|e| fail(format!("rank {local} on {ip}: {e}")))?;
-                        results.push((t.as_f32().map(<[f32]>::to_vec), report));
-                        host_gate.wait(timeout).map_err(&fail)?;
-                    }
-                    let end = Instant::now();
-                    for (it, (got, report)) in results.iter().enumerate() {
-                        let got = got.as_deref().unwrap_or_default();
-                        check_all_reduce(got, report, world, it as u32, exact)
-                            .map_err(|e| fail(format!("rank {local} on {ip}: {e}")))?;
-                    }
-                    Ok((start, end))
+                    let label = format!("rank {local} on {ip}: ");
+                    timed_iterations(&ctx, &label, &gate, &host_gate, |t| {
+                        comm.all_reduce(t, &opts).map_err(|e| e.to_string())
+                    })
+                    .map_err(fail)
                 };
                 match spawn_in_netns(ns, run) {
                     Ok(hd) => handles.push(hd),
