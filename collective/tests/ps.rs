@@ -589,20 +589,23 @@ fn a_dropped_node_is_an_error_naming_it_not_a_hang() {
             let err = if node.is_server() {
                 node.wait_clock(2, Duration::from_secs(5)).unwrap_err()
             } else {
-                node.pull(&mut w, None).unwrap();
-                node.push(&f32_tensor(&grads(r, 0, elems))).unwrap();
-                node.clock();
                 if r == 2 {
+                    node.pull(&mut w, None).unwrap();
+                    node.push(&f32_tensor(&grads(r, 0, elems))).unwrap();
+                    node.clock();
                     drop(node); // leaves without shutdown: must not block
                     return None;
                 }
-                // Rank 2's push of clock 0 may or may not have left before it did.
-                match node.pull(&mut w, None) {
-                    Ok(_) => {
-                        node.push(&f32_tensor(&grads(r, 1, elems))).unwrap();
-                        node.clock();
-                        node.pull(&mut w, None).unwrap_err()
-                    }
+                // Rank 2 may leave at any point of this (its push of clock 0 may or may not
+                // have reached the server first): whichever call fails first must name it.
+                let mut clock = |c: u64| {
+                    node.pull(&mut w, None)?;
+                    node.push(&f32_tensor(&grads(r, c, elems)))?;
+                    node.clock();
+                    Ok::<_, PsError>(())
+                };
+                match clock(0).and_then(|()| clock(1)).and_then(|()| clock(2)) {
+                    Ok(()) => panic!("rank {r}: three clocks passed without rank 2"),
                     Err(e) => e,
                 }
             };
