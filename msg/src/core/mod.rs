@@ -78,10 +78,8 @@ pub struct CoreConfig {
     pub max_bundle: usize,
     /// Receiver grants ([`grant`]): a receiver splits one budget of segments in flight
     /// towards it over the peers sending to it, and a sender keeps what it was granted.
-    /// Off (the default): neither side grants nor waits (each sender's own window only).
-    /// Off by default until a failure seen with them is understood: the session test of the
-    /// per-transfer loss bound under injected loss failed 4 of 8 and 7 of 10 runs on a
-    /// loaded machine with grants, 0 of 10 without.
+    /// On by default; off: neither side grants nor waits (each sender's own window only),
+    /// the ablation. A rank with them off still talks to ranks with them on.
     pub grants: bool,
     /// First-pass segments a sender may keep in flight towards a peer before that peer's
     /// first grant (the unscheduled first window).
@@ -113,7 +111,7 @@ impl CoreConfig {
             unexpected_window: 1 << 16,
             ctrl_tos: gradwire_qos::CONTROL_DSCP << 2,
             max_bundle: 64,
-            grants: false,
+            grants: true,
             unscheduled: 64,
             grant_window: 128,
         }

@@ -31,6 +31,12 @@ pub(super) struct SendMsg {
     /// When the LAST segment or POLL of this pass went out, and POLLs unanswered.
     last_tx: Option<Instant>,
     polls: u32,
+    /// A first-pass segment timed for an RTT sample, and when it went: the ACK that first
+    /// shows the receiver past it gives the sample (one at a time, as TCP times segments).
+    /// So the RTO follows the time an ACK takes while a window is queued on the path, not
+    /// only the end-of-pass round trip, and a sender whose window waits in a slow queue does
+    /// not time out and halve it.
+    probe: Option<(u32, Instant)>,
     pub(super) timer: Option<Instant>,
     heard: Instant,
 }
@@ -60,6 +66,7 @@ impl SendMsg {
             ce: 0,
             last_tx: None,
             polls: 0,
+            probe: None,
             timer: None,
             heard: now,
         }
@@ -163,6 +170,9 @@ impl Core {
                             // segments, the last of which ends it.
                             s.resend.is_empty() && (s.pass > 0 || s.next == s.nsegs)
                         } else {
+                            if s.probe.is_none() {
+                                s.probe = Some((seg, now));
+                            }
                             s.next += 1;
                             room -= 1;
                             s.next == s.nsegs
@@ -250,6 +260,15 @@ impl Core {
         }
         match c.op {
             CtrlOp::Ack => {
+                if let Some((seg, sent)) = s.probe {
+                    // Karn: not when a POLL may have asked for this ACK.
+                    if c.c > seg {
+                        if s.polls == 0 {
+                            p.rtt.sample(now.saturating_duration_since(sent));
+                        }
+                        s.probe = None;
+                    }
+                }
                 if c.a > s.acked {
                     let marked = c.b.saturating_sub(s.ce);
                     p.win.on_ack(c.a - s.acked, marked);
@@ -298,6 +317,9 @@ impl Core {
                         s.set_queued(seg);
                         s.resend.push_back(seg);
                         self.stats.gap_resent += 1;
+                        if s.probe.is_some_and(|(p, _)| p == seg) {
+                            s.probe = None;
+                        }
                     }
                 }
             }

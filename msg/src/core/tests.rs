@@ -1051,3 +1051,28 @@ fn ranks_configured_with_and_without_grants_still_finish() {
     let (per_step, _) = incast(100, |c| c.grants = c.rank == 0, 0);
     assert_eq!(per_step[0], 4 * 64, "{per_step:?}");
 }
+
+#[test]
+fn acks_time_a_segment_so_the_rto_follows_a_queued_window() {
+    let mut net = Net::with(2, Box::new(|_, _| false), |c| {
+        c.ack_every = 8;
+        c.init_cwnd = 16;
+        c.max_cwnd = 16;
+    });
+    let data = pattern(64 * 400, 1);
+    one_message(&mut net, &data, RecvOpts::default());
+    assert_eq!(net.cores[0].srtt(1), None);
+    // A few round trips: ACKs, no DONE yet.
+    for _ in 0..6 {
+        net.step();
+        net.now += Duration::from_micros(20);
+    }
+    assert!(
+        received(&net, 1).is_empty(),
+        "the message is still under way"
+    );
+    assert!(
+        net.cores[0].srtt(1).is_some(),
+        "an ACK past the timed segment gave an RTT sample before the pass ended"
+    );
+}
