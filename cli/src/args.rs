@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use gradwire::addr::resolve;
 use gradwire::rate::RateMode;
-use gradwire::tensor::DType;
+use gradwire::tensor::{DType, Tensor};
 use gradwire_units::{parse_rate, parse_size};
 
 /// gradwire: a bounded-loss-tolerant transport for distributed DNN training traffic.
@@ -714,6 +714,22 @@ pub struct Common {
     pub json: bool,
     #[command(flatten)]
     pub afxdp: AfXdpArgs,
+}
+
+impl Common {
+    /// A zeroed tensor of `--size` bytes of `--dtype` (what every transfer moves).
+    pub fn tensor(&self) -> Result<Tensor, String> {
+        let size =
+            usize::try_from(self.size).map_err(|_| "--size does not fit this machine's memory")?;
+        Tensor::zeros_bytes(self.dtype, size).ok_or_else(|| {
+            format!(
+                "--size {} is not a whole number of {} elements ({} bytes each)",
+                self.size,
+                self.dtype,
+                self.dtype.elem_size()
+            )
+        })
+    }
 }
 
 /// Options of the AF_XDP datapath.

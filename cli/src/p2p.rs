@@ -27,9 +27,9 @@ use gradwire::tensor::Tensor;
 use gradwire_msg::core::{CoreConfig, Ended, RecvOpts, RecvReport, SendOpts};
 use gradwire_msg::endpoint::{Bound, Endpoint, EndpointConfig, EndpointStats};
 use gradwire_msg::io::xdp::{XdpIo, XdpIoConfig, XdpMonitor};
-use gradwire_msg::mem::{BufId, Region};
-use gradwire_msg::op::{Handle, Op, OpCx, OpError, OpEvent, Step};
-use gradwire_msg::p2p::Recv;
+use gradwire_msg::mem::Region;
+use gradwire_msg::op::{Handle, OpError};
+use gradwire_msg::p2p::{self, Recv};
 use gradwire_netns::{Testbed, TestbedConfig};
 use serde::{Deserialize, Serialize};
 
@@ -88,19 +88,6 @@ fn check(c: &Common) -> Res {
     Ok(())
 }
 
-fn tensor(c: &Common) -> Res<Tensor> {
-    let size = usize::try_from(c.size).map_err(|_| "--size does not fit this machine's memory")?;
-    Tensor::zeros_bytes(c.dtype, size).ok_or_else(|| {
-        format!(
-            "--size {} is not a whole number of {} elements ({} bytes each)",
-            c.size,
-            c.dtype,
-            c.dtype.elem_size()
-        )
-        .into()
-    })
-}
-
 /// Rank `rank`'s endpoint settings; `inject_loss`: the receiving endpoint's own fault
 /// injection (over AF_XDP the classifier injects it instead).
 fn endpoint_config(c: &Common, rank: u16, bind: SocketAddr, inject_loss: f64) -> EndpointConfig {
@@ -155,43 +142,6 @@ fn pin(c: &Common, i: usize) -> Res {
     Ok(())
 }
 
-/// One tensor sent as one message; the result is how many segments the receiver did
-/// without (under its loss bound).
-#[derive(Debug)]
-struct SendTensor {
-    peer: u16,
-    region: Option<Region>,
-    buf: Option<BufId>,
-}
-
-impl Op for SendTensor {
-    type Output = u32;
-
-    fn start(&mut self, cx: &mut OpCx<'_>) -> Step<u32> {
-        let region = self
-            .region
-            .take()
-            .ok_or_else(|| OpError::Invalid("started twice".into()))?;
-        let len = region.len();
-        let buf = cx.register(region);
-        self.buf = Some(buf);
-        let msg = cx.reserve_sends(self.peer, 1)?;
-        let opts = SendOpts {
-            tos: DATA_TOS,
-            ..SendOpts::default()
-        };
-        cx.send(self.peer, msg, buf, 0..len, opts)?;
-        Ok(None)
-    }
-
-    fn on_event(&mut self, ev: OpEvent, _cx: &mut OpCx<'_>) -> Step<u32> {
-        match ev {
-            OpEvent::Sent { missing, .. } => Ok(Some(missing)),
-            OpEvent::Received { .. } => Ok(None),
-        }
-    }
-}
-
 /// What one send did.
 #[derive(Debug, Clone)]
 struct Sent {
@@ -215,13 +165,16 @@ struct Got {
 fn send_one(ep: &Endpoint, t: &mut Tensor) -> Res<Sent> {
     let before = ep.stats();
     let start = Instant::now();
+    let opts = SendOpts {
+        tos: DATA_TOS,
+        ..SendOpts::default()
+    };
     let missing = ep
-        .run_borrowed(t.as_bytes_mut(), BACKSTOP, |region| SendTensor {
-            peer: RECEIVER,
-            region: Some(region),
-            buf: None,
+        .run_borrowed(t.as_bytes_mut(), BACKSTOP, |region| {
+            p2p::Send::new(region, RECEIVER, opts)
         })
-        .map_err(|e| format!("sending to the receiver (rank {RECEIVER}): {e}"))?;
+        .map_err(|e| format!("sending to the receiver (rank {RECEIVER}): {e}"))?
+        .missing;
     let fct = start.elapsed();
     Ok(Sent {
         missing,
@@ -269,7 +222,7 @@ fn recv_all(
             Instant::now(),
         )
     };
-    let mut want = tensor(c)?;
+    let mut want = c.tensor()?;
     let mut pending: std::collections::VecDeque<Posted> =
         (0..c.count.min(2)).map(|_| post(vec![0u8; size])).collect();
     let mut before = ep.stats();
@@ -441,7 +394,7 @@ fn run_local(c: &Common, tx: Endpoint, rx: Endpoint, datapath: &'static str) -> 
     let start = Instant::now();
     let (gots, sent) = std::thread::scope(|s| -> Res<_> {
         let sender = s.spawn(|| -> Res<Vec<Sent>> {
-            let mut t = tensor(c)?;
+            let mut t = c.tensor()?;
             t.fill_pattern(DEMO_SEED);
             (0..c.count).map(|_| send_one(&tx, &mut t)).collect()
         });
@@ -558,7 +511,7 @@ fn demo_afxdp(c: &Common) -> Res<Summary> {
     let sender = tb.spawn_in(0, move || -> Res<SideOutcome<Sent>> {
         pin(&sc, 0)?;
         let (ep, mon) = xdp_endpoint(&sc, SENDER, &ifname, tx_addr, rx_addr, 0.0)?;
-        let mut t = tensor(&sc)?;
+        let mut t = sc.tensor()?;
         t.fill_pattern(DEMO_SEED);
         let start = Instant::now();
         let sents = (0..sc.count)
@@ -764,7 +717,7 @@ pub fn send(a: &SendArgs) -> Res {
     if a.spray_ports > 1 {
         return Err("--spray-ports runs on the flow transport only (give --transport flow on both ends): the message layer knows its peer by one address".into());
     }
-    let mut t = tensor(c)?;
+    let mut t = c.tensor()?;
     let bind = a.bind.unwrap_or_else(|| {
         let ip: IpAddr = if a.to.is_ipv4() {
             Ipv4Addr::UNSPECIFIED.into()

@@ -16,7 +16,6 @@ use gradwire::datapath::Datapath;
 use gradwire::flow::{fixed_priority, RejectCounts, SenderConfig, Tag};
 use gradwire::message::{LossBound, Stage};
 use gradwire::rate::RateConfig;
-use gradwire::tensor::Tensor;
 use gradwire::transport::{
     recv_tensor, send_tensor, MissingFill, RecvOptions, RecvReport, SendOptions, SendReport,
     TransferConfig,
@@ -62,19 +61,6 @@ fn transfer_config(c: &Common) -> Res<TransferConfig> {
     };
     cfg.validate()?;
     Ok(cfg)
-}
-
-fn tensor(c: &Common) -> Res<Tensor> {
-    let size = usize::try_from(c.size).map_err(|_| "--size does not fit this machine's memory")?;
-    Tensor::zeros_bytes(c.dtype, size).ok_or_else(|| {
-        format!(
-            "--size {} is not a whole number of {} elements ({} bytes each)",
-            c.size,
-            c.dtype,
-            c.dtype.elem_size()
-        )
-        .into()
-    })
 }
 
 fn faults(c: &Common) -> FaultConfig {
@@ -261,9 +247,9 @@ where
     DB: Datapath,
     CB: CtrlChannel,
 {
-    let mut sent = tensor(c)?;
+    let mut sent = c.tensor()?;
     sent.fill_pattern(0x6772_6164);
-    let mut got = tensor(c)?;
+    let mut got = c.tensor()?;
     let pb = progress(c);
     let prio = fixed_priority(DATA_TAG);
     let start = Instant::now();
@@ -435,9 +421,9 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
             1,
         )?;
         let mut rx = gradwire::transport::Receiver::accept(&listener, dp, rcfg)?;
-        let mut sent = tensor(&rc)?;
+        let mut sent = rc.tensor()?;
         sent.fill_pattern(0x6772_6164);
-        let mut got = tensor(&rc)?;
+        let mut got = rc.tensor()?;
         let mut out = Vec::new();
         let start = Instant::now();
         for round in 0..rc.count {
@@ -452,7 +438,7 @@ fn demo_afxdp(c: &Common, cfg: &TransferConfig) -> Res<Summary> {
     let (sc, scfg) = (c.clone(), cfg.clone());
     let sender = tb.spawn_in(0, move || -> Res<(Vec<SendReport>, Option<AfXdpStats>)> {
         pin(&sc, 0)?;
-        let mut t = tensor(&sc)?;
+        let mut t = sc.tensor()?;
         t.fill_pattern(0x6772_6164);
         let dp = open_afxdp(&sc, &ifname, SocketAddr::new(tx_ip, data_port), 0.0, 1)?;
         // The receiver starts in parallel: retry the control connection for a while.
@@ -548,7 +534,7 @@ pub fn send(a: &SendArgs) -> Res {
 fn send_flow(a: &SendArgs) -> Res {
     let c = &a.common;
     let cfg = transfer_config(c)?;
-    let mut t = tensor(c)?;
+    let mut t = c.tensor()?;
     let bind = a.bind.unwrap_or_else(|| {
         let ip: IpAddr = if a.to.is_ipv4() {
             Ipv4Addr::UNSPECIFIED.into()
@@ -678,8 +664,8 @@ fn recv_flow(a: &RecvArgs) -> Res {
         };
         eprintln!("gradwire recv: sender {peer} connected ({how})");
     }
-    let mut got = tensor(c)?;
-    let mut expect = tensor(c)?;
+    let mut got = c.tensor()?;
+    let mut expect = c.tensor()?;
     let mut rejected = RejectCounts::default();
     let pb = progress(c);
     let start = Instant::now();

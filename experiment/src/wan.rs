@@ -1293,42 +1293,12 @@ mod tests {
         FabricQos::from_policy(&default_policy()).unwrap()
     }
 
-    const FOUR: &str = r#"
-name = "w"
-[defaults]
-rate = "100Mbit"
-[[switch]]
-name = "a"
-[[switch]]
-name = "b"
-[[switch]]
-name = "c"
-[[host]]
-name = "ha"
-uplink = "a"
-[[host]]
-name = "hb"
-uplink = "b"
-[[host]]
-name = "hc"
-uplink = "c"
-[[link]]
-a = "a"
-b = "b"
-rate = "10Mbit"
-delay = "30ms"
-schedule = [{ at = "20s", rate = "2Mbit" }]
-period = "40s"
-[[link]]
-a = "c"
-b = "b"
-rate = "4Mbit"
-delay = "1ms"
-"#;
+    /// Three sites, two inter-site links, one of them on a schedule.
+    const THREE_SITES: &str = include_str!("../../wan/tests/fixtures/three_sites.toml");
 
     #[test]
     fn the_static_network_is_the_topology_without_its_schedules() {
-        let t = Topology::from_toml(FOUR, qos()).unwrap();
+        let t = Topology::from_toml(THREE_SITES, qos()).unwrap();
         assert_eq!(schedule_span(&t), Some(40.0));
         let st = network_topology(&t, Network::Static);
         assert_eq!(schedule_span(&st), None);
@@ -1578,7 +1548,7 @@ delay = "1ms"
 
     #[test]
     fn a_site_is_capped_at_its_fastest_wan_link_over_the_schedule() {
-        let t = Topology::from_toml(FOUR, qos()).unwrap();
+        let t = Topology::from_toml(THREE_SITES, qos()).unwrap();
         let links = site_links(&t).unwrap();
         // a: one link, 10 Mbit/s then 2; b: 10 and 4; c: 4.
         assert_eq!(site_rate_cap(&t, &links, 0), 10_000_000);

@@ -35,10 +35,20 @@ impl Send {
     }
 }
 
-impl Op for Send {
-    type Output = Option<Region>;
+/// What a [`Send`] ends with.
+#[derive(Debug)]
+pub struct SendDone {
+    /// The region given back (an owned one; `None` for a borrowed one).
+    pub region: Option<Region>,
+    /// Segments the receiver did without (under its loss bound or deadline; 0 when
+    /// reliable).
+    pub missing: u32,
+}
 
-    fn start(&mut self, cx: &mut OpCx<'_>) -> Step<Option<Region>> {
+impl Op for Send {
+    type Output = SendDone;
+
+    fn start(&mut self, cx: &mut OpCx<'_>) -> Step<SendDone> {
         let region = self
             .region
             .take()
@@ -51,8 +61,15 @@ impl Op for Send {
         Ok(None)
     }
 
-    fn on_event(&mut self, _ev: OpEvent, cx: &mut OpCx<'_>) -> Step<Option<Region>> {
-        Ok(Some(self.buf.take().and_then(|b| cx.unregister(b))))
+    fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Step<SendDone> {
+        let missing = match ev {
+            OpEvent::Sent { missing, .. } => missing,
+            OpEvent::Received { .. } => return Ok(None),
+        };
+        Ok(Some(SendDone {
+            region: self.buf.take().and_then(|b| cx.unregister(b)),
+            missing,
+        }))
     }
 
     fn isolated(&self) -> bool {

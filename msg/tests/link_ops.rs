@@ -82,3 +82,47 @@ fn a_link_operation_fails_alone_a_collective_one_breaks_the_group() {
         }
     }
 }
+
+/// A lossy send ends with how many segments its receiver did without: the same count the
+/// receiver's report gives (what `gradwire send` prints as delivered).
+#[test]
+fn a_lossy_send_reports_what_its_receiver_did_without() {
+    let wait = Duration::from_secs(20);
+    let bound: Vec<_> = (0..2u16)
+        .map(|r| {
+            let mut c =
+                EndpointConfig::new(6, r, 2, SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0));
+            // The receiver drops a fifth of what arrives; the bound lets it keep a tenth short.
+            if r == 0 {
+                c.inject_loss = 0.2;
+                c.seed = 3;
+            }
+            Endpoint::bind(c).unwrap()
+        })
+        .collect();
+    let addrs: Vec<SocketAddr> = bound.iter().map(|b| b.local_addr()).collect();
+    let eps: Vec<Endpoint> = bound
+        .into_iter()
+        .map(|b| b.start(addrs.clone()).unwrap())
+        .collect();
+    let data: Vec<u8> = (0..400_000u32).map(|i| i as u8).collect();
+    let send = eps[1].submit(Send::new(
+        Region::owned(data.clone()),
+        0,
+        SendOpts::default(),
+    ));
+    let opts = RecvOpts {
+        loss_bound: 0.1,
+        ..RecvOpts::default()
+    };
+    let (_, report) = eps[0]
+        .run(Recv::new(Region::owned(vec![0; data.len()]), 1, opts), wait)
+        .unwrap();
+    let done = send.wait_timeout(wait).unwrap().unwrap();
+    assert!(
+        report.missing > 0,
+        "20 % loss under a 10 % bound left nothing short"
+    );
+    assert_eq!(done.missing, report.missing);
+    assert_eq!(done.region.map(Region::into_vec), Some(Some(data)));
+}

@@ -194,42 +194,12 @@ mod tests {
         FabricQos::from_policy(&default_policy()).unwrap()
     }
 
-    const FOUR: &str = r#"
-name = "w"
-[defaults]
-rate = "100Mbit"
-[[switch]]
-name = "a"
-[[switch]]
-name = "b"
-[[switch]]
-name = "c"
-[[host]]
-name = "ha"
-uplink = "a"
-[[host]]
-name = "hb"
-uplink = "b"
-[[host]]
-name = "hc"
-uplink = "c"
-[[link]]
-a = "a"
-b = "b"
-rate = "10Mbit"
-delay = "30ms"
-schedule = [{ at = "20s", rate = "2Mbit" }]
-period = "40s"
-[[link]]
-a = "c"
-b = "b"
-rate = "4Mbit"
-delay = "1ms"
-"#;
+    /// Three sites, two inter-site links, one of them on a schedule.
+    const THREE_SITES: &str = include_str!("../tests/fixtures/three_sites.toml");
 
     #[test]
     fn the_overlay_has_one_link_per_inter_site_link() {
-        let t = Topology::from_toml(FOUR, qos()).unwrap();
+        let t = Topology::from_toml(THREE_SITES, qos()).unwrap();
         let links = site_links(&t).unwrap();
         assert_eq!(links.len(), 2);
         let o = overlay_from_topology(&t).unwrap();
@@ -259,15 +229,16 @@ delay = "1ms"
 
     #[test]
     fn topologies_that_are_not_wans_of_sites_are_refused() {
-        let shared = FOUR.replace("uplink = \"c\"", "uplink = \"b\"");
+        let shared = THREE_SITES.replace("uplink = \"c\"", "uplink = \"b\"");
         let t = Topology::from_toml(&shared, qos()).unwrap();
         let e = overlay_from_topology(&t).unwrap_err().to_string();
         assert!(e.contains("share switch b"), "{e}");
-        let transit = format!("{FOUR}[[switch]]\nname = \"x\"\n[[link]]\na = \"x\"\nb = \"a\"\n");
+        let transit =
+            format!("{THREE_SITES}[[switch]]\nname = \"x\"\n[[link]]\na = \"x\"\nb = \"a\"\n");
         let t = Topology::from_toml(&transit, qos()).unwrap();
         let e = overlay_from_topology(&t).unwrap_err().to_string();
         assert!(e.contains("switch x, which has no host"), "{e}");
-        let cut = FOUR.replace("a = \"c\"\nb = \"b\"", "a = \"c\"\nb = \"c\"");
+        let cut = THREE_SITES.replace("a = \"c\"\nb = \"b\"", "a = \"c\"\nb = \"c\"");
         if let Ok(t) = Topology::from_toml(&cut, qos()) {
             assert!(overlay_from_topology(&t).is_err());
         }

@@ -35,7 +35,10 @@ fn values(n: usize) -> Vec<f32> {
 }
 
 /// Node 1 sends `bytes` to node 0 as one message (not waiting for it).
-fn raw_send(raw: &Endpoint, bytes: Vec<u8>) -> gradwire_msg::op::Handle<Option<Region>> {
+fn raw_send(
+    raw: &Endpoint,
+    bytes: Vec<u8>,
+) -> gradwire_msg::op::Handle<gradwire_msg::p2p::SendDone> {
     raw.submit(Send::new(Region::owned(bytes), 0, SendOpts::default()))
 }
 

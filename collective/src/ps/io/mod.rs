@@ -102,7 +102,7 @@ struct Net {
     /// newest one waiting behind it.
     busy: BTreeMap<usize, u32>,
     newest: BTreeMap<usize, Arc<VersionMsg>>,
-    sends: Vec<Handle<Option<Region>>>,
+    sends: Vec<Handle<gradwire_msg::p2p::SendDone>>,
 }
 
 impl Net {
