@@ -184,17 +184,6 @@ fn send_one(ep: &Endpoint, t: &mut Tensor) -> Res<Sent> {
     })
 }
 
-/// The byte ranges of the segments `report` says are missing.
-fn missing_ranges(report: &RecvReport, seg: usize, len: usize) -> Vec<std::ops::Range<usize>> {
-    if report.arrived.is_none() {
-        return Vec::new();
-    }
-    (0..report.segments as usize)
-        .filter(|&i| !report.has(i))
-        .map(|i| (i * seg).min(len)..((i + 1) * seg).min(len))
-        .collect()
-}
-
 /// A receive handle and when it was posted.
 type Posted = (Handle<(Option<Region>, RecvReport)>, Instant);
 
@@ -243,7 +232,7 @@ fn recv_all(
         let mut buf = region
             .and_then(Region::into_vec)
             .ok_or("the message layer did not hand the receive buffer back")?;
-        let missing = missing_ranges(&report, seg, size);
+        let missing = report.missing_ranges(seg);
         if !c.keep_missing {
             for r in &missing {
                 buf[r.clone()].fill(0);
@@ -929,28 +918,6 @@ pub fn recv(a: &RecvArgs) -> Res {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn report(segments: u32, arrived: Option<Vec<u64>>) -> RecvReport {
-        RecvReport {
-            segments,
-            missing: 0,
-            ended: Ended::Bound,
-            arrived,
-            meta: Vec::new(),
-            passes: 1,
-            len: 0,
-            first_at: None,
-            last_at: None,
-        }
-    }
-
-    #[test]
-    fn missing_ranges_follow_the_bitmap_and_the_short_last_segment() {
-        assert!(missing_ranges(&report(3, None), 10, 25).is_empty());
-        // Segments 0 and 2 arrived, 1 and 3 (the short last one) did not.
-        let r = report(4, Some(vec![0b0101]));
-        assert_eq!(missing_ranges(&r, 10, 35), vec![10..20, 30..35]);
-    }
 
     #[test]
     fn a_sender_with_other_parameters_is_refused_naming_them() {

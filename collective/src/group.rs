@@ -458,16 +458,14 @@ impl Group {
             tos_per_segment,
             ..SendOpts::default()
         };
-        let before = self.stats().core.data_resent;
-        self.guard(|| {
-            self.ep
-                .run(
-                    Send::new(Region::owned(bytes.to_vec()), peer as u16, opts),
-                    self.cfg.op_timeout,
-                )
-                .map(|_| ())
+        let done = self.guard(|| {
+            self.ep.run(
+                Send::new(Region::owned(bytes.to_vec()), peer as u16, opts),
+                self.cfg.op_timeout,
+            )
         })?;
-        Ok(self.stats().core.data_resent.saturating_sub(before))
+        // This message's own resends (the endpoint's counter also counts other messages').
+        Ok(u64::from(done.segments).saturating_sub(segs as u64))
     }
 
     /// Receives tensor `tensor` from `peer` into `bytes` (the sender's length), under

@@ -558,9 +558,20 @@ impl Driver {
     fn dispatch(&mut self, now: Instant) {
         while let Some(ev) = self.core.poll_event() {
             let (route, ev) = match ev {
-                Event::Sent { peer, msg, missing } => {
-                    ((peer, msg, true), Ok(OpEvent::Sent { peer, msg, missing }))
-                }
+                Event::Sent {
+                    peer,
+                    msg,
+                    missing,
+                    segments,
+                } => (
+                    (peer, msg, true),
+                    Ok(OpEvent::Sent {
+                        peer,
+                        msg,
+                        missing,
+                        segments,
+                    }),
+                ),
                 Event::Received { peer, msg, report } => (
                     (peer, msg, false),
                     Ok(OpEvent::Received { peer, msg, report }),

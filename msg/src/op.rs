@@ -72,6 +72,8 @@ pub enum OpEvent {
         msg: u32,
         /// Segments the receiver did without (under its loss bound or deadline).
         missing: u32,
+        /// Data segments sent for the message, retransmissions and probes included.
+        segments: u32,
     },
     /// A receive finished.
     Received {

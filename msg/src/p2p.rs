@@ -43,6 +43,9 @@ pub struct SendDone {
     /// Segments the receiver did without (under its loss bound or deadline; 0 when
     /// reliable).
     pub missing: u32,
+    /// Data segments sent for the message: its segments once, plus retransmissions and
+    /// tail probes.
+    pub segments: u32,
 }
 
 impl Op for Send {
@@ -62,13 +65,16 @@ impl Op for Send {
     }
 
     fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Step<SendDone> {
-        let missing = match ev {
-            OpEvent::Sent { missing, .. } => missing,
+        let (missing, segments) = match ev {
+            OpEvent::Sent {
+                missing, segments, ..
+            } => (missing, segments),
             OpEvent::Received { .. } => return Ok(None),
         };
         Ok(Some(SendDone {
             region: self.buf.take().and_then(|b| cx.unregister(b)),
             missing,
+            segments,
         }))
     }
 

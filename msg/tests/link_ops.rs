@@ -83,8 +83,9 @@ fn a_link_operation_fails_alone_a_collective_one_breaks_the_group() {
     }
 }
 
-/// A lossy send ends with how many segments its receiver did without: the same count the
-/// receiver's report gives (what `gradwire send` prints as delivered).
+/// A lossy send ends with how many segments its receiver did without (the same count the
+/// receiver's report gives: what `gradwire send` prints as delivered) and how many data
+/// segments it sent, resends included.
 #[test]
 fn a_lossy_send_reports_what_its_receiver_did_without() {
     let wait = Duration::from_secs(20);
@@ -124,5 +125,12 @@ fn a_lossy_send_reports_what_its_receiver_did_without() {
         "20 % loss under a 10 % bound left nothing short"
     );
     assert_eq!(done.missing, report.missing);
+    // Every segment once, and resends for some of the fifth the receiver dropped.
+    assert!(
+        done.segments > report.segments,
+        "{} segments sent for {} with 20 % dropped: no resends counted",
+        done.segments,
+        report.segments
+    );
     assert_eq!(done.region.map(Region::into_vec), Some(Some(data)));
 }

@@ -276,6 +276,9 @@ pub enum Event {
         msg: u32,
         /// Segments the receiver did without.
         missing: u32,
+        /// Data segments this side sent for the message: the first pass, retransmissions
+        /// and tail probes.
+        segments: u32,
     },
     /// A receive finished.
     Received {

@@ -42,6 +42,20 @@ impl RecvReport {
             Some(w) => w.get(seg / 64).is_some_and(|x| x & (1 << (seg % 64)) != 0),
         }
     }
+
+    /// The byte ranges (from the start of the message, within its `len`) of the segments
+    /// that never arrived, for segments of `seg_payload` bytes: what a receiver zero-fills
+    /// or skips when it checks the rest.
+    pub fn missing_ranges(&self, seg_payload: usize) -> Vec<std::ops::Range<usize>> {
+        if self.arrived.is_none() {
+            return Vec::new();
+        }
+        let len = self.len as usize;
+        (0..self.segments as usize)
+            .filter(|&i| !self.has(i))
+            .map(|i| (i * seg_payload).min(len)..((i + 1) * seg_payload).min(len))
+            .collect()
+    }
 }
 
 /// A posted receive.
@@ -612,5 +626,32 @@ impl Core {
             }
         }
         self.push_failures(failed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(segments: u32, len: u32, arrived: Option<Vec<u64>>) -> RecvReport {
+        RecvReport {
+            segments,
+            missing: 0,
+            ended: Ended::Bound,
+            arrived,
+            meta: Vec::new(),
+            passes: 1,
+            len,
+            first_at: None,
+            last_at: None,
+        }
+    }
+
+    #[test]
+    fn missing_ranges_follow_the_bitmap_and_the_short_last_segment() {
+        assert!(report(3, 25, None).missing_ranges(10).is_empty());
+        // Segments 0 and 2 arrived, 1 and 3 (the short last one) did not.
+        let r = report(4, 35, Some(vec![0b0101]));
+        assert_eq!(r.missing_ranges(10), vec![10..20, 30..35]);
     }
 }

@@ -37,6 +37,8 @@ pub(super) struct SendMsg {
     /// only the end-of-pass round trip, and a sender whose window waits in a slow queue does
     /// not time out and halve it.
     probe: Option<(u32, Instant)>,
+    /// Data segments sent for this message so far (every pass, probes included).
+    segments_out: u32,
     pub(super) timer: Option<Instant>,
     heard: Instant,
 }
@@ -67,6 +69,7 @@ impl SendMsg {
             last_tx: None,
             polls: 0,
             probe: None,
+            segments_out: 0,
             timer: None,
             heard: now,
         }
@@ -204,6 +207,7 @@ impl Core {
                         out.payloads
                             .push((s.buf, s.start + off..s.start + off + len));
                         self.stats.payload_bytes_sent += len as u64;
+                        s.segments_out = s.segments_out.saturating_add(1);
                         if retransmit {
                             self.stats.data_resent += 1;
                         } else {
@@ -295,11 +299,12 @@ impl Core {
                 if s.pass == 0 && c.c > 0 {
                     p.win.on_pass_loss(c.c, s.nsegs);
                 }
-                p.sends.remove(&c.msg);
+                let segments = p.sends.remove(&c.msg).map_or(0, |s| s.segments_out);
                 self.events.push_back(Event::Sent {
                     peer: i as u16,
                     msg: c.msg,
                     missing: c.c,
+                    segments,
                 });
             }
             CtrlOp::Nack if c.c == wire::NACK_GAP => {
