@@ -140,12 +140,14 @@ fn title(r: &ExperimentReport) -> String {
     )
 }
 
-/// Bar colour: gradwire blue, TCP orange, runs that are not valid grey.
+/// Bar colour: gradwire on flows blue, on the message layer green, TCP orange, runs that are
+/// not valid grey.
 fn bar_color(v: &VariantResult) -> RGBColor {
     match (&v.variant.kind, v.valid) {
         (_, false) => RGBColor(170, 170, 170),
         (VariantKind::Tcp { .. }, _) => RGBColor(230, 120, 30),
         (VariantKind::Gradwire { .. }, _) => RGBColor(40, 90, 180),
+        (VariantKind::Msg(_), _) => RGBColor(40, 150, 90),
     }
 }
 
@@ -302,7 +304,7 @@ fn plot_cdf(r: &ExperimentReport, path: &Path) -> Res {
     for (i, (v, c)) in runs.iter().zip(&curves).enumerate() {
         let color = LINE_COLORS[i % LINE_COLORS.len()];
         let width = match v.variant.kind {
-            VariantKind::Gradwire { .. } => 3,
+            VariantKind::Gradwire { .. } | VariantKind::Msg(_) => 3,
             VariantKind::Tcp { .. } => 2,
         };
         let n = c.len().max(1) as f64;

@@ -36,6 +36,7 @@ use gradwire_fabric::topology::Topology;
 use gradwire_netns::spawn_in_netns;
 use serde::Serialize;
 
+use crate::flows_msg::{self, MsgSettings};
 use crate::report::{summarize, ExperimentReport, FlowRecord, TcpSettings, VariantResult};
 use crate::tcp_host::{data_segs_out, resolve_congestion, HostTcp};
 use crate::workload::{tensor_values, TensorSpec, Workload};
@@ -57,6 +58,9 @@ pub enum VariantKind {
         /// The congestion-control choices (mode and ablations).
         cc: GwCongestion,
     },
+    /// gradwire on the message layer ([`crate::flows_msg`]): one endpoint per host, the
+    /// receivers' grants.
+    Msg(MsgSettings),
     /// Kernel TCP.
     Tcp {
         /// `cubic`, `bbr`, `dctcp` (gradwire-ebpf's `gw_dctcp`), ...
@@ -118,8 +122,8 @@ pub struct Variant {
 
 /// The variant grammar, for messages and `--help`.
 pub const VARIANT_GRAMMAR: &str =
-    "gw-p<percent>[-notag][-nospray][-norc][-fig7|-ecn][-noce][-nomem][-bigburst][-noimp][-srpt|-fair] or \
-     tcp-<congestion>[-ecn][-rto<ms>]";
+    "gw-p<percent>[-notag][-nospray][-norc][-fig7|-ecn][-noce][-nomem][-bigburst][-noimp][-srpt|-fair], \
+     msg-p<percent>[-notag][-nogrants] or tcp-<congestion>[-ecn][-rto<ms>]";
 
 impl Variant {
     /// A variant by name (see [`VARIANT_GRAMMAR`]): `gw-p<percent>` followed by ablation
@@ -133,17 +137,17 @@ impl Variant {
                 kind: parse_tcp(name, rest)?,
             });
         }
+        if let Some(rest) = name.strip_prefix("msg-p") {
+            return Ok(Variant {
+                name: name.into(),
+                kind: parse_msg(name, rest)?,
+            });
+        }
         let rest = name
             .strip_prefix("gw-p")
             .ok_or_else(|| format!("variant {name:?}: expected {VARIANT_GRAMMAR}"))?;
         let mut parts = rest.split('-');
-        let pct: f64 = parts
-            .next()
-            .and_then(|p| p.parse().ok())
-            .filter(|p: &f64| (0.0..=50.0).contains(p))
-            .ok_or_else(|| {
-                format!("variant {name:?}: the loss bound must be a percentage 0..=50")
-            })?;
+        let pct = percent(name, parts.next())?;
         let (mut tagging, mut spray, mut rate_control) = (true, true, true);
         let mut cc = GwCongestion::default();
         for p in parts {
@@ -211,6 +215,36 @@ impl Variant {
     }
 }
 
+/// The loss bound of a variant name, a percentage 0..=50.
+fn percent(name: &str, p: Option<&str>) -> Result<f64, String> {
+    p.and_then(|p| p.parse().ok())
+        .filter(|p: &f64| (0.0..=50.0).contains(p))
+        .ok_or_else(|| format!("variant {name:?}: the loss bound must be a percentage 0..=50"))
+}
+
+/// `<percent>[-notag][-nogrants]` after the `msg-p`.
+fn parse_msg(name: &str, rest: &str) -> Result<VariantKind, String> {
+    let mut parts = rest.split('-');
+    let mut s = MsgSettings {
+        loss_bound: percent(name, parts.next())? / 100.0,
+        tagging: true,
+        grants: true,
+    };
+    for p in parts {
+        match p {
+            "notag" => s.tagging = false,
+            "nogrants" => s.grants = false,
+            other => {
+                return Err(format!(
+                    "variant {name:?}: unknown option {other:?} of the message layer \
+                     (expected -notag or -nogrants)"
+                ))
+            }
+        }
+    }
+    Ok(VariantKind::Msg(s))
+}
+
 /// `tcp-<congestion>[-ecn][-rto<ms>]` after the `tcp-`.
 fn parse_tcp(name: &str, rest: &str) -> Result<VariantKind, String> {
     let mut parts = rest.split('-');
@@ -248,18 +282,18 @@ fn parse_tcp(name: &str, rest: &str) -> Result<VariantKind, String> {
 }
 
 /// (delivered fraction, wrong bytes) of one received tensor.
-type Received = (f64, u64);
+pub(crate) type Received = (f64, u64);
 
 /// One tensor its sender completed.
 #[derive(Debug, Clone, Copy, PartialEq)]
-struct Sent {
-    fct_us: f64,
-    data_packets: u64,
+pub(crate) struct Sent {
+    pub(crate) fct_us: f64,
+    pub(crate) data_packets: u64,
 }
 
 /// Why one side of a pair stopped, at the tensor after the ones it completed.
 #[derive(Debug, Clone, PartialEq)]
-struct Stop {
+pub(crate) struct Stop {
     error: String,
     /// Time spent on the tensor it stopped at, microseconds (0: not started).
     elapsed_us: f64,
@@ -268,7 +302,7 @@ struct Stop {
 }
 
 impl Stop {
-    fn new(error: String) -> Stop {
+    pub(crate) fn new(error: String) -> Stop {
         Stop {
             error,
             elapsed_us: 0.0,
@@ -279,7 +313,11 @@ impl Stop {
 
 /// Records one tensor a sender finished, or makes its failure the pair's stop, with the time
 /// and packets spent on it.
-fn tensor_done(out: &mut Vec<Sent>, sent: Sent, res: Result<(), Stop>) -> Result<(), Stop> {
+pub(crate) fn tensor_done(
+    out: &mut Vec<Sent>,
+    sent: Sent,
+    res: Result<(), Stop>,
+) -> Result<(), Stop> {
     match res {
         Ok(()) => {
             out.push(sent);
@@ -296,21 +334,21 @@ fn tensor_done(out: &mut Vec<Sent>, sent: Sent, res: Result<(), Stop>) -> Result
 /// What one side (sender or receiver) of a pair did: the tensors it completed, in order, and
 /// why it stopped if it did not complete them all.
 #[derive(Debug, Clone, PartialEq)]
-struct Outcome<T> {
+pub(crate) struct Outcome<T> {
     done: Vec<T>,
     stopped: Option<Stop>,
 }
 
 impl<T> Outcome<T> {
     /// Nothing done: `error` at the first tensor.
-    fn failed(error: String) -> Outcome<T> {
+    pub(crate) fn failed(error: String) -> Outcome<T> {
         Outcome {
             done: Vec::new(),
             stopped: Some(Stop::new(error)),
         }
     }
 
-    fn of(done: Vec<T>, result: Result<(), Stop>) -> Outcome<T> {
+    pub(crate) fn of(done: Vec<T>, result: Result<(), Stop>) -> Outcome<T> {
         Outcome {
             done,
             stopped: result.err(),
@@ -320,20 +358,20 @@ impl<T> Outcome<T> {
 
 /// One direction of one phase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
+pub(crate) enum Phase {
     Push,
     Pull,
 }
 
 /// A sender -> receiver pair of one phase.
 #[derive(Debug, Clone)]
-struct Pair {
-    job: u32,
-    src: usize,
-    dst: usize,
+pub(crate) struct Pair {
+    pub(crate) job: u32,
+    pub(crate) src: usize,
+    pub(crate) dst: usize,
     /// Seeds the values (the worker's index for push, 1000 + server index for pull).
-    sender_id: usize,
-    tensors: Vec<TensorSpec>,
+    pub(crate) sender_id: usize,
+    pub(crate) tensors: Vec<TensorSpec>,
 }
 
 /// How long the phase waits for every receiver to listen.
@@ -460,6 +498,11 @@ fn run_variant(
 ) -> VariantResult {
     // TCP: the congestion control that runs (DCTCP registered for the variant's duration) and
     // the host settings, or why this machine cannot run the variant.
+    if matches!(v.kind, VariantKind::Msg(_)) && cfg.receiver_fault.is_some() {
+        let why = "the injected receiver fault is for the flow and TCP variants (a message-layer \
+                   receiver has no connection of its own to fail)";
+        return VariantResult::skipped(v, why.into());
+    }
     let mut tcp_plan = None;
     let mut _dctcp_registration = None;
     if let VariantKind::Tcp {
@@ -507,18 +550,34 @@ fn run_variant(
         }
     }
     let cc = settings.as_ref().map(|s| s.congestion.as_str());
+    let hosts = match &v.kind {
+        VariantKind::Msg(s) => match flows_msg::Hosts::up(topo, &net, s) {
+            Ok(h) => Some((h, *s)),
+            Err(e) => {
+                drop(fabric.stop());
+                let why = with_teardown(format!("message-layer endpoints: {e}"), net.down());
+                return VariantResult::failed(v, why);
+            }
+        },
+        _ => None,
+    };
     let mut flows = Vec::new();
     let mut iterations = Vec::new();
     for it in 0..cfg.iterations {
         let mut total = Duration::ZERO;
         for phase in [Phase::Push, Phase::Pull] {
             let ps = pairs(phase, wl, servers, workers);
-            let (took, mut recs) = run_phase(cfg, topo, &net, wl, v, cc, phase, it, &ps);
+            let (took, mut recs) = match &hosts {
+                Some((h, s)) => flows_msg::run_phase(h, topo, wl.layers, s, phase, it, &ps),
+                None => run_phase(cfg, topo, &net, wl, v, cc, phase, it, &ps),
+            };
             total += took;
             flows.append(&mut recs);
         }
         iterations.push(total);
     }
+    // The endpoints go before the fabric: their goodbyes still find their peers.
+    drop(hosts);
     let mut errors = Vec::new();
     if let Some(h) = host_tcp {
         if let Err(e) = h.restore() {
@@ -544,7 +603,7 @@ fn run_variant(
 
 /// How long a phase may take before its unfinished pairs count as failed: a minute plus 30
 /// times the time the busiest host link needs for its bytes at line rate.
-fn phase_deadline(topo: &Topology, pairs: &[Pair]) -> Duration {
+pub(crate) fn phase_deadline(topo: &Topology, pairs: &[Pair]) -> Duration {
     let mut per_host = vec![0u64; topo.hosts.len()];
     for p in pairs {
         let bytes: u64 = p.tensors.iter().map(|t| t.elems as u64 * 4).sum();
@@ -746,7 +805,7 @@ fn run_phase(
 /// One record per tensor of `p` from what its sender and receiver did. A tensor is completed
 /// when both completed it; otherwise its error is the sender's and/or receiver's error at that
 /// tensor, or, for the tensors after a failure, that failure.
-fn merge(
+pub(crate) fn merge(
     p: &Pair,
     push: bool,
     it: u32,
@@ -953,6 +1012,12 @@ fn receive(
                 out.push((rep.delivered_fraction, wrong));
             }
         }
+        VariantKind::Msg(_) => {
+            let _ = ready.send((index, false));
+            return Err(Stop::new(
+                "a message-layer variant has no flow receivers".into(),
+            ));
+        }
         VariantKind::Tcp { .. } => {
             let listener =
                 TcpListener::bind(ctrl).map_err(|err| setup_failed(e("listen", &err)))?;
@@ -1072,6 +1137,11 @@ fn send(
                 tensor_done(out, sent, res)?;
             }
         }
+        VariantKind::Msg(_) => {
+            return Err(Stop::new(
+                "a message-layer variant has no flow senders".into(),
+            ));
+        }
         VariantKind::Tcp { .. } => {
             let mut s = TcpStream::connect_timeout(&ctrl, ACCEPT_TIMEOUT)
                 .map_err(|err| e("connect", &err))?;
@@ -1158,6 +1228,29 @@ mod tests {
         assert!(t.rate_memory && t.sender.retransmit_ect);
         let t = transfer_config(100_000_000, false, &cc("gw-p1"), 2_000_000);
         assert_eq!((t.sender.mode, t.sender.rate.delta), (RateMode::Fig7, 1e9));
+    }
+
+    #[test]
+    fn message_layer_variant_names() {
+        assert_eq!(
+            Variant::parse("msg-p1").unwrap().kind,
+            VariantKind::Msg(MsgSettings {
+                loss_bound: 0.01,
+                tagging: true,
+                grants: true,
+            })
+        );
+        assert_eq!(
+            Variant::parse("msg-p0-nogrants-notag").unwrap().kind,
+            VariantKind::Msg(MsgSettings {
+                loss_bound: 0.0,
+                tagging: false,
+                grants: false,
+            })
+        );
+        for bad in ["msg-p", "msg-p60", "msg-p1-nospray", "msg-1"] {
+            assert!(Variant::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

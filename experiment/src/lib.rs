@@ -44,10 +44,12 @@ pub mod wan;
 pub mod workload;
 
 mod flows;
+mod flows_msg;
 mod report;
 mod tcp_host;
 
 pub use flows::{run, Variant, VariantKind, VARIANT_GRAMMAR};
+pub use flows_msg::MsgSettings;
 pub use report::{
     bootstrap, csv_field, print_table, quantile, write_flows_csv, Bootstrap, BucketStats, Estimate,
     Excluded, ExperimentReport, FctSummary, FlowFailure, FlowRecord, Ratio, SizeBucket, Statistic,

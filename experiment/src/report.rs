@@ -539,7 +539,13 @@ fn ratios_against(
     };
     results
         .iter()
-        .filter(|v| usable(v) && matches!(v.variant.kind, VariantKind::Gradwire { .. }))
+        .filter(|v| {
+            usable(v)
+                && matches!(
+                    v.variant.kind,
+                    VariantKind::Gradwire { .. } | VariantKind::Msg(_)
+                )
+        })
         .map(|g| Ratio::of(g, base))
         .collect()
 }

@@ -1,4 +1,5 @@
-//! A short version of the incast experiment (seconds): every variant kind once, tiny tensors,
+//! A short version of the incast experiment (seconds): every variant kind once (flows, the
+//! message layer, TCP), tiny tensors,
 //! one iteration. Checks invariants only, never timings: every tensor flow completed, every
 //! delivered byte is right, gradwire delivered at least 1 - p of every tensor, TCP all of it,
 //! the TCP host settings were in force; and a receiver that fails mid-run costs only its own
@@ -47,6 +48,8 @@ fn short_incast_keeps_the_invariants() {
         "tcp-cubic",
         "gw-p1-notag-nospray-norc",
         "tcp-cubic-ecn-rto10",
+        "msg-p10",
+        "msg-p0-notag-nogrants",
     ]);
     let variants = cfg.variants.clone();
     let r = run(&cfg).unwrap();
@@ -73,6 +76,7 @@ fn short_incast_keeps_the_invariants() {
         );
         let p = match v.variant.kind {
             VariantKind::Gradwire { loss_bound, .. } => loss_bound,
+            VariantKind::Msg(s) => s.loss_bound,
             VariantKind::Tcp { .. } => 0.0,
         };
         assert!(
