@@ -81,6 +81,10 @@ pub struct CoreConfig {
     /// On by default; off: neither side grants nor waits (each sender's own window only),
     /// the ablation. A rank with them off still talks to ranks with them on.
     pub grants: bool,
+    /// Retransmitted segments go ECN-capable (ECT(0)) whatever their first pass's tag: a
+    /// switch marks them above its threshold instead of dropping them again. Off: resent as
+    /// first sent.
+    pub retransmit_ect: bool,
     /// First-pass segments a sender may keep in flight towards a peer before that peer's
     /// first grant (the unscheduled first window).
     pub unscheduled: u32,
@@ -112,6 +116,7 @@ impl CoreConfig {
             ctrl_tos: gradwire_qos::CONTROL_DSCP << 2,
             max_bundle: 64,
             grants: true,
+            retransmit_ect: true,
             unscheduled: 64,
             grant_window: 128,
         }

@@ -135,6 +135,7 @@ impl Core {
         let world = self.peers.len();
         let seg_payload = self.cfg.seg_payload;
         let max_bundle = self.cfg.max_bundle.max(1);
+        let retransmit_ect = self.cfg.retransmit_ect;
         for k in 0..world {
             if out.bundles.len() >= max_bundles {
                 break;
@@ -162,7 +163,13 @@ impl Core {
                             break;
                         };
                         // A bundle has one TOS byte: a segment tagged otherwise starts the next.
-                        let tos = s.tos_of(seg);
+                        let mut tos = s.tos_of(seg);
+                        if retransmit && retransmit_ect && tos & 3 == 0 {
+                            // What the bound still needs is important: marked above a
+                            // switch's threshold, not dropped again (DLCP; the window and
+                            // the grants react to the marks).
+                            tos |= 0b10;
+                        }
                         if bundle_tos.is_some_and(|t| t != tos) {
                             break;
                         }

@@ -17,6 +17,8 @@ struct Net {
     drop: Drop,
     /// Datagrams in flight: (to, from, tos, bytes).
     wire: Vec<(u16, u16, u8, Vec<u8>)>,
+    /// Every datagram put on the wire (dropped ones too), as (tos, bytes), when tracing.
+    trace: Option<Vec<(u8, Vec<u8>)>>,
     events: Vec<Vec<Event>>,
 }
 
@@ -42,6 +44,7 @@ impl Net {
             dropped: 0,
             drop,
             wire: Vec::new(),
+            trace: None,
             events: (0..world).map(|_| Vec::new()).collect(),
         }
     }
@@ -69,6 +72,9 @@ impl Net {
         }
         let moved = !self.wire.is_empty();
         for (to, from, tos, d) in std::mem::take(&mut self.wire) {
+            if let Some(t) = &mut self.trace {
+                t.push((tos, d.clone()));
+            }
             self.sent += 1;
             if (self.drop)(self.sent, &d) {
                 self.dropped += 1;
@@ -1075,4 +1081,52 @@ fn acks_time_a_segment_so_the_rto_follows_a_queued_window() {
         net.cores[0].srtt(1).is_some(),
         "an ACK past the timed segment gave an RTT sample before the pass ended"
     );
+}
+
+#[test]
+fn retransmissions_go_ecn_capable_unless_configured_not_to() {
+    for ect in [true, false] {
+        // The third datagram (a first-pass data segment) is lost once.
+        let mut net = Net::with(2, Box::new(|n, _| n == 3), |c| c.retransmit_ect = ect);
+        net.trace = Some(Vec::new());
+        let data = pattern(64 * 8, 4);
+        let now = net.now;
+        let src = net.cores[0].register(Region::owned(data.clone()));
+        let dst = net.cores[1].register(Region::owned(vec![0; data.len()]));
+        net.cores[0].reserve_sends(1, 1).expect("peer");
+        net.cores[1].reserve_recvs(0, 1).expect("peer");
+        net.cores[1]
+            .post_recv(now, 0, 0, dst, 0..data.len(), RecvOpts::default())
+            .expect("recv");
+        // DSCP 10, not ECN-capable: a tag a switch drops above its threshold.
+        let opts = SendOpts {
+            tos: 10 << 2,
+            ..SendOpts::default()
+        };
+        net.cores[0]
+            .post_send(now, 1, 0, src, 0..data.len(), opts)
+            .expect("send");
+        net.run(Duration::from_secs(2));
+        assert_eq!(received(&net, 1).len(), 1);
+        let data_tos: Vec<(u8, bool)> = net
+            .trace
+            .take()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|(_, d)| d[1] == wire::KIND_DATA)
+            .map(|(tos, d)| {
+                let (h, _) = DataHeader::parse(&d).expect("header");
+                (tos, h.flags & wire::flags::RETRANSMIT != 0)
+            })
+            .collect();
+        assert!(data_tos.iter().any(|&(_, r)| r), "nothing was resent");
+        for (tos, resent) in data_tos {
+            let want = if resent && ect {
+                (10 << 2) | 0b10
+            } else {
+                10 << 2
+            };
+            assert_eq!(tos, want, "resent {resent}, retransmit_ect {ect}");
+        }
+    }
 }
