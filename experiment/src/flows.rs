@@ -576,6 +576,9 @@ fn run_variant(
         }
         iterations.push(total);
     }
+    if let Some((h, _)) = &hosts {
+        eprintln!("experiment: {}: message layer: {}", v.name, h.counters());
+    }
     // The endpoints go before the fabric: their goodbyes still find their peers.
     drop(hosts);
     let mut errors = Vec::new();

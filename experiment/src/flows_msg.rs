@@ -99,6 +99,41 @@ impl Hosts {
     }
 }
 
+impl Hosts {
+    /// The layer's counters summed over every host: what a reader of the run needs to see
+    /// where its time went (resends, polls, gap NACKs, grants, duplicates).
+    pub(crate) fn counters(&self) -> String {
+        let mut t = gradwire_msg::core::Stats::default();
+        for ep in &self.eps {
+            let s = ep.stats().core;
+            t.data_sent += s.data_sent;
+            t.data_resent += s.data_resent;
+            t.data_duplicate += s.data_duplicate;
+            t.polls += s.polls;
+            t.nacks += s.nacks;
+            t.gap_nacks += s.gap_nacks;
+            t.gap_resent += s.gap_resent;
+            t.grants += s.grants;
+            t.ctrl_sent += s.ctrl_sent;
+            t.unexpected_kept += s.unexpected_kept;
+        }
+        format!(
+            "data sent {} resent {} ({} on gap NACKs) duplicates {}; control {} (NACKs {}, gap \
+             NACKs {}, POLLs {}, GRANTs {}); kept before posted {}",
+            t.data_sent,
+            t.data_resent,
+            t.gap_resent,
+            t.data_duplicate,
+            t.ctrl_sent,
+            t.nacks,
+            t.gap_nacks,
+            t.polls,
+            t.grants,
+            t.unexpected_kept
+        )
+    }
+}
+
 /// Runs one phase's pairs on the hosts' endpoints: every receiver posts its receives, then
 /// every sender sends; returns the phase's duration (first send to last sender result) and
 /// one record per tensor of every pair.
