@@ -470,10 +470,11 @@ pub struct IncastArgs {
     /// Iterations per variant (the reported figures use at least 20).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub iterations: u32,
-    /// Variants, comma-separated: gw-p<percent>[-notag][-nospray][-norc],
-    /// tcp-<congestion>[-ecn][-rto<ms>] (default: the regime's: gw-p1, gw-p10, gw-p0, TCP
-    /// CUBIC, DCTCP, BBR and CUBIC with ECN (current regime: each also with -rto10), and the
-    /// gradwire ablations gw-p1-notag, gw-p1-nospray, gw-p1-norc).
+    /// Variants, comma-separated: gw-p<percent>[-notag][-nospray][-norc] (flows),
+    /// msg-p<percent>[-notag][-nogrants] (the message layer), tcp-<congestion>[-ecn][-rto<ms>]
+    /// (default: the regime's: gw-p1, gw-p10, gw-p0, msg-p1, msg-p10, TCP CUBIC, DCTCP, BBR
+    /// and CUBIC with ECN (current regime: each also with -rto10), and the gradwire ablations
+    /// gw-p1-notag, gw-p1-nospray, gw-p1-norc, ...).
     #[arg(long, value_delimiter = ',')]
     pub variants: Option<Vec<String>>,
     /// Source ports gradwire sprays each transfer over.

@@ -183,7 +183,8 @@ impl Variant {
         })
     }
 
-    /// The gradwire comparison, the ablations of the first incast experiment (tagging,
+    /// The gradwire comparison (on flows and on the message layer), the ablations of the
+    /// first incast experiment (tagging,
     /// spraying, rate control) and of the congestion control (the paper's Figure 7, the
     /// sender-side ECN reaction instead of grants, grants without CE reaction, no rate
     /// memory, the paper's burst, plain retransmissions), with CUBIC and DCTCP; [`crate::Regime::variants`] adds the other TCP baselines.
@@ -192,6 +193,8 @@ impl Variant {
             "gw-p1",
             "gw-p10",
             "gw-p0",
+            "msg-p1",
+            "msg-p10",
             "tcp-cubic",
             "tcp-dctcp",
             "gw-p1-notag",
@@ -1199,7 +1202,7 @@ mod tests {
         assert!(Variant::parse("gw-p99").is_err());
         assert!(Variant::parse("gw-p1-fast").is_err());
         assert!(Variant::parse("udp").is_err());
-        assert_eq!(Variant::defaults().len(), 14);
+        assert_eq!(Variant::defaults().len(), 16);
     }
 
     #[test]
