@@ -377,6 +377,24 @@ pub(crate) struct Pair {
     pub(crate) tensors: Vec<TensorSpec>,
 }
 
+impl Pair {
+    /// A stop of this pair's sender: `what` failed with `err`.
+    pub(crate) fn sender_stop(&self, what: &str, err: &dyn std::fmt::Display) -> Stop {
+        Stop::new(format!(
+            "sender of job {} on host {}: {what}: {err}",
+            self.job, self.src
+        ))
+    }
+
+    /// A stop of this pair's receiver: `what` failed with `err`.
+    pub(crate) fn receiver_stop(&self, what: &str, err: &dyn std::fmt::Display) -> Stop {
+        Stop::new(format!(
+            "receiver of job {} on host {}: {what}: {err}",
+            self.job, self.dst
+        ))
+    }
+}
+
 /// How long the phase waits for every receiver to listen.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// TCP sockets' read and write timeouts (gradwire's are its idle and connect timeouts).
@@ -961,12 +979,7 @@ fn receive(
     index: usize,
     out: &mut Vec<Received>,
 ) -> Result<(), Stop> {
-    let e = |what: &str, err: &dyn std::fmt::Display| {
-        Stop::new(format!(
-            "receiver of job {} on host {}: {what}: {err}",
-            p.job, p.dst
-        ))
-    };
+    let e = |what: &str, err: &dyn std::fmt::Display| p.receiver_stop(what, err);
     // A setup failure is reported to the phase (which waits for every receiver) and returned.
     let setup_failed = |s: Stop| {
         let _ = ready.send((index, false));
@@ -1076,12 +1089,7 @@ fn send(
     tcp_cc: Option<&str>,
     out: &mut Vec<Sent>,
 ) -> Result<(), Stop> {
-    let e = |what: &str, err: &dyn std::fmt::Display| {
-        Stop::new(format!(
-            "sender of job {} on host {}: {what}: {err}",
-            p.job, p.src
-        ))
-    };
+    let e = |what: &str, err: &dyn std::fmt::Display| p.sender_stop(what, err);
     let ctrl = SocketAddr::new(dst, ctrl_port(p.src));
     match &v.kind {
         VariantKind::Gradwire {

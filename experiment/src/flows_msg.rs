@@ -11,7 +11,9 @@
 //!
 //! Nothing here hangs: every wait is bounded by the phase's deadline, and a pair that fails
 //! becomes records with its error (the layer names a silent or dead peer within its peer
-//! timeout).
+//! timeout). The layer numbers a pair's messages in the order both sides post them, so a
+//! pair whose sender stopped early leaves the two sides' numbers apart, and that pair's
+//! later iterations fail too (their records say so); the flow variants reconnect instead.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc;
@@ -218,12 +220,7 @@ fn send_pair(
     by: Instant,
     out: &mut Vec<Sent>,
 ) -> Result<(), Stop> {
-    let e = |what: &str, err: &dyn std::fmt::Display| {
-        Stop::new(format!(
-            "sender of job {} on host {}: {what}: {err}",
-            p.job, p.src
-        ))
-    };
+    let e = |what: &str, err: &dyn std::fmt::Display| p.sender_stop(what, err);
     let ep = hosts
         .eps
         .get(p.src)
@@ -303,12 +300,7 @@ fn wait<T>(h: Handle<T>, by: Instant) -> Result<T, String> {
 
 /// Waits for every receive of `p` in order and checks each delivered byte.
 fn check_pair(hosts: &Hosts, p: &Pair, it: u32, posted: Posted, by: Instant) -> Outcome<Received> {
-    let e = |what: &str, err: &dyn std::fmt::Display| {
-        Stop::new(format!(
-            "receiver of job {} on host {}: {what}: {err}",
-            p.job, p.dst
-        ))
-    };
+    let e = |what: &str, err: &dyn std::fmt::Display| p.receiver_stop(what, err);
     let handles = match posted {
         Ok(h) => h,
         Err(stop) => return Outcome::of(Vec::new(), Err(stop)),
@@ -327,12 +319,13 @@ fn check_pair(hosts: &Hosts, p: &Pair, it: u32, posted: Posted, by: Instant) -> 
         };
         let got = region.and_then(Region::into_vec).unwrap_or_default();
         let want = tensor_values(t, p.sender_id, it);
-        let mut zero = got.clone();
+        // Bytes outside the missing segments must be the sender's: the missing ones are
+        // taken from what was sent, so only the delivered ones can differ.
+        let mut checked = got.clone();
         for r in report.missing_ranges(hosts.seg_payload) {
-            zero[r.clone()].copy_from_slice(&want.as_bytes()[r]);
+            checked[r.clone()].copy_from_slice(&want.as_bytes()[r]);
         }
-        // Bytes outside the missing segments must be the sender's.
-        let wrong = zero
+        let wrong = checked
             .iter()
             .zip(want.as_bytes())
             .filter(|(x, y)| x != y)
