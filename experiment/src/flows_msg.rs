@@ -107,17 +107,7 @@ impl Hosts {
     pub(crate) fn counters(&self) -> String {
         let mut t = gradwire_msg::core::Stats::default();
         for ep in &self.eps {
-            let s = ep.stats().core;
-            t.data_sent += s.data_sent;
-            t.data_resent += s.data_resent;
-            t.data_duplicate += s.data_duplicate;
-            t.polls += s.polls;
-            t.nacks += s.nacks;
-            t.gap_nacks += s.gap_nacks;
-            t.gap_resent += s.gap_resent;
-            t.grants += s.grants;
-            t.ctrl_sent += s.ctrl_sent;
-            t.unexpected_kept += s.unexpected_kept;
+            t += &ep.stats().core;
         }
         format!(
             "data sent {} resent {} ({} on gap NACKs) duplicates {}; control {} (NACKs {}, gap \

@@ -375,6 +375,27 @@ pub struct Stats {
     pub grants: u64,
 }
 
+impl std::ops::AddAssign<&Stats> for Stats {
+    /// Adds another endpoint's counters (totals over a job's endpoints).
+    fn add_assign(&mut self, o: &Stats) {
+        self.data_sent += o.data_sent;
+        self.data_resent += o.data_resent;
+        self.payload_bytes_sent += o.payload_bytes_sent;
+        self.ctrl_sent += o.ctrl_sent;
+        self.data_placed += o.data_placed;
+        self.data_duplicate += o.data_duplicate;
+        self.ctrl_received += o.ctrl_received;
+        self.refused += o.refused;
+        self.unexpected_kept += o.unexpected_kept;
+        self.unexpected_dropped += o.unexpected_dropped;
+        self.polls += o.polls;
+        self.nacks += o.nacks;
+        self.gap_nacks += o.gap_nacks;
+        self.gap_resent += o.gap_resent;
+        self.grants += o.grants;
+    }
+}
+
 /// A run of data segments to one peer for one GSO send.
 #[derive(Debug, Clone)]
 pub struct Bundle {

@@ -1130,3 +1130,44 @@ fn retransmissions_go_ecn_capable_unless_configured_not_to() {
         }
     }
 }
+
+#[test]
+fn counters_add_field_by_field() {
+    let one = Stats {
+        data_sent: 1,
+        data_resent: 2,
+        payload_bytes_sent: 3,
+        ctrl_sent: 4,
+        data_placed: 5,
+        data_duplicate: 6,
+        ctrl_received: 7,
+        refused: 8,
+        unexpected_kept: 9,
+        unexpected_dropped: 10,
+        polls: 11,
+        nacks: 12,
+        gap_nacks: 13,
+        gap_resent: 14,
+        grants: 15,
+    };
+    let mut sum = one.clone();
+    sum += &one;
+    let twice = Stats {
+        data_sent: 2,
+        data_resent: 4,
+        payload_bytes_sent: 6,
+        ctrl_sent: 8,
+        data_placed: 10,
+        data_duplicate: 12,
+        ctrl_received: 14,
+        refused: 16,
+        unexpected_kept: 18,
+        unexpected_dropped: 20,
+        polls: 22,
+        nacks: 24,
+        gap_nacks: 26,
+        gap_resent: 28,
+        grants: 30,
+    };
+    assert_eq!(sum, twice);
+}
