@@ -658,20 +658,7 @@ impl Session {
                 }
             };
             let seg = g.block_bytes();
-            let tags: Vec<u8> = bytes
-                .chunks(seg)
-                .enumerate()
-                .map(|(i, payload)| {
-                    f(&SegmentInfo {
-                        index: i as u32,
-                        offset: (i * seg) as u64,
-                        layer: opts.layer,
-                        dtype,
-                        payload,
-                    })
-                    .tos()
-                })
-                .collect();
+            let tags = gradwire::flow::tos_per_segment(bytes, seg, opts.layer, dtype, f);
             let started = std::time::Instant::now();
             let resent = g.send(peer, bytes, opts.tensor, 0, tags)?;
             return Ok(SendSummary {

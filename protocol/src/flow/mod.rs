@@ -220,6 +220,33 @@ pub struct SegmentInfo<'a> {
 /// The paper's `prio_func`: decides each segment's tag.
 pub type PriorityFn<'a> = dyn Fn(&SegmentInfo<'_>) -> Tag + Sync + 'a;
 
+/// The TOS byte `prio` gives each `seg_payload`-byte segment of `bytes` (a tensor of `dtype`
+/// in layer `layer`; the last segment may be shorter): the per-segment tags of a message
+/// that is tagged before it is sent.
+pub fn tos_per_segment(
+    bytes: &[u8],
+    seg_payload: usize,
+    layer: u16,
+    dtype: crate::tensor::DType,
+    prio: &PriorityFn<'_>,
+) -> Vec<u8> {
+    let seg_payload = seg_payload.max(1);
+    bytes
+        .chunks(seg_payload)
+        .enumerate()
+        .map(|(i, payload)| {
+            prio(&SegmentInfo {
+                index: i as u32,
+                offset: (i * seg_payload) as u64,
+                layer,
+                dtype,
+                payload,
+            })
+            .tos()
+        })
+        .collect()
+}
+
 /// A priority function giving every segment the same tag.
 pub fn fixed_priority(tag: Tag) -> impl Fn(&SegmentInfo<'_>) -> Tag + Sync {
     move |_| tag

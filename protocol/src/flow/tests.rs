@@ -1424,3 +1424,20 @@ fn a_request_waits_for_a_draining_queue_and_asks_only_for_what_was_lost() {
     );
     assert_eq!(p.r.stats().backoffs, 1);
 }
+
+#[test]
+fn tos_per_segment_asks_the_priority_function_about_each_segment_in_order() {
+    // 25 bytes in segments of 10: offsets 0, 10, 20, the last one 5 bytes long.
+    let bytes: Vec<u8> = (0..25).collect();
+    let prio = |s: &SegmentInfo<'_>| {
+        assert_eq!(u64::from(s.index) * 10, s.offset);
+        assert_eq!((s.layer, s.dtype), (3, DType::Raw));
+        assert_eq!(s.payload[0], s.offset as u8);
+        Tag {
+            dscp: s.index as u8 + 8,
+            ect: s.payload.len() == 10,
+        }
+    };
+    let tos = tos_per_segment(&bytes, 10, 3, DType::Raw, &prio);
+    assert_eq!(tos, vec![(8 << 2) | 0b10, (9 << 2) | 0b10, 10 << 2]);
+}
