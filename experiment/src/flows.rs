@@ -517,13 +517,13 @@ fn run_variant(
     workers: &[usize],
     v: &Variant,
 ) -> VariantResult {
-    // TCP: the congestion control that runs (DCTCP registered for the variant's duration) and
-    // the host settings, or why this machine cannot run the variant.
     if matches!(v.kind, VariantKind::Msg(_)) && cfg.receiver_fault.is_some() {
         let why = "the injected receiver fault is for the flow and TCP variants (a message-layer \
                    receiver has no connection of its own to fail)";
         return VariantResult::skipped(v, why.into());
     }
+    // TCP: the congestion control that runs (DCTCP registered for the variant's duration) and
+    // the host settings, or why this machine cannot run the variant.
     let mut tcp_plan = None;
     let mut _dctcp_registration = None;
     if let VariantKind::Tcp {
@@ -573,7 +573,7 @@ fn run_variant(
     let cc = settings.as_ref().map(|s| s.congestion.as_str());
     let hosts = match &v.kind {
         VariantKind::Msg(s) => match flows_msg::Hosts::up(topo, &net, s) {
-            Ok(h) => Some((h, *s)),
+            Ok(h) => Some(h),
             Err(e) => {
                 drop(fabric.stop());
                 let why = with_teardown(format!("message-layer endpoints: {e}"), net.down());
@@ -589,7 +589,7 @@ fn run_variant(
         for phase in [Phase::Push, Phase::Pull] {
             let ps = pairs(phase, wl, servers, workers);
             let (took, mut recs) = match &hosts {
-                Some((h, s)) => flows_msg::run_phase(h, topo, wl.layers, s, phase, it, &ps),
+                Some(h) => flows_msg::run_phase(h, topo, wl.layers, phase, it, &ps),
                 None => run_phase(cfg, topo, &net, wl, v, cc, phase, it, &ps),
             };
             total += took;
@@ -597,7 +597,7 @@ fn run_variant(
         }
         iterations.push(total);
     }
-    if let Some((h, _)) = &hosts {
+    if let Some(h) = &hosts {
         eprintln!("experiment: {}: message layer: {}", v.name, h.counters());
     }
     // The endpoints go before the fabric: their goodbyes still find their peers.

@@ -19,6 +19,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use gradwire::flow::{fixed_priority, tos_per_segment, PriorityFn, Tag};
 use gradwire::tagging::{DlcpTagger, MagnitudeConfig};
 use gradwire::tensor::Tensor;
 use gradwire_fabric::netns::FabricNet;
@@ -56,6 +57,7 @@ pub struct MsgSettings {
 pub(crate) struct Hosts {
     eps: Vec<Endpoint>,
     seg_payload: usize,
+    settings: MsgSettings,
 }
 
 impl Hosts {
@@ -97,11 +99,10 @@ impl Hosts {
         Ok(Hosts {
             eps,
             seg_payload: CoreConfig::seg_payload_for_mtu(MTU, false),
+            settings: *s,
         })
     }
-}
 
-impl Hosts {
     /// The layer's counters summed over every host: what a reader of the run needs to see
     /// where its time went (resends, polls, gap NACKs, grants, duplicates).
     pub(crate) fn counters(&self) -> String {
@@ -133,7 +134,6 @@ pub(crate) fn run_phase(
     hosts: &Hosts,
     topo: &Topology,
     layers: u32,
-    s: &MsgSettings,
     phase: Phase,
     it: u32,
     pairs: &[Pair],
@@ -141,7 +141,7 @@ pub(crate) fn run_phase(
     let deadline = phase_deadline(topo, pairs);
     let mut posted = Vec::with_capacity(pairs.len());
     for p in pairs {
-        posted.push(post_receives(hosts, s, p));
+        posted.push(post_receives(hosts, p));
     }
     let start = Instant::now();
     let by = start + deadline;
@@ -151,7 +151,7 @@ pub(crate) fn run_phase(
             let tx = sent_tx.clone();
             scope.spawn(move || {
                 let mut done = Vec::with_capacity(p.tensors.len());
-                let res = send_pair(hosts, layers, s, p, it, by, &mut done);
+                let res = send_pair(hosts, layers, p, it, by, &mut done);
                 let _ = tx.send((i, Outcome::of(done, res)));
             });
         }
@@ -181,7 +181,7 @@ pub(crate) fn run_phase(
 type Posted = Result<Vec<Handle<(Option<Region>, RecvReport)>>, Stop>;
 
 /// Posts a receive for every tensor of `p`, in order, at its destination.
-fn post_receives(hosts: &Hosts, s: &MsgSettings, p: &Pair) -> Posted {
+fn post_receives(hosts: &Hosts, p: &Pair) -> Posted {
     let ep = hosts
         .eps
         .get(p.dst)
@@ -191,7 +191,7 @@ fn post_receives(hosts: &Hosts, s: &MsgSettings, p: &Pair) -> Posted {
         .iter()
         .map(|t| {
             let opts = RecvOpts {
-                loss_bound: s.loss_bound,
+                loss_bound: hosts.settings.loss_bound,
                 ..RecvOpts::default()
             };
             ep.submit(Recv::new(Region::owned(vec![0; t.elems * 4]), src, opts))
@@ -204,7 +204,6 @@ fn post_receives(hosts: &Hosts, s: &MsgSettings, p: &Pair) -> Posted {
 fn send_pair(
     hosts: &Hosts,
     layers: u32,
-    s: &MsgSettings,
     p: &Pair,
     it: u32,
     by: Instant,
@@ -218,17 +217,19 @@ fn send_pair(
     let dst = u16::try_from(p.dst).map_err(|_| Stop::new(format!("no host {}", p.dst)))?;
     for t in &p.tensors {
         let tensor = tensor_values(t, p.sender_id, it);
-        let tos =
-            tags(hosts.seg_payload, layers, t.layer, &tensor).map_err(|err| e("tagging", &err))?;
-        let tos = if s.tagging {
-            tos
-        } else {
-            let one = (gradwire_qos::DATA_DSCP[3] << 2) | 0b10;
-            vec![one; tos.len()]
-        };
+        let prio = priority(hosts.settings.tagging, layers, t.layer, &tensor)
+            .map_err(|err| e("tagging", &err))?;
+        let layer = u16::try_from(t.layer).unwrap_or(u16::MAX);
+        let tos = tos_per_segment(
+            tensor.as_bytes(),
+            hosts.seg_payload,
+            layer,
+            tensor.dtype(),
+            &*prio,
+        );
         let opts = SendOpts {
             tos: tos.first().copied().unwrap_or(0b10),
-            layer: u16::try_from(t.layer).unwrap_or(u16::MAX),
+            layer,
             tos_per_segment: tos,
             ..SendOpts::default()
         };
@@ -251,30 +252,23 @@ fn send_pair(
     Ok(())
 }
 
-/// The TOS byte of each segment of `tensor` by DLCP's default priority function.
-fn tags(
-    seg_payload: usize,
+/// The priority function of a tensor: DLCP's default (its layer's DSCP, ECN-capable where
+/// its gradients are large), or with tagging off one data DSCP, everything ECN-capable (as
+/// the flow variants' `-notag`).
+fn priority(
+    tagging: bool,
     layers: u32,
     layer: u32,
     tensor: &Tensor,
-) -> Result<Vec<u8>, gradwire::tagging::TaggingError> {
+) -> Result<Box<PriorityFn<'static>>, gradwire::tagging::TaggingError> {
+    if !tagging {
+        return Ok(Box::new(fixed_priority(Tag {
+            dscp: gradwire_qos::DATA_DSCP[3],
+            ect: true,
+        })));
+    }
     let tagger = DlcpTagger::for_tensor(tensor, layer, layers, &MagnitudeConfig::default())?;
-    Ok(tensor
-        .as_bytes()
-        .chunks(seg_payload.max(1))
-        .enumerate()
-        .map(|(i, payload)| {
-            tagger
-                .tag(&gradwire::flow::SegmentInfo {
-                    index: i as u32,
-                    offset: (i * seg_payload) as u64,
-                    layer: u16::try_from(layer).unwrap_or(u16::MAX),
-                    dtype: tensor.dtype(),
-                    payload,
-                })
-                .tos()
-        })
-        .collect())
+    Ok(Box::new(tagger.priority_fn()))
 }
 
 /// Waits for `h` until `by`; past it the operation is cancelled and is an error.

@@ -4,8 +4,8 @@
 //! together they offer the sum of them to the receiver's downlink. So the receiver keeps one
 //! budget of first-pass segments in flight towards it, a [`Window`](super::Window) of its
 //! own (slow start, DCTCP on the CE marks of its arrivals, halved when more than 10 % of a
-//! window of arrivals were gaps), and splits it evenly over the peers whose first passes are arriving: each
-//! hears its share in a GRANT, and a sender keeps at most `min(cwnd, grant)` first-pass
+//! window of arrivals were gaps), and splits it evenly over the peers whose first passes
+//! are arriving: each hears its share in a GRANT, and a sender keeps at most `min(cwnd, grant)` first-pass
 //! segments in flight towards that receiver, over all its messages. Before its first grant a
 //! sender may have `unscheduled` segments in flight (the unscheduled first window).
 //!
