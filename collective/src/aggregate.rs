@@ -29,6 +29,55 @@ pub enum ReduceOp {
     Sum,
     /// The average over the ranks whose contribution to the block arrived.
     Average,
+    /// The element-wise minimum (reliable only: a loss bound is refused).
+    Min,
+    /// The element-wise maximum (reliable only).
+    Max,
+    /// The element-wise product (reliable only).
+    Product,
+}
+
+impl ReduceOp {
+    /// How a reduce-scatter step combines an arriving contribution with the accumulator.
+    pub fn combine(self) -> gradwire_msg::reduce::Combine {
+        use gradwire_msg::reduce::Combine;
+        match self {
+            ReduceOp::Sum | ReduceOp::Average => Combine::Sum,
+            ReduceOp::Min => Combine::Min,
+            ReduceOp::Max => Combine::Max,
+            ReduceOp::Product => Combine::Product,
+        }
+    }
+
+    /// The name in reports, options and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Average => "average",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Product => "product",
+        }
+    }
+
+    /// The op named `s` (as [`ReduceOp::name`] gives it).
+    pub fn parse(s: &str) -> Option<ReduceOp> {
+        [
+            ReduceOp::Sum,
+            ReduceOp::Average,
+            ReduceOp::Min,
+            ReduceOp::Max,
+            ReduceOp::Product,
+        ]
+        .into_iter()
+        .find(|o| o.name() == s)
+    }
+
+    /// Whether a block missing some ranks' contributions still has a meaning (a sum or an
+    /// average can be estimated from the ranks that arrived; a min, max or product cannot).
+    pub fn tolerates_loss(self) -> bool {
+        matches!(self, ReduceOp::Sum | ReduceOp::Average)
+    }
 }
 
 /// Why an aggregation input was refused (the input came from the network).
@@ -347,6 +396,7 @@ pub fn finish_block(op: ReduceOp, dtype: DType, block: &mut [u8], count: usize, 
         ReduceOp::Sum => scale(dtype, block, world as f32 / count.max(1) as f32),
         ReduceOp::Average if count <= 1 => {}
         ReduceOp::Average => scale(dtype, block, 1.0 / count as f32),
+        ReduceOp::Min | ReduceOp::Max | ReduceOp::Product => {}
     }
 }
 

@@ -472,6 +472,13 @@ impl Communicator {
                 "all-reduce needs f32, f16 or bf16 elements, not raw bytes".into(),
             ));
         }
+        if !opts.op.tolerates_loss() {
+            return Err(CollectiveError::Config(format!(
+                "the flow transport (authenticated jobs) all-reduces only sum and average, not \
+                 {}: run the job on the message layer (no job secret) for min, max and product",
+                opts.op.name()
+            )));
+        }
         self.usable()?;
         let r = match &opts.algorithm {
             Algorithm::Ring => self.ring_all_reduce(tensor, opts),

@@ -6,8 +6,8 @@
 //! Every rank must start the same operations in the same order (as with MPI and NCCL).
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::PoisonError;
-use std::time::Duration;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use gradwire::tensor::DType;
 use gradwire_msg::core::{RecvOpts, RecvReport, SendOpts};
@@ -17,7 +17,7 @@ use gradwire_msg::op::{Handle, OpError};
 
 use crate::aggregate::ReduceOp;
 use crate::algo::barrier::Barrier;
-use crate::algo::bcast::Broadcast;
+use crate::algo::bcast::{Broadcast, BroadcastOutcome};
 use crate::algo::direct::Direct;
 use crate::algo::ring::{Halves, Ring};
 use crate::algo::tree::TreeAllReduce;
@@ -26,7 +26,7 @@ use crate::comm::TensorMut;
 use crate::deadline::{StepDeadline, StepTimes};
 use crate::error::CollectiveError;
 use crate::tree::Tree;
-use gradwire_msg::p2p::{Recv, Send};
+use gradwire_msg::p2p::{Recv, Send, SendDone};
 
 /// How a group is set up.
 #[derive(Debug, Clone)]
@@ -144,7 +144,7 @@ impl PendingGroup {
         Ok(Group {
             ep,
             cfg: self.cfg,
-            failed: std::sync::Mutex::new(None),
+            failed: Arc::new(Mutex::new(None)),
             steps: std::sync::Mutex::new(StepTimes::default()),
         })
     }
@@ -183,7 +183,8 @@ fn bind_afxdp(_: &GroupConfig, ifname: &str) -> Result<Bound, CollectiveError> {
 pub struct Group {
     ep: Endpoint,
     cfg: GroupConfig,
-    failed: std::sync::Mutex<Option<String>>,
+    /// Why the group is unusable (shared with started operations, which set it on failure).
+    failed: Arc<Mutex<Option<String>>>,
     /// Recent reduce-scatter steps, for adaptive time bounds.
     steps: std::sync::Mutex<StepTimes>,
 }
@@ -205,6 +206,98 @@ fn op_err(e: OpError) -> CollectiveError {
     }
 }
 
+/// Marks the group failed by `e` (unless it was an invalid argument, which started nothing).
+fn fail(failed: &Mutex<Option<String>>, e: OpError) -> CollectiveError {
+    if !matches!(e, OpError::Invalid(_)) {
+        *failed.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.to_string());
+    }
+    op_err(e)
+}
+
+/// An operation started on a group ([`Group::start_all_reduce`] and the other `start_`
+/// calls): test it, or wait for its outcome. It is cancelled at the group's operation timeout
+/// (counted from its start). Dropped before it completed, it is cancelled and waited for, so
+/// the memory it was given is free once the `Work` is gone: a caller that lends it memory
+/// ([`Region::borrowed`]) keeps that memory alive and untouched until the `Work` is dropped
+/// or waited for.
+#[must_use = "an operation's outcome says what it delivered; dropping it cancels the operation"]
+pub struct Work<T> {
+    handle: Option<Handle<T>>,
+    failed: Arc<Mutex<Option<String>>>,
+    deadline: Instant,
+}
+
+impl<T> std::fmt::Debug for Work<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work").field("done", &self.test()).finish()
+    }
+}
+
+impl<T> Work<T> {
+    /// Whether the operation has completed (its outcome is ready).
+    pub fn test(&self) -> bool {
+        self.handle.as_ref().is_none_or(Handle::test)
+    }
+
+    /// Waits for the outcome, at most until the operation's timeout (then it is cancelled
+    /// and still waited for). A failure makes the group unusable.
+    pub fn wait(mut self) -> Result<T, CollectiveError> {
+        let Some(h) = self.handle.take() else {
+            return Err(CollectiveError::Unusable(
+                "the outcome was already taken".into(),
+            ));
+        };
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        let r = match h.wait_timeout(left) {
+            Ok(r) => r,
+            Err(h) => {
+                h.cancel();
+                h.wait()
+            }
+        };
+        r.map_err(|e| fail(&self.failed, e))
+    }
+
+    /// Runs `f` on the progress thread when the operation completes (now if it has), with
+    /// whether it succeeded; the outcome stays for [`Work::wait`]. `f` must be quick and must
+    /// not wait for an operation of this group.
+    pub fn on_complete(&self, f: impl FnOnce(bool) + std::marker::Send + 'static) {
+        match &self.handle {
+            Some(h) => h.on_complete(move |r| f(r.is_ok())),
+            None => f(false),
+        }
+    }
+}
+
+impl Work<(Option<Region>, RecvReport)> {
+    /// Waits for a receive from `peer` started with [`Group::start_recv`] and checks that
+    /// every segment was sent as tensor `tensor`.
+    pub fn wait_tensor(
+        self,
+        peer: usize,
+        tensor: u32,
+    ) -> Result<(Option<Region>, RecvReport), CollectiveError> {
+        let failed = Arc::clone(&self.failed);
+        let (region, report) = self.wait()?;
+        match wrong_tensor(peer, tensor, &report) {
+            None => Ok((region, report)),
+            Some(e) => Err(fail(&failed, e)),
+        }
+    }
+}
+
+impl<T> Drop for Work<T> {
+    fn drop(&mut self) {
+        if let Some(h) = self.handle.take() {
+            if !h.test() {
+                h.cancel();
+            }
+            // Waited for even when cancelled: the operation may use its memory until then.
+            let _ = h.wait();
+        }
+    }
+}
+
 impl Group {
     /// Refuses an operation after an earlier failure.
     fn usable(&self) -> Result<(), CollectiveError> {
@@ -218,11 +311,17 @@ impl Group {
     /// arguments, which start nothing) makes the group unusable.
     fn guard<T>(&self, f: impl FnOnce() -> Result<T, OpError>) -> Result<T, CollectiveError> {
         self.usable()?;
-        f().map_err(|e| {
-            if !matches!(e, OpError::Invalid(_)) {
-                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
-            }
-            op_err(e)
+        f().map_err(|e| fail(&self.failed, e))
+    }
+
+    /// Submits `op` (refused after a failure): its handle, which marks the group failed if
+    /// the operation fails and waits for it when dropped.
+    fn start<O: gradwire_msg::op::Op>(&self, op: O) -> Result<Work<O::Output>, CollectiveError> {
+        self.usable()?;
+        Ok(Work {
+            handle: Some(self.ep.submit(op)),
+            failed: Arc::clone(&self.failed),
+            deadline: Instant::now() + self.cfg.op_timeout,
         })
     }
 
@@ -252,6 +351,14 @@ impl Group {
         o.step_deadline
             .validate()
             .map_err(CollectiveError::Config)?;
+        if !o.op.tolerates_loss() && (o.loss_bound > 0.0 || o.step_deadline != StepDeadline::None) {
+            return Err(CollectiveError::Config(format!(
+                "a {} all-reduce is reliable only: a block missing some ranks has no {} to \
+                 estimate, so give it loss bound 0 and no step deadline",
+                o.op.name(),
+                o.op.name()
+            )));
+        }
         let step_deadline = self
             .steps
             .lock()
@@ -329,29 +436,103 @@ impl Group {
         }))
     }
 
-    /// All-reduce of an owned buffer, asynchronously: the outcome's region holds the result.
-    /// Its time bound is the one the group has learned so far; its own steps are not learned
-    /// (only the blocking calls', which see their outcome).
-    pub fn all_reduce_async(
+    /// Starts an all-reduce of `region` (elements of `dtype`) in place; the outcome gives the
+    /// region back. Its time bound is the one the group has learned so far; its own steps are
+    /// not learned (only the blocking calls', which see their outcome).
+    pub fn start_all_reduce(
         &self,
         dtype: DType,
-        bytes: Vec<u8>,
+        region: Region,
         o: &GroupReduceOptions,
-    ) -> Result<Handle<ReduceOutcome>, CollectiveError> {
-        self.usable()?;
+    ) -> Result<Work<ReduceOutcome>, CollectiveError> {
         let spec = self.spec(dtype, o)?;
-        let algo = o.algorithm.resolve(bytes.len(), self.world());
-        let region = Region::owned(bytes);
-        Ok(match algo {
-            AllReduceAlgo::Ring => self.ep.submit(Either::<Ring, Direct>::A(Ring::new(
-                region,
-                spec,
-                Halves::Both,
-            ))),
-            _ => self
-                .ep
-                .submit(Either::<Ring, Direct>::B(Direct::new(region, spec))),
-        })
+        let op = match o.algorithm.resolve(region.len(), self.world()) {
+            AllReduceAlgo::Ring => Either::<Ring, Direct>::A(Ring::new(region, spec, Halves::Both)),
+            _ => Either::<Ring, Direct>::B(Direct::new(region, spec)),
+        };
+        self.start(op)
+    }
+
+    /// Starts a reduce-scatter of `region` in place (rank r's chunk r holds the result:
+    /// [`Group::chunk`]).
+    pub fn start_reduce_scatter(
+        &self,
+        dtype: DType,
+        region: Region,
+        o: &GroupReduceOptions,
+    ) -> Result<Work<ReduceOutcome>, CollectiveError> {
+        let spec = self.spec(dtype, o)?;
+        self.start(Ring::new(region, spec, Halves::ReduceScatter))
+    }
+
+    /// Starts an all-gather of `region` in place: chunk r ([`Group::chunk`]), filled by rank
+    /// r, reaches every rank.
+    pub fn start_all_gather(&self, region: Region) -> Result<Work<ReduceOutcome>, CollectiveError> {
+        self.start(Ring::new(region, gather_spec(), Halves::AllGather))
+    }
+
+    /// Starts a broadcast of `region` from `root`, each hop under `loss_bound` (0: reliable).
+    pub fn start_broadcast(
+        &self,
+        region: Region,
+        root: usize,
+        loss_bound: f64,
+    ) -> Result<Work<BroadcastOutcome>, CollectiveError> {
+        self.check_rank(root, "root")?;
+        self.start(Broadcast::new(region, root, 0b10, loss_bound))
+    }
+
+    /// Starts a barrier.
+    pub fn start_barrier(&self) -> Result<Work<()>, CollectiveError> {
+        self.start(Barrier::new())
+    }
+
+    /// Starts a send of `region` to `peer` as tensor `tensor`, each segment with its own TOS
+    /// byte (as [`Group::send`]).
+    pub fn start_send(
+        &self,
+        peer: usize,
+        region: Region,
+        tensor: u32,
+        tos_per_segment: Vec<u8>,
+    ) -> Result<Work<SendDone>, CollectiveError> {
+        self.check_rank(peer, "peer")?;
+        let segs = region.len().div_ceil(self.block_bytes()).max(1);
+        let opts = SendOpts {
+            tos: 0b10,
+            meta: vec![u64::from(tensor); segs],
+            tos_per_segment,
+            ..SendOpts::default()
+        };
+        self.start(Send::new(region, peer as u16, opts))
+    }
+
+    /// Starts a receive of tensor `tensor` from `peer` into `region` (the sender's length)
+    /// under `loss_bound`; wait with [`Work::wait_tensor`].
+    pub fn start_recv(
+        &self,
+        peer: usize,
+        region: Region,
+        loss_bound: f64,
+    ) -> Result<Work<(Option<Region>, RecvReport)>, CollectiveError> {
+        self.check_rank(peer, "peer")?;
+        let opts = RecvOpts {
+            loss_bound,
+            keep_meta: true,
+            ..RecvOpts::default()
+        };
+        self.start(Recv::new(region, peer as u16, opts))
+    }
+
+    fn check_rank(&self, r: usize, what: &str) -> Result<(), CollectiveError> {
+        if r >= self.world() || r == self.rank() && what == "peer" {
+            return Err(CollectiveError::Config(format!(
+                "{what} {r} is not another rank of this {}-rank job (this is rank {})",
+                self.world(),
+                self.rank()
+            )));
+        }
+        Ok(())
     }
 
     /// Reduce-scatter in place: rank r's chunk r of the tensor holds the result (chunks are
@@ -373,14 +554,7 @@ impl Group {
 
     /// All-gather in place: every rank's chunk r (its own, filled by rank r) reaches all.
     pub fn all_gather(&self, bytes: &mut [u8]) -> Result<(), CollectiveError> {
-        let spec = ReduceSpec {
-            dtype: DType::Raw,
-            op: ReduceOp::Sum,
-            loss_bound: 0.0,
-            tos: 0b10,
-            layer: 0,
-            step_deadline: None,
-        };
+        let spec = gather_spec();
         self.guard(|| {
             self.ep
                 .run_borrowed(bytes, self.cfg.op_timeout, |r| {
@@ -487,22 +661,39 @@ impl Group {
             let (_, report) = self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
                 Recv::new(r, peer as u16, opts)
             })?;
-            let theirs = (0..report.segments as usize)
-                .filter(|&s| report.has(s))
-                .map(|s| report.meta.get(s).copied().unwrap_or(0))
-                .find(|&m| m != u64::from(tensor));
-            match theirs {
+            match wrong_tensor(peer, tensor, &report) {
                 None => Ok(report),
-                Some(m) => Err(OpError::Data {
-                    peer: peer as u16,
-                    reason: format!(
-                        "it sent tensor {m} where this rank receives tensor {tensor}: call \
-                         send and recv for the same tensors in the same order on both ranks"
-                    ),
-                }),
+                Some(e) => Err(e),
             }
         })
     }
+}
+
+/// The spec of an all-gather: raw bytes, copied, reliable.
+fn gather_spec() -> ReduceSpec {
+    ReduceSpec {
+        dtype: DType::Raw,
+        op: ReduceOp::Sum,
+        loss_bound: 0.0,
+        tos: 0b10,
+        layer: 0,
+        step_deadline: None,
+    }
+}
+
+/// The error when a receive from `peer` holds a segment of another tensor than `tensor`.
+fn wrong_tensor(peer: usize, tensor: u32, report: &RecvReport) -> Option<OpError> {
+    let theirs = (0..report.segments as usize)
+        .filter(|&s| report.has(s))
+        .map(|s| report.meta.get(s).copied().unwrap_or(0))
+        .find(|&m| m != u64::from(tensor))?;
+    Some(OpError::Data {
+        peer: peer as u16,
+        reason: format!(
+            "it sent tensor {theirs} where this rank receives tensor {tensor}: call send and \
+             recv for the same tensors in the same order on both ranks"
+        ),
+    })
 }
 
 /// One of two operations with the same output (so one call site can pick an algorithm).

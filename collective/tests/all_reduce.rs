@@ -232,6 +232,7 @@ fn assert_named_average(
                     ReduceOp::Average => mean,
                     // The unbiased estimate of the sum (exact when complete).
                     ReduceOp::Sum => mean * world as f32,
+                    other => panic!("{other:?} is not run lossy"),
                 };
                 assert!(
                     (got - want).abs() <= 1e-4 * want.abs().max(1.0),

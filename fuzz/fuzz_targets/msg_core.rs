@@ -32,7 +32,7 @@ fuzz_target!(|data: &[u8]| {
     let place = if mode & 1 == 0 {
         Place::Copy
     } else {
-        Place::Sum(DType::F32)
+        Place::Reduce(gradwire_msg::reduce::Combine::Sum, DType::F32)
     };
     let opts = RecvOpts {
         place,

@@ -160,10 +160,7 @@ pub struct WorkerReport {
 
 /// The name of a reduction in reports and on the command line.
 pub fn op_name(op: ReduceOp) -> &'static str {
-    match op {
-        ReduceOp::Sum => "sum",
-        ReduceOp::Average => "average",
-    }
+    op.name()
 }
 
 /// `value` seconds of `--what`, if a positive number.

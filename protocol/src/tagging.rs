@@ -111,6 +111,11 @@ pub fn magnitude_threshold(tensor: &Tensor, cfg: &MagnitudeConfig) -> Option<f32
     sample_threshold(tensor.as_bytes(), tensor.dtype(), cfg)
 }
 
+/// [`magnitude_threshold`] of `bytes` holding elements of `dtype` (`None` for raw bytes).
+pub fn magnitude_threshold_of(bytes: &[u8], dtype: DType, cfg: &MagnitudeConfig) -> Option<f32> {
+    sample_threshold(bytes, dtype, cfg)
+}
+
 fn sample_threshold(bytes: &[u8], dtype: DType, cfg: &MagnitudeConfig) -> Option<f32> {
     if dtype == DType::Raw {
         return None;

@@ -89,7 +89,7 @@ static BORROWED: Mutex<(Vec<Range>, u64)> = Mutex::new((Vec::new(), 0));
 
 /// An operation's entry in [`BORROWED`], removed when dropped (after the operation).
 #[derive(Debug)]
-struct Claim(Option<u64>);
+pub(crate) struct Claim(Option<u64>);
 
 impl Claim {
     /// Registers `len` bytes at `start`, or ConfigError if a running operation uses
@@ -186,6 +186,90 @@ impl<'py> ArrayRef<'py> {
         };
         bytes.map_err(|_| not_contiguous(py))
     }
+}
+
+/// An array lent to an operation that outlives the call starting it (a started operation):
+/// a strong reference keeps the memory alive, and the claim in [`BORROWED`] keeps other
+/// gradwire operations off it, until this is dropped (after the operation ends). rust-numpy's
+/// own borrow flags cannot be held that long; the registry covers gradwire's operations.
+pub(crate) struct Lent {
+    /// The address and length of the memory, in bytes.
+    pub(crate) ptr: usize,
+    pub(crate) len: usize,
+    pub(crate) dtype: DType,
+    _claim: Claim,
+    _array: Py<PyUntypedArray>,
+}
+
+impl Lent {
+    /// `obj` checked for an operation that writes into it: a float array (or CPU torch
+    /// tensor, as for the blocking calls), or with `raw` a C-contiguous uint8 ndarray (the
+    /// bytes of any tensor, for operations that only move data).
+    pub(crate) fn new(
+        py: Python<'_>,
+        obj: &Bound<'_, PyAny>,
+        raw: bool,
+        op: &str,
+    ) -> PyResult<Lent> {
+        let (array, (ptr, len), dtype) = if raw {
+            let a = obj.cast::<numpy::PyArrayDyn<u8>>().map_err(|_| {
+                errors::config(
+                    py,
+                    format!("{op}: expected the tensor's bytes as a numpy uint8 array"),
+                )
+            })?;
+            if !a.is_c_contiguous() {
+                return Err(not_contiguous(py));
+            }
+            (a.as_untyped().clone(), memory(a), DType::Raw)
+        } else {
+            let (array, elem, dtype) = checked(py, obj, op)?;
+            let mem = match elem {
+                Elem::F32 => memory(&typed::<f32>(py, &array)?),
+                Elem::F16 => memory(&typed::<half::f16>(py, &array)?),
+                Elem::I16 => memory(&typed::<i16>(py, &array)?),
+                Elem::U16 => memory(&typed::<u16>(py, &array)?),
+            };
+            (array, mem, dtype)
+        };
+        if !array
+            .getattr("flags")?
+            .getattr("writeable")?
+            .extract::<bool>()?
+        {
+            return Err(borrow_error(py, &BorrowError::NotWriteable, op));
+        }
+        let _claim = Claim::new(py, ptr, len, true, op)?;
+        Ok(Lent {
+            ptr,
+            len,
+            dtype,
+            _claim,
+            _array: array.unbind(),
+        })
+    }
+}
+
+/// A copy of `obj`'s bytes and their dtype, for a send: a float array or tensor (as `send`
+/// takes), or with `raw` a C-contiguous numpy uint8 array.
+pub(crate) fn copied(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    raw: bool,
+    op: &str,
+) -> PyResult<(Vec<u8>, DType)> {
+    if raw {
+        let a = obj
+            .cast::<numpy::PyArrayDyn<u8>>()
+            .map_err(|_| errors::config(py, format!("{op}: raw=True takes a numpy uint8 array")))?;
+        let r = a.try_readonly().map_err(|e| borrow_error(py, &e, op))?;
+        return Ok((
+            r.as_slice().map_err(|_| not_contiguous(py))?.to_vec(),
+            DType::Raw,
+        ));
+    }
+    let a = ArrayRef::new(py, obj, op)?;
+    Ok((a.bytes(py)?.to_vec(), a.dtype))
 }
 
 fn not_contiguous(py: Python<'_>) -> PyErr {

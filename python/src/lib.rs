@@ -5,8 +5,9 @@
 //! (`gradwire._as_array`, called from [`buffer`] for anything that is not an ndarray).
 //!
 //! Every transfer works on the caller's own array memory (no copy at the API) with the GIL
-//! released. The memory is reached through rust-numpy's borrow-tracked views, so this crate has
-//! no `unsafe` of its own.
+//! released. A blocking call reaches it through rust-numpy's borrow-tracked views; a started
+//! operation outlives the call, so [`work`] lends it the raw memory, the crate's one `unsafe`
+//! block.
 #![deny(unsafe_code)]
 
 mod buffer;
@@ -15,6 +16,7 @@ mod errors;
 mod priority;
 mod reports;
 mod session;
+mod work;
 
 use pyo3::prelude::*;
 
@@ -28,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reports::BroadcastReport>()?;
     m.add_class::<reports::SendReport>()?;
     m.add_class::<reports::RecvReport>()?;
+    m.add_class::<work::Work>()?;
     m.add("ERROR_KINDS", errors::kind_table(m.py())?)?;
     Ok(())
 }

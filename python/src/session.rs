@@ -19,11 +19,13 @@ use gradwire_session::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
+use crate::buffer::Lent;
 use crate::buffer::{ArrayMut, ArrayRef};
 use crate::config::{self, Keywords};
 use crate::errors;
 use crate::priority::{self, Priority};
 use crate::reports::{BroadcastReport, RecvReport, ReduceReport, SendReport};
+use crate::work::{self, Work};
 
 /// What a call run with the GIL released ended with.
 enum Outcome<T> {
@@ -265,6 +267,51 @@ impl Session {
     }
 }
 
+impl Session {
+    /// Starts an operation on `lent` memory (or none): the Work owns both.
+    fn start(
+        &self,
+        py: Python<'_>,
+        what: &'static str,
+        lent: Option<Lent>,
+        f: impl FnOnce(&gs::Session, Option<gs::Region>) -> Result<gs::Work, SessionError> + Send,
+    ) -> PyResult<Work> {
+        let region = lent.as_ref().map(work::region);
+        let work = self.run(py, what, |s| f(s, region))?;
+        Ok(Work::new(what, work, lent))
+    }
+}
+
+/// The all-reduce options from the keywords.
+#[allow(clippy::too_many_arguments)]
+fn reduce_options(
+    py: Python<'_>,
+    op: &str,
+    loss_bound: Option<f64>,
+    layer: i64,
+    num_layers: i64,
+    dscp: Option<i64>,
+    algorithm: &str,
+    step_deadline: Option<&Bound<'_, PyAny>>,
+) -> PyResult<ReduceOptions> {
+    let step_deadline = self::step_deadline(py, step_deadline)?;
+    let algorithm = gs::AllReduceAlgo::parse(algorithm).ok_or_else(|| {
+        errors::config(
+            py,
+            format!("algorithm {algorithm:?} is not one of 'auto', 'ring', 'direct'"),
+        )
+    })?;
+    Ok(ReduceOptions {
+        op: reduce_op(py, op)?,
+        loss_bound: self::loss_bound(py, loss_bound)?,
+        layer: config::small(py, "layer", layer, u16::MAX.into())?,
+        num_layers: config::small(py, "num_layers", num_layers, u16::MAX.into())?,
+        dscp: dscp.map(|d| config::dscp(py, d)).transpose()?,
+        algorithm,
+        step_deadline,
+    })
+}
+
 /// `step_deadline=`: None, a positive number of seconds, or "adaptive".
 fn step_deadline(py: Python<'_>, d: Option<&Bound<'_, PyAny>>) -> PyResult<gs::StepDeadline> {
     let Some(d) = d.filter(|d| !d.is_none()) else {
@@ -291,14 +338,12 @@ fn step_deadline(py: Python<'_>, d: Option<&Bound<'_, PyAny>>) -> PyResult<gs::S
 }
 
 fn reduce_op(py: Python<'_>, op: &str) -> PyResult<ReduceOp> {
-    match op {
-        "sum" => Ok(ReduceOp::Sum),
-        "average" => Ok(ReduceOp::Average),
-        other => Err(errors::config(
+    ReduceOp::parse(op).ok_or_else(|| {
+        errors::config(
             py,
-            format!("op {other:?} is not \"sum\" or \"average\""),
-        )),
-    }
+            format!("op {op:?} is not one of \"sum\", \"average\", \"min\", \"max\", \"product\""),
+        )
+    })
 }
 
 /// The options of a send or receive, checked.
@@ -451,22 +496,16 @@ impl Session {
         algorithm: &str,
         step_deadline: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<ReduceReport> {
-        let step_deadline = self::step_deadline(py, step_deadline)?;
-        let algorithm = gs::AllReduceAlgo::parse(algorithm).ok_or_else(|| {
-            errors::config(
-                py,
-                format!("algorithm {algorithm:?} is not one of 'auto', 'ring', 'direct'"),
-            )
-        })?;
-        let opts = ReduceOptions {
-            op: reduce_op(py, op)?,
-            loss_bound: self::loss_bound(py, loss_bound)?,
-            layer: config::small(py, "layer", layer, u16::MAX.into())?,
-            num_layers: config::small(py, "num_layers", num_layers, u16::MAX.into())?,
-            dscp: dscp.map(|d| config::dscp(py, d)).transpose()?,
+        let opts = reduce_options(
+            py,
+            op,
+            loss_bound,
+            layer,
+            num_layers,
+            dscp,
             algorithm,
             step_deadline,
-        };
+        )?;
         let mut array = ArrayMut::new(py, array, "all_reduce")?;
         let dtype = array.dtype;
         let bytes = array.bytes(py)?;
@@ -567,6 +606,169 @@ impl Session {
         Ok(report.into())
     }
 
+    /// Starts an all-reduce of `array` in place (the options of `all_reduce`); returns a Work.
+    #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0,
+        dscp = None, algorithm = "auto", step_deadline = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn start_all_reduce(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyAny>,
+        op: &str,
+        loss_bound: Option<f64>,
+        layer: i64,
+        num_layers: i64,
+        dscp: Option<i64>,
+        algorithm: &str,
+        step_deadline: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Work> {
+        let opts = reduce_options(
+            py,
+            op,
+            loss_bound,
+            layer,
+            num_layers,
+            dscp,
+            algorithm,
+            step_deadline,
+        )?;
+        let lent = Lent::new(py, array, false, "start_all_reduce")?;
+        let dtype = lent.dtype;
+        self.start(py, "all_reduce", Some(lent), move |s, r| {
+            s.start_all_reduce(dtype, lent_region(r)?, &opts)
+        })
+    }
+
+    /// Starts a reduce-scatter of `array` in place: this rank's chunk (`chunk`) ends with the
+    /// reduction of every rank's chunk there.
+    #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0,
+        dscp = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn start_reduce_scatter(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyAny>,
+        op: &str,
+        loss_bound: Option<f64>,
+        layer: i64,
+        num_layers: i64,
+        dscp: Option<i64>,
+    ) -> PyResult<Work> {
+        let opts = reduce_options(py, op, loss_bound, layer, num_layers, dscp, "ring", None)?;
+        let lent = Lent::new(py, array, false, "start_reduce_scatter")?;
+        let dtype = lent.dtype;
+        self.start(py, "reduce_scatter", Some(lent), move |s, r| {
+            s.start_reduce_scatter(dtype, lent_region(r)?, &opts)
+        })
+    }
+
+    /// Starts an all-gather in place of `array`, a numpy uint8 array: rank r's chunk
+    /// (`chunk`), filled by rank r, reaches every rank. Reliable.
+    fn start_all_gather(&self, py: Python<'_>, array: &Bound<'_, PyAny>) -> PyResult<Work> {
+        let lent = Lent::new(py, array, true, "start_all_gather")?;
+        self.start(py, "all_gather", Some(lent), |s, r| {
+            s.start_all_gather(lent_region(r)?)
+        })
+    }
+
+    /// Starts a broadcast of `array` (a numpy uint8 array: any tensor's bytes) from `root`.
+    #[pyo3(signature = (array, root, *, loss_bound = None))]
+    fn start_broadcast(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyAny>,
+        root: i64,
+        loss_bound: Option<f64>,
+    ) -> PyResult<Work> {
+        let root = config::index(py, "root", root)?;
+        let opts = ReduceOptions {
+            loss_bound: self::loss_bound(py, loss_bound)?,
+            ..ReduceOptions::default()
+        };
+        let lent = Lent::new(py, array, true, "start_broadcast")?;
+        self.start(py, "broadcast", Some(lent), move |s, r| {
+            s.start_broadcast(root, gs::DType::Raw, lent_region(r)?, &opts)
+        })
+    }
+
+    /// Starts a barrier.
+    fn start_barrier(&self, py: Python<'_>) -> PyResult<Work> {
+        self.start(py, "barrier", None, |s, _| s.start_barrier())
+    }
+
+    /// Starts a send of `array` to `peer` (copied first, so the array is free at once): a
+    /// float array or tensor is tagged as `send` does; `raw=True` takes a numpy uint8 array
+    /// (any tensor's bytes), sent with the layer's DSCP.
+    #[pyo3(signature = (array, peer, *, tensor = 0, layer = 0, num_layers = 0, loss_bound = None,
+        raw = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn start_send(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyAny>,
+        peer: i64,
+        tensor: i64,
+        layer: i64,
+        num_layers: i64,
+        loss_bound: Option<f64>,
+        raw: bool,
+    ) -> PyResult<Work> {
+        let peer = config::index(py, "peer", peer)?;
+        let opts = p2p_options(py, tensor, layer, num_layers, loss_bound)?;
+        let (bytes, dtype) = crate::buffer::copied(py, array, raw, "start_send")?;
+        self.start(py, "send", None, move |s, _| {
+            s.start_send(peer, dtype, gs::Region::owned(bytes), &opts, None)
+        })
+    }
+
+    /// Starts a receive of `peer`'s send into `array` (a numpy uint8 array of the sender's
+    /// length in bytes), in place; segments that did not arrive are zero.
+    #[pyo3(signature = (array, peer, *, tensor = 0, loss_bound = None))]
+    fn start_recv(
+        &self,
+        py: Python<'_>,
+        array: &Bound<'_, PyAny>,
+        peer: i64,
+        tensor: i64,
+        loss_bound: Option<f64>,
+    ) -> PyResult<Work> {
+        let peer = config::index(py, "peer", peer)?;
+        let opts = p2p_options(py, tensor, 0, 0, loss_bound)?;
+        let lent = Lent::new(py, array, true, "start_recv")?;
+        self.start(py, "recv", Some(lent), move |s, r| {
+            s.start_recv(peer, lent_region(r)?, &opts)
+        })
+    }
+
+    /// Bytes per block (one segment's payload) on the message layer: the unit of a
+    /// reduction's telemetry and of the chunks of `start_reduce_scatter`/`start_all_gather`.
+    #[getter]
+    fn block_bytes(&self, py: Python<'_>) -> PyResult<usize> {
+        self.run(py, "block_bytes", |s| s.block_bytes())
+    }
+
+    /// `(start, end)` in bytes of rank `c`'s chunk of a `length`-byte array in
+    /// `start_reduce_scatter` and `start_all_gather` (`world * k * block_bytes` bytes give
+    /// every rank `k` whole blocks).
+    fn chunk(&self, py: Python<'_>, length: usize, c: i64) -> PyResult<(usize, usize)> {
+        let c = config::index(py, "c", c)?;
+        if c >= self.world {
+            return Err(errors::config(
+                py,
+                format!("rank {c} is not below world {}", self.world),
+            ));
+        }
+        let r = self.run(py, "chunk", |s| s.chunk(length, c))?;
+        Ok((r.start, r.end))
+    }
+
+    /// Whether the session runs on the message layer (started operations need it; an
+    /// authenticated job runs on the flow transport).
+    #[getter]
+    fn message_layer(&self, py: Python<'_>) -> PyResult<bool> {
+        self.run(py, "message_layer", |s| Ok(s.message_layer()))
+    }
+
     /// The message layer's counters as a dict of ints (frames, resends, refusals, system
     /// calls: what a benchmark compares), or None when the session does not run on the layer
     /// (an authenticated job).
@@ -654,4 +856,9 @@ impl Session {
         let closed = if self.closed() { ", closed" } else { "" };
         format!("Session(rank={}, world={}{closed})", self.rank, self.world)
     }
+}
+
+/// The region a started operation on lent memory gets.
+fn lent_region(r: Option<gs::Region>) -> Result<gs::Region, SessionError> {
+    r.ok_or_else(|| SessionError::InvalidArgument("no memory was lent to the operation".into()))
 }

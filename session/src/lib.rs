@@ -17,6 +17,7 @@
 #![deny(unsafe_code)]
 
 mod error;
+mod work;
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -42,6 +43,7 @@ pub use gradwire_collective::group::AllReduceAlgo;
 pub use gradwire_collective::link::MAX_ENDPOINT_LEN;
 
 pub use error::{ErrorKind, SessionError};
+pub use work::{Outcome, Region, Work};
 
 /// A priority function: the tag (DSCP, ECN-capable) of each segment of a sent tensor.
 pub type PriorityFn<'a> = gradwire::flow::PriorityFn<'a>;
@@ -500,50 +502,14 @@ impl Session {
                 step_deadline: opts.step_deadline,
             };
             let elems = tensor.elems();
-            let sent_before = g.stats().core.payload_bytes_sent;
             let r = g.all_reduce(tensor, &o)?;
-            let world = self.cfg.world;
-            let contributors = r
-                .contributors
-                .unwrap_or_else(|| Contributors::all(r.blocks, world));
-            let counts: Vec<usize> = (0..r.blocks).map(|b| contributors.count(b)).collect();
-            let block_delivered: Vec<f64> = counts
-                .iter()
-                .map(|&c| c as f64 / world.max(1) as f64)
-                .collect();
-            let delivered_fraction = if r.blocks == 0 {
-                1.0
-            } else {
-                block_delivered.iter().sum::<f64>() / r.blocks as f64
-            };
-            let rank_delivered = (0..world)
-                .map(|q| {
-                    if r.blocks == 0 {
-                        1.0
-                    } else {
-                        (0..r.blocks)
-                            .filter(|&b| contributors.contains(b, q))
-                            .count() as f64
-                            / r.blocks as f64
-                    }
-                })
-                .collect();
-            return Ok(ReduceReport {
+            return Ok(work::reduce_report(
+                r,
+                dtype,
                 elems,
-                blocks: r.blocks,
-                block_elems: g.block_bytes() / dtype.elem_size(),
-                complete_blocks: r.complete_blocks,
-                delivered_fraction,
-                rank_delivered,
-                block_delivered,
-                elapsed_s: r.elapsed.as_secs_f64(),
-                bytes_sent: g
-                    .stats()
-                    .core
-                    .payload_bytes_sent
-                    .saturating_sub(sent_before),
-                contributors,
-            });
+                self.cfg.world,
+                g.block_bytes(),
+            ));
         }
         let o = AllReduceOptions {
             op: opts.op,
@@ -712,33 +678,16 @@ impl Session {
             loss_bound(bound)?;
             let started = std::time::Instant::now();
             let r = g.recv(peer, bytes, opts.tensor, bound)?;
-            let seg = g.block_bytes();
-            let missing = (0..r.segments as usize)
-                .filter(|&s| !r.has(s))
-                .map(|s| {
-                    (
-                        (s * seg) as u64,
-                        seg.min(bytes.len().saturating_sub(s * seg)),
-                    )
-                })
-                .collect();
+            let summary = work::recv_summary(
+                &r,
+                bytes.len(),
+                g.block_bytes(),
+                bound,
+                started.elapsed().as_secs_f64(),
+            );
             // Segments that never arrived are zero, as on the flow transport.
-            for s in (0..r.segments as usize).filter(|&s| !r.has(s)) {
-                let end = ((s + 1) * seg).min(bytes.len());
-                if let Some(b) = bytes.get_mut(s * seg..end) {
-                    b.fill(0);
-                }
-            }
-            let received = r.segments - r.missing;
-            return Ok(RecvSummary {
-                missing,
-                segments: r.segments,
-                received_segments: received,
-                delivered_fraction: f64::from(received) / f64::from(r.segments.max(1)),
-                loss_bound: bound,
-                rounds: r.passes.saturating_sub(1),
-                elapsed_s: started.elapsed().as_secs_f64(),
-            });
+            work::zero_missing(bytes, &summary.missing);
+            return Ok(summary);
         }
         let r = self.comm.recv(peer, &mut tensor, &o)?;
         bytes.copy_from_slice(tensor.as_bytes());

@@ -125,7 +125,7 @@ impl Op for Direct {
 
     fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Step<ReduceOutcome> {
         match ev {
-            OpEvent::Sent { .. } => self.r.sends_left = self.r.sends_left.saturating_sub(1),
+            OpEvent::Sent { segments, .. } => self.r.sent(segments),
             OpEvent::Received { peer, msg, report } => {
                 self.r.recvs_left = self.r.recvs_left.saturating_sub(1);
                 let q = usize::from(peer);

@@ -95,6 +95,9 @@ pub struct ReduceOutcome {
     /// How each reduce-scatter receive of this rank ended (the loss bound, the deadline, or
     /// complete), in order of arrival.
     pub steps: Vec<StepReport>,
+    /// Data segments this rank sent for the operation, resends included (this operation's
+    /// own, whatever else runs on the endpoint).
+    pub segments_sent: u64,
     /// Wall time on the progress thread.
     pub elapsed: Duration,
 }
@@ -274,6 +277,7 @@ pub(crate) fn outcome(
         contributors: masks.map(|m| m.to_contributors(world)),
         missing_segments: steps.iter().map(|s| u64::from(s.missing)).sum(),
         steps,
+        segments_sent: 0,
         elapsed,
     }
 }

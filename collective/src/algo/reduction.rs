@@ -23,6 +23,8 @@ pub(crate) struct Reduction {
     pub(crate) rank: usize,
     pub(crate) world: usize,
     pub(crate) sends_left: usize,
+    /// Data segments sent so far, resends included.
+    segments_sent: u64,
     pub(crate) recvs_left: usize,
     pub(crate) steps: Vec<StepReport>,
     started: Option<Instant>,
@@ -41,6 +43,7 @@ impl Reduction {
             rank: 0,
             world: 1,
             sends_left: 0,
+            segments_sent: 0,
             recvs_left: 0,
             steps: Vec::new(),
             started: None,
@@ -101,7 +104,7 @@ impl Reduction {
     /// time bound, with the senders' contributor sets when they are tracked.
     pub(crate) fn sum_opts(&self, deadline: Option<Instant>) -> RecvOpts {
         RecvOpts {
-            place: Place::Sum(self.spec.dtype),
+            place: Place::Reduce(self.spec.op.combine(), self.spec.dtype),
             loss_bound: self.spec.loss_bound,
             keep_meta: self.masks.is_some(),
             deadline,
@@ -120,6 +123,12 @@ impl Reduction {
         }
     }
 
+    /// A send of the reduction has completed after `segments` data segments.
+    pub(crate) fn sent(&mut self, segments: u32) {
+        self.sends_left = self.sends_left.saturating_sub(1);
+        self.segments_sent += u64::from(segments);
+    }
+
     /// The outcome once no send or receive is outstanding (the region handed back).
     pub(crate) fn finish(
         &mut self,
@@ -131,7 +140,7 @@ impl Reduction {
         }
         let region = self.buf.take().and_then(|b| cx.unregister(b));
         let now = cx.now();
-        Ok(Some(outcome(
+        let mut out = outcome(
             region,
             algorithm,
             &self.chunks,
@@ -139,6 +148,8 @@ impl Reduction {
             self.world,
             std::mem::take(&mut self.steps),
             now.saturating_duration_since(self.started.unwrap_or(now)),
-        )))
+        );
+        out.segments_sent = self.segments_sent;
+        Ok(Some(out))
     }
 }

@@ -169,7 +169,7 @@ impl Op for Ring {
 
     fn on_event(&mut self, ev: OpEvent, cx: &mut OpCx<'_>) -> Step<ReduceOutcome> {
         match ev {
-            OpEvent::Sent { .. } => self.r.sends_left = self.r.sends_left.saturating_sub(1),
+            OpEvent::Sent { segments, .. } => self.r.sent(segments),
             OpEvent::Received { peer, msg, report } => {
                 self.r.recvs_left = self.r.recvs_left.saturating_sub(1);
                 let k = msg.wrapping_sub(self.recv_base) as usize;

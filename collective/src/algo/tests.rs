@@ -10,6 +10,7 @@ use crate::aggregate::ReduceOp;
 use crate::comm::TensorMut;
 use crate::deadline::{StepDeadline, MIN_SAMPLES};
 use crate::group::{AllReduceAlgo, Group, GroupConfig, GroupReduceOptions, PendingGroup};
+use gradwire_msg::mem::Region;
 
 const LO: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
 
@@ -248,8 +249,12 @@ fn operations_in_flight_together_complete_with_their_own_results() {
             let handles: Vec<_> = (0..6)
                 .map(|k| {
                     let v: Vec<f32> = vec![(g.rank() * 10 + k) as f32; 10_000 * (k + 1)];
-                    g.all_reduce_async(DType::F32, f32s(&v), &GroupReduceOptions::default())
-                        .expect("submit")
+                    g.start_all_reduce(
+                        DType::F32,
+                        Region::owned(f32s(&v)),
+                        &GroupReduceOptions::default(),
+                    )
+                    .expect("submit")
                 })
                 .collect();
             handles
@@ -271,6 +276,127 @@ fn operations_in_flight_together_complete_with_their_own_results() {
             assert_eq!(v.len(), 10_000 * (k + 1));
             assert!(v.iter().all(|&x| x == want), "operation {k}");
         }
+    }
+}
+
+#[test]
+fn min_max_and_product_are_exact_and_refuse_a_loss_bound() {
+    let world = 3;
+    let out = with_groups(
+        world,
+        |_| {},
+        move |g| {
+            let r = g.rank() as f32;
+            let v: Vec<f32> = (0..5000).map(|i| (i % 7) as f32 - r).collect();
+            let mut got = Vec::new();
+            for (op, algo) in [
+                (ReduceOp::Min, AllReduceAlgo::Ring),
+                (ReduceOp::Max, AllReduceAlgo::Direct),
+                (ReduceOp::Product, AllReduceAlgo::Ring),
+            ] {
+                let mut b = f32s(&v);
+                let o = GroupReduceOptions {
+                    op,
+                    algorithm: algo,
+                    ..GroupReduceOptions::default()
+                };
+                g.all_reduce(TensorMut::new(DType::F32, &mut b).unwrap(), &o)
+                    .expect("reduce");
+                got.push(vals(&b));
+            }
+            let lossy = GroupReduceOptions {
+                op: ReduceOp::Max,
+                loss_bound: 0.1,
+                ..GroupReduceOptions::default()
+            };
+            let mut b = f32s(&v);
+            let refused = g
+                .all_reduce(TensorMut::new(DType::F32, &mut b).unwrap(), &lossy)
+                .unwrap_err()
+                .to_string();
+            (got, refused)
+        },
+    );
+    for (got, refused) in out {
+        for (i, ((mn, mx), pr)) in got[0].iter().zip(&got[1]).zip(&got[2]).enumerate() {
+            let x = (i % 7) as f32;
+            assert_eq!(*mn, x - 2.0);
+            assert_eq!(*mx, x);
+            assert_eq!(*pr, x * (x - 1.0) * (x - 2.0));
+        }
+        assert!(refused.contains("reliable only"), "{refused}");
+    }
+}
+
+#[test]
+fn started_operations_of_every_kind_run_together_and_drop_cancels() {
+    let world = 3;
+    let out = with_groups(
+        world,
+        |_| {},
+        move |g| {
+            let (rank, n) = (g.rank(), 3000usize);
+            let bb = g.block_bytes();
+            let reduce = g
+                .start_all_reduce(
+                    DType::F32,
+                    Region::owned(f32s(&input(rank, n))),
+                    &GroupReduceOptions::default(),
+                )
+                .unwrap();
+            let mut gather = vec![0u8; world * 2 * bb];
+            let mine = g.chunk(gather.len(), rank);
+            gather[mine].fill(rank as u8 + 1);
+            let gather = g.start_all_gather(Region::owned(gather)).unwrap();
+            let bcast = vec![if rank == 1 { 9u8 } else { 0 }; 5000];
+            let bcast = g.start_broadcast(Region::owned(bcast), 1, 0.0).unwrap();
+            let next = (rank + 1) % world;
+            let prev = (rank + world - 1) % world;
+            let send = g
+                .start_send(next, Region::owned(vec![rank as u8; 7000]), 4, Vec::new())
+                .unwrap();
+            let recv = g
+                .start_recv(prev, Region::owned(vec![0; 7000]), 0.0)
+                .unwrap();
+            let barrier = g.start_barrier().unwrap();
+            let refused = g
+                .start_recv(rank, Region::owned(vec![0; 8]), 0.0)
+                .unwrap_err();
+            // A receive nobody sends to, dropped: cancelled and waited for, not hung.
+            let orphan = g
+                .start_recv(prev, Region::owned(vec![0; 100]), 0.0)
+                .unwrap();
+            let back = |o: crate::algo::ReduceOutcome| o.region.and_then(|r| r.into_vec()).unwrap();
+            let reduced = vals(&back(reduce.wait().unwrap()));
+            let gathered = back(gather.wait().unwrap());
+            let b = bcast.wait().unwrap();
+            send.wait().unwrap();
+            let (region, _) = recv.wait_tensor(prev, 4).unwrap();
+            barrier.wait().unwrap();
+            let t = std::time::Instant::now();
+            drop(orphan);
+            assert!(t.elapsed() < Duration::from_secs(4));
+            (
+                reduced,
+                gathered,
+                b.received.iter().all(|&x| x),
+                region.and_then(|r| r.into_vec()).unwrap(),
+                refused.to_string(),
+                bb,
+                prev,
+            )
+        },
+    );
+    for (reduced, gathered, got_bcast, received, refused, bb, prev) in out {
+        assert_eq!(reduced, expected_sum(world, 3000));
+        for r in 0..world {
+            assert!(gathered[r * 2 * bb..(r + 1) * 2 * bb]
+                .iter()
+                .all(|&x| x == r as u8 + 1));
+        }
+        assert!(got_bcast);
+        assert!(received.iter().all(|&x| x == prev as u8));
+        assert!(refused.contains("not another rank"), "{refused}");
     }
 }
 
@@ -320,7 +446,7 @@ impl gradwire_msg::op::Op for ForgedDirect {
         let sb = cx.reserve_sends(0, 2)?;
         let rb = cx.reserve_recvs(0, 2)?;
         let sum = RecvOpts {
-            place: Place::Sum(DType::F32),
+            place: Place::Reduce(gradwire_msg::reduce::Combine::Sum, DType::F32),
             loss_bound: 0.1,
             ..RecvOpts::default()
         };

@@ -142,8 +142,9 @@ const MAX_ABORTED: usize = 4096;
 pub enum Place {
     /// Copy them into the buffer.
     Copy,
-    /// Add them into the buffer element-wise (a reduce-scatter step).
-    Sum(DType),
+    /// Combine them into the buffer element-wise (a reduce-scatter step: a sum, or a min, max
+    /// or product).
+    Reduce(crate::reduce::Combine, DType),
 }
 
 /// Options of a posted send.

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::{Core, CtrlOp, Ended, Event, MsgError, Place, RecvOpts};
 use crate::mem::BufId;
-use crate::reduce::add_into;
+use crate::reduce::combine_into;
 use crate::wire::{flags, Ctrl, DataHeader, MAX_BITMAP, NACK_GAP};
 
 /// What a finished receive got.
@@ -376,8 +376,8 @@ impl Core {
         match r.opts.place {
             _ if skip => {}
             Place::Copy => dst.copy_from_slice(payload),
-            Place::Sum(dtype) => {
-                if !add_into(dtype, dst, payload) {
+            Place::Reduce(combine, dtype) => {
+                if !combine_into(combine, dtype, dst, payload) {
                     self.stats.refused += 1;
                     return;
                 }

@@ -300,7 +300,7 @@ fn sum_placement_adds_each_segment_once() {
     let vals: Vec<f32> = (0..1000).map(|i| i as f32).collect();
     let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
     let opts = RecvOpts {
-        place: Place::Sum(DType::F32),
+        place: Place::Reduce(crate::reduce::Combine::Sum, DType::F32),
         ..RecvOpts::default()
     };
     let now = net.now;
