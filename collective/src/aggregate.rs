@@ -387,6 +387,12 @@ pub fn scale(dtype: DType, buf: &mut [u8], factor: f32) {
     for_each_elem(dtype, buf, &copy, |a, _| a * factor);
 }
 
+/// `buf /= divisor`, element by element, in `dtype`.
+fn divide(dtype: DType, buf: &mut [u8], divisor: f32) {
+    let copy = buf.to_vec();
+    for_each_elem(dtype, buf, &copy, |a, _| a / divisor);
+}
+
 /// Finish one block of a partial sum of `count` contributions: the average over them, or
 /// (`Sum`) the sum, exact when all `world` ranks contributed and scaled up from the average
 /// otherwise.
@@ -395,7 +401,8 @@ pub fn finish_block(op: ReduceOp, dtype: DType, block: &mut [u8], count: usize, 
         ReduceOp::Sum if count >= world => {}
         ReduceOp::Sum => scale(dtype, block, world as f32 / count.max(1) as f32),
         ReduceOp::Average if count <= 1 => {}
-        ReduceOp::Average => scale(dtype, block, 1.0 / count as f32),
+        // Divided, not multiplied by 1/count: the same bits as `sum / count` in torch.
+        ReduceOp::Average => divide(dtype, block, count as f32),
         ReduceOp::Min | ReduceOp::Max | ReduceOp::Product => {}
     }
 }

@@ -117,6 +117,9 @@ enum Cmd {
 struct Shared {
     stats: Mutex<EndpointStats>,
     down: Mutex<Option<String>>,
+    /// Set when the endpoint is dropped: the progress thread stops even though handles
+    /// that outlive the endpoint still hold senders of its command channel (for `cancel`).
+    closing: std::sync::atomic::AtomicBool,
 }
 
 /// A started endpoint.
@@ -195,6 +198,7 @@ impl Bound {
         let shared = Arc::new(Shared {
             stats: Mutex::new(EndpointStats::default()),
             down: Mutex::new(None),
+            closing: std::sync::atomic::AtomicBool::new(false),
         });
         let (tx, rx) = mpsc::channel();
         let mut driver = Driver {
@@ -353,6 +357,7 @@ impl Endpoint {
 impl Drop for Endpoint {
     fn drop(&mut self) {
         self.tx = None;
+        self.shared.closing.store(true, Ordering::Release);
         self.waker.wake();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -398,9 +403,13 @@ impl Driver {
                             self.core.abort_peer(p, Some(culprit));
                         }
                     }
-                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Empty)
+                        if !self.shared.closing.load(Ordering::Acquire) =>
+                    {
+                        break
+                    }
                     // Dropped: what is queued (an ABORT of everything) still goes out.
-                    Err(mpsc::TryRecvError::Disconnected) => {
+                    Err(_) => {
                         let _ = self.transmit(now);
                         return Ok(());
                     }

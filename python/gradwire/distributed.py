@@ -27,8 +27,9 @@ on gradwire's progress thread; one completion thread per group turns their outco
 the futures torch waits on. A dead or silent rank fails the operation, and every later one,
 with ``gradwire.PeerError`` naming it, raised from ``wait()``.
 
-Reductions take float32, float16 and bfloat16; data movement takes any dtype. Tensors must
-be on the CPU. Jobs with a job secret (``Options(secret=...)``) run on the flow transport,
+Reductions take float32, float16 and bfloat16 (integers and float64 are reduced exactly after
+a reliable all-gather, for the small bookkeeping tensors DDP reduces); data movement takes
+any dtype. Tensors must be on the CPU. Jobs with a job secret (``Options(secret=...)``) run on the flow transport,
 where operations complete before the call returns.
 """
 
@@ -45,7 +46,6 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 import gradwire
@@ -56,6 +56,15 @@ __all__ = ["BACKEND", "Options", "ProcessGroupGradwire", "loss_bound"]
 BACKEND = "gradwire"
 
 _REDUCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Reduced reliably through an all-gather (exact, in rank order): DDP's bookkeeping tensors.
+_GATHER_REDUCE_DTYPES = (
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+)
 
 _local = threading.local()
 
@@ -148,8 +157,9 @@ def _check_float(t: torch.Tensor, what: str) -> None:
     _check_cpu(t, what)
     if t.dtype not in _REDUCE_DTYPES:
         raise gradwire.ConfigError(
-            f"{what}: gradwire reduces float32, float16 and bfloat16 tensors, not {t.dtype}: "
-            "convert with t.float() (and back), or reduce it with the gloo backend"
+            f"{what}: gradwire reduces float32, float16 and bfloat16 tensors (integers and "
+            f"float64 through a gather), not {t.dtype}: convert with t.float() (and back), or "
+            "reduce it with the gloo backend"
         )
 
 
@@ -168,6 +178,44 @@ def _op_name(op: Any) -> str:
         f"gradwire reduces with SUM, AVG, MIN, MAX and PRODUCT, not {op}: for bitwise ops use "
         "the gloo backend"
     )
+
+
+class _Work(dist._Work):
+    """torch's work over a future the completion thread completes: ``wait()`` raises the
+    operation's error (torch's own future-backed work would swallow it), ``get_future()``
+    is what DDP chains on."""
+
+    def __init__(self, fut: Future) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._fut.wait()  # raises the operation's error
+        return True
+
+    def get_future(self) -> Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
+    def exception(self) -> Optional[BaseException]:
+        if not self._fut.done():
+            return None
+        try:
+            self._fut.value()
+        except Exception as e:  # noqa: BLE001
+            return e
+        return None
 
 
 class _Completer:
@@ -191,6 +239,7 @@ class _Completer:
             if item is None:
                 return
             native, fut, finish = item
+            del item
             try:
                 report = native.wait() if native is not None else None
                 value = finish(report)
@@ -198,6 +247,7 @@ class _Completer:
                 fut.set_exception(e)
             else:
                 fut.set_result(value)
+            del native, fut, finish
 
 
 class ProcessGroupGradwire(dist.ProcessGroup):
@@ -268,12 +318,12 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 fut.set_result(finish(blocking()))
             except BaseException as e:  # noqa: BLE001 - raised from wait(), as async errors are
                 fut.set_exception(e)
-        return _create_work_from_future(fut)
+        return _Work(fut)
 
     def _done(self, value: Any) -> Any:
         fut: Future = Future()
         fut.set_result(value)
-        return _create_work_from_future(fut)
+        return _Work(fut)
 
     def _padded(self, nbytes: int) -> int:
         """Bytes per rank's chunk of a gather/scatter staging buffer: whole blocks."""
@@ -285,31 +335,59 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         outs = []
         for t in tensors:
+            if t.dtype in _GATHER_REDUCE_DTYPES:
+                outs.append(self._allreduce_gathered(t, op))
+                continue
             _check_float(t, "all_reduce")
             outs.append(self._allreduce_one(t, op))
         if len(outs) == 1:
             return outs[0]
         futs = [w.get_future() for w in outs]
         all_fut = torch.futures.collect_all(futs).then(lambda _: tensors)
-        return _create_work_from_future(all_fut)
+        return _Work(all_fut)
 
-    def _allreduce_one(self, t: torch.Tensor, op: str) -> Any:
+    def _allreduce_one(
+        self, t: torch.Tensor, op: str, after: Optional[Callable[[], Any]] = None
+    ) -> Any:
         if t.numel() == 0:
-            return self._done([t])
+            return self._done(after() if after else [t])
         work_t = t if t.is_contiguous() else t.contiguous()
         bound = self._bound() if op in ("sum", "average") else 0.0
         kw = {"op": op, "loss_bound": bound}
 
-        def finish(_report: Any) -> List[torch.Tensor]:
+        def finish(_report: Any) -> Any:
             if work_t is not t:
                 t.copy_(work_t)
-            return [t]
+            return after() if after else [t]
 
         return self._work(
             lambda: self._session.start_all_reduce(work_t, **kw),
             finish,
             lambda: self._session.all_reduce(work_t, **kw),
         )
+
+    def _allreduce_gathered(self, t: torch.Tensor, op: str) -> Any:
+        """Integer and float64 tensors (DDP's unused-parameter map is int32): every rank's
+        tensor gathered, reliably, then reduced here in rank order, the same on every rank."""
+        _check_cpu(t, "all_reduce")
+        if op == "average" and not t.dtype.is_floating_point:
+            raise gradwire.ConfigError(
+                f"all_reduce: AVG of {t.dtype} is not defined: use SUM (and divide), or floats"
+            )
+        src = t.contiguous()
+        outs = [torch.empty_like(src) for _ in range(self._world)]
+        def finish() -> List[torch.Tensor]:
+            t.copy_(reduce(torch.stack(outs)).to(t.dtype).view_as(t))
+            return [t]
+
+        reduce = {
+            "sum": lambda s: s.sum(0),
+            "average": lambda s: s.sum(0) / self._world,
+            "min": lambda s: s.min(0).values,
+            "max": lambda s: s.max(0).values,
+            "product": lambda s: s.prod(0),
+        }[op]
+        return self._gather(src, [_bytes_of(o, "all_reduce", True) for o in outs], None, finish)
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts: Any = None) -> Any:
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
@@ -318,16 +396,15 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         if len({t.dtype for t in tensors}) > 1:
             raise gradwire.ConfigError("all_reduce_coalesced: give tensors of one dtype")
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        inner = self._allreduce_one(flat, op)
 
-        def unpack(_: Any) -> List[torch.Tensor]:
+        def unpack() -> List[torch.Tensor]:
             at = 0
             for t in tensors:
                 t.copy_(flat[at : at + t.numel()].view_as(t))
                 at += t.numel()
             return tensors
 
-        return _create_work_from_future(inner.get_future().then(unpack))
+        return self._allreduce_one(flat, op, unpack)
 
     def broadcast(self, tensors: List[torch.Tensor], opts: Any) -> Any:
         root = opts.rootRank
@@ -351,7 +428,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def _chain(self, works: Sequence[Any], value: Any) -> Any:
         fut = torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: value)
-        return _create_work_from_future(fut)
+        return _Work(fut)
 
     def allgather(
         self, outputs: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts: Any = None
@@ -385,13 +462,21 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         n = whole.size // self._world if self._world else 0
         return self._gather(inp, [whole[r * n : (r + 1) * n] for r in range(self._world)], output)
 
-    def _gather(self, inp: torch.Tensor, outs: List[Any], value: Any) -> Any:
+    def _gather(
+        self,
+        inp: torch.Tensor,
+        outs: List[Any],
+        value: Any,
+        after: Optional[Callable[[], Any]] = None,
+    ) -> Any:
+        """All-gathers ``inp``'s bytes into ``outs`` (one per rank); the work's value is
+        ``after()`` when given (run once the bytes are in), else ``value``."""
         src = _bytes_of(inp, "all_gather", False)
         n = src.size
         if n == 0:
-            return self._done(value)
+            return self._done(after() if after else value)
         if not self._async:
-            return self._gather_blocking(src, outs, value)
+            return self._gather_blocking(src, outs, value, after)
         per = self._padded(n)
         staging = torch.zeros(per * self._world, dtype=torch.uint8).numpy()
         mine = self._session.chunk(staging.size, self._rank)
@@ -401,11 +486,13 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             for r, o in enumerate(outs):
                 a, _ = self._session.chunk(staging.size, r)
                 o[:] = staging[a : a + n]
-            return value
+            return after() if after else value
 
         return self._work(lambda: self._session.start_all_gather(staging), finish, lambda: None)
 
-    def _gather_blocking(self, src: Any, outs: List[Any], value: Any) -> Any:
+    def _gather_blocking(
+        self, src: Any, outs: List[Any], value: Any, after: Optional[Callable[[], Any]]
+    ) -> Any:
         """All-gather on the flow transport: a broadcast from each rank in turn."""
         fut: Future = Future()
         try:
@@ -415,10 +502,10 @@ class ProcessGroupGradwire(dist.ProcessGroup):
                 as_f = torch.from_numpy(o)
                 # broadcast() takes float arrays: move the bytes as float16 pairs when even
                 self._session.broadcast(_as_float_view(as_f), r)
-            fut.set_result(value)
+            fut.set_result(after() if after else value)
         except BaseException as e:  # noqa: BLE001
             fut.set_exception(e)
-        return _create_work_from_future(fut)
+        return _Work(fut)
 
     def reduce_scatter(
         self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]], opts: Any = None

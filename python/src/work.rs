@@ -74,7 +74,9 @@ pub(crate) struct Work {
     state: Mutex<Option<Result_>>,
     signal: Arc<Signal>,
     what: &'static str,
-    _lent: Option<Lent>,
+    /// Released as soon as the operation has ended (a completed Work may live on in a
+    /// framework's hands; its memory is free for the next operation).
+    lent: Mutex<Option<Lent>>,
 }
 
 impl Work {
@@ -86,7 +88,7 @@ impl Work {
             state: Mutex::new(Some(Result_::Pending(work))),
             signal,
             what,
-            _lent: lent,
+            lent: Mutex::new(lent),
         }
     }
 }
@@ -144,6 +146,14 @@ impl Work {
             Result_::Pending(_) => Err(errors::internal(py, "the work is still pending")),
         };
         *state = Some(result);
+        drop(state);
+        // The operation has ended (its outcome was collected): nothing touches the memory.
+        drop(
+            self.lent
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        );
         out
     }
 

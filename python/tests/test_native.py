@@ -737,7 +737,7 @@ def test_bad_arguments_raise_config_error() -> None:
             with pytest.raises(gradwire.ConfigError, match="loss_bound"):
                 s0.all_reduce(a, loss_bound=bound)
         with pytest.raises(gradwire.ConfigError, match="op"):
-            s0.all_reduce(a, op="max")
+            s0.all_reduce(a, op="median")
         with pytest.raises(gradwire.ConfigError, match="dscp"):
             s0.all_reduce(a, dscp=64)
         with pytest.raises(gradwire.ConfigError, match="layer"):
@@ -1223,3 +1223,34 @@ def test_add_note_works_without_exception_add_note() -> None:
     n = RuntimeError("y")
     _add_note(n, "third")
     assert n.__notes__ == ["third"]
+
+
+def test_started_operations_run_together_and_free_their_memory() -> None:
+    s0, s1 = connect(2)
+    try:
+        n = 50_000
+        a = [np.full(n, float(r + 1), dtype=np.float32) for r in range(2)]
+        b = [np.full(n, float(10 * (r + 1)), dtype=np.float32) for r in range(2)]
+        w = [(s.start_all_reduce(a[r]), s.start_all_reduce(b[r], op="max")) for r, s in enumerate([s0, s1])]
+        # The memory is claimed while the operation may run: a second use is refused.
+        if not w[0][0].is_completed():
+            with pytest.raises(gradwire.ConfigError, match="in use"):
+                s0.start_all_reduce(a[0])
+        for wa, wb in w:
+            rep = wa.wait(timeout=30)
+            assert rep.elems == n and rep.complete_blocks == rep.blocks
+            assert wb.wait() is wb.wait()  # the same report again
+            assert wa.is_completed()
+        assert all((x == 3.0).all() for x in a) and all((x == 20.0).all() for x in b)
+        # A receive nobody sends to: wait(timeout) says it still runs; dropped, it is
+        # cancelled (and the array is free again).
+        buf = np.zeros(1000, dtype=np.uint8)
+        pending = s1.start_recv(buf, 0, tensor=9)
+        with pytest.raises(TimeoutError, match="still running"):
+            pending.wait(timeout=0.2)
+        gathered = np.zeros(2 * 2 * s0.block_bytes, dtype=np.uint8)
+        assert s0.chunk(gathered.size, 1) == (2 * s0.block_bytes, 4 * s0.block_bytes)
+        with pytest.raises(gradwire.ConfigError, match="uint8"):
+            s0.start_all_gather(np.zeros(10, dtype=np.float32))
+    finally:
+        close_all([s0, s1])

@@ -401,6 +401,28 @@ fn started_operations_of_every_kind_run_together_and_drop_cancels() {
 }
 
 #[test]
+fn a_started_operation_outliving_its_group_fails_and_the_group_closes() {
+    let out = with_groups(
+        2,
+        |_| {},
+        move |g| {
+            let peer = 1 - g.rank();
+            let pending = g
+                .start_recv(peer, Region::owned(vec![0; 100]), 0.0)
+                .unwrap();
+            let t = std::time::Instant::now();
+            drop(g); // the progress thread stops although the handle holds a sender
+            let err = pending.wait().unwrap_err().to_string();
+            (t.elapsed(), err)
+        },
+    );
+    for (took, err) in out {
+        assert!(took < Duration::from_secs(3), "{took:?}");
+        assert!(err.contains("shut down"), "{err}");
+    }
+}
+
+#[test]
 fn a_dead_rank_is_named_within_the_timeout_not_waited_for() {
     let world = 3;
     let out = with_groups(
