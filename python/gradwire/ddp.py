@@ -30,8 +30,13 @@ Layers: by default a parameter's layer is the position of the module that owns i
 modules with trainable parameters, in registration order (the forward order of a
 ``Sequential``), so front layers get the more urgent DSCP, as in DLCP §3.2.2.
 
-A failed peer raises ``gradwire.PeerError`` from the hook; DDP lets it propagate unchanged
-out of ``loss.backward()``.
+The hook starts each bucket's all-reduces and returns at once; gradwire's completion thread
+completes the bucket's future, so communication overlaps the rest of the backward pass. A
+failed peer makes ``loss.backward()`` raise the RuntimeError torch makes of a failed
+communication future, its message carrying gradwire's (``PeerError: rank N ...``);
+``state.failed`` holds the ``gradwire.PeerError`` itself (``peer``, ``kind``, a note naming
+the parameters), and every later hook call raises it. On the flow transport (a job secret)
+a bucket is reduced inside the hook and the PeerError propagates unchanged.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 import gradwire
+from gradwire._completion import Completer
 
 __all__ = ["ContributorRun", "GradwireState", "LossRecord", "ParamInfo", "allreduce_hook"]
 
@@ -331,6 +337,7 @@ class GradwireState:
         if missing:
             raise gradwire.SetupError(f"ranks {missing} sent no gradwire endpoint")
         self.session = endpoint.connect([bytes(a) for a in table])
+        self._completer = Completer(f"gradwire-ddp{self.rank}")
 
     # -- the bucket -> groups map ---------------------------------------------------------
 
@@ -377,8 +384,8 @@ class GradwireState:
 
     # -- one bucket -----------------------------------------------------------------------
 
-    def reduce_bucket(self, bucket) -> torch.Tensor:
-        """All-reduce `bucket` in place and record each parameter's delivered fraction."""
+    def _checked_bucket(self, bucket):
+        """The bucket's buffer and parameter groups, checked against the registration."""
         buf = bucket.buffer()
         _check_tensor(buf, "DDP's bucket")
         groups = self.groups(bucket)
@@ -403,57 +410,131 @@ class GradwireState:
                     f"gradwire: the gradient of {info.name!r} is not at element {start} of "
                     "DDP's bucket buffer; this torch version lays buckets out differently"
                 )
-        with self._lock:
-            if self.failed is not None:
-                raise gradwire.UnusableError(
-                    f"an earlier all-reduce failed ({self.failed}); the job cannot go on"
-                )
-            records = []
-            for gi, g in enumerate(groups):
-                view = buf[g.start : g.end]
-                n = g.end - g.start
-                shift = _rotation(self.iteration, gi, n) if self.spread_loss and g.loss_bound > 0 else 0
-                # A rotated copy (the same on every rank): in place when nothing is rotated.
-                work = torch.roll(view, shift) if shift else view
-                try:
-                    report = self.session.all_reduce(
-                        work,
-                        op="average",
-                        loss_bound=g.loss_bound,
-                        layer=g.layer,
-                        num_layers=self.num_layers,
+        return buf, groups
+
+    def _usable(self) -> None:
+        if self.failed is not None:
+            raise gradwire.UnusableError(
+                f"an earlier all-reduce failed ({self.failed}); the job cannot go on"
+            )
+
+    def _failed(self, e: BaseException, g: _Group, iteration: int) -> None:
+        if isinstance(e, gradwire.GradwireError):
+            self.failed = e
+        names = [info.name for info, _, _ in g.params]
+        _add_note(
+            e,
+            f"gradwire: during DDP's all-reduce of {names} at iteration {iteration} on rank "
+            f"{self.rank}",
+        )
+
+    def _plan(self, groups, buf):
+        """For each group: its view of the bucket, the tensor all-reduced (a rotated copy,
+        the same on every rank, when loss is spread) and the rotation."""
+        plan = []
+        for gi, g in enumerate(groups):
+            view = buf[g.start : g.end]
+            n = g.end - g.start
+            shift = _rotation(self.iteration, gi, n) if self.spread_loss and g.loss_bound > 0 else 0
+            plan.append((g, view, torch.roll(view, shift) if shift else view, shift))
+        return plan
+
+    def _reduce_options(self, g: _Group) -> dict:
+        return {
+            "op": "average",
+            "loss_bound": g.loss_bound,
+            "layer": g.layer,
+            "num_layers": self.num_layers,
+        }
+
+    def _records(self, plan, reports, iteration: int) -> list:
+        """Undoes the rotations and turns the reports into per-parameter records."""
+        records = []
+        for (g, view, work, shift), report in zip(plan, reports):
+            n = g.end - g.start
+            if shift:
+                view.copy_(torch.roll(work, -shift))
+            self.allreduce_calls += 1
+            self.allreduce_seconds += report.elapsed_s
+            sets = report.block_contributors if self.keep_contributors else None
+            if sets is not None and self.contributors_iteration != iteration:
+                self.contributors = {}
+                self.contributors_iteration = iteration
+            for info, start, end in g.params:
+                frac = _rotated_delivered(report, start - g.start, end - g.start, shift, n)
+                records.append(LossRecord(iteration, info.name, frac))
+                if sets is not None:
+                    self.contributors[info.name] = _rotated_runs(
+                        sets, report.block_elems, start - g.start, end - g.start, shift, n
                     )
-                except gradwire.GradwireError as e:
-                    self.failed = e
-                    names = [info.name for info, _, _ in g.params]
-                    _add_note(
-                        e,
-                        f"gradwire: during DDP's all-reduce of {names} at iteration "
-                        f"{self.iteration} on rank {self.rank}",
-                    )
-                    raise
-                if shift:
-                    view.copy_(torch.roll(work, -shift))
-                self.allreduce_calls += 1
-                self.allreduce_seconds += report.elapsed_s
-                sets = report.block_contributors if self.keep_contributors else None
-                if sets is not None and self.contributors_iteration != self.iteration:
-                    self.contributors = {}
-                    self.contributors_iteration = self.iteration
-                for info, start, end in g.params:
-                    frac = _rotated_delivered(report, start - g.start, end - g.start, shift, n)
-                    records.append(LossRecord(self.iteration, info.name, frac))
-                    if sets is not None:
-                        self.contributors[info.name] = _rotated_runs(
-                            sets, report.block_elems, start - g.start, end - g.start, shift, n
-                        )
-            self.log.extend(records)
-            iteration = self.iteration
-            if bucket.is_last():
-                self.iteration += 1
+        self.log.extend(records)
+        return records
+
+    def _report(self, iteration: int, records) -> None:
         if self.on_report is not None:
             for r in records:
                 self.on_report(iteration, r.name, r.delivered_fraction)
+
+    def start_bucket(self, bucket) -> torch.futures.Future:
+        """Starts the all-reduces of `bucket` (one per group, all in flight together) and
+        returns a future of its buffer that gradwire's completion thread completes, so
+        communication overlaps the rest of the backward pass. On the flow transport (a job
+        secret) the bucket is reduced before this returns."""
+        if not self.session.message_layer:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(self.reduce_bucket(bucket))
+            return fut
+        buf, groups = self._checked_bucket(bucket)
+        with self._lock:
+            self._usable()
+            iteration = self.iteration
+            plan = self._plan(groups, buf)
+            natives = []
+            for g, _view, work, _shift in plan:
+                try:
+                    natives.append(self.session.start_all_reduce(work, **self._reduce_options(g)))
+                except gradwire.GradwireError as e:
+                    self._failed(e, g, iteration)
+                    raise
+            if bucket.is_last():
+                self.iteration += 1
+
+        def finish(reports):
+            with self._lock:
+                records = self._records(plan, reports, iteration)
+            self._report(iteration, records)
+            return buf
+
+        def failed(e: BaseException) -> None:
+            with self._lock:
+                self._failed(e, plan[0][0] if len(plan) == 1 else _all_groups(plan), iteration)
+
+        fut = torch.futures.Future()
+        self._completer.add(natives, fut, finish, on_error=failed)
+        # A Python future holds its error as a value that only Python's wait() raises; DDP
+        # waits in C++. A callback that raises it marks the chained future failed, so
+        # loss.backward() raises instead of DDP reading an exception as the bucket.
+        return fut.then(_value)
+
+    def reduce_bucket(self, bucket) -> torch.Tensor:
+        """All-reduce `bucket` in place, waiting for it, and record each parameter's
+        delivered fraction."""
+        buf, groups = self._checked_bucket(bucket)
+        with self._lock:
+            self._usable()
+            iteration = self.iteration
+            plan = self._plan(groups, buf)
+            reports = []
+            for g, _view, work, _shift in plan:
+                try:
+                    reports.append(self.session.all_reduce(work, **self._reduce_options(g)))
+                except gradwire.GradwireError as e:
+                    self._failed(e, g, iteration)
+                    raise
+            records = self._records(plan, reports, iteration)
+            if bucket.is_last():
+                self.iteration += 1
+        self._report(iteration, records)
         return buf
 
     # -- telemetry ------------------------------------------------------------------------
@@ -469,6 +550,7 @@ class GradwireState:
 
     def close(self) -> None:
         """Close the gradwire session (the hook fails afterwards)."""
+        self._completer.close()
         self.session.close()
 
     def __enter__(self) -> "GradwireState":
@@ -483,6 +565,16 @@ class GradwireState:
             f"params={len(self.params)}, layers={self.num_layers}, iteration={self.iteration})"
         )
 
+
+
+def _value(fut: torch.futures.Future):
+    return fut.value()
+
+
+def _all_groups(plan) -> _Group:
+    """One pseudo-group naming every parameter of a bucket's plan (for error notes)."""
+    params = tuple(p for g, *_ in plan for p in g.params)
+    return _Group(plan[0][0].start, plan[-1][0].end, plan[0][0].loss_bound, plan[0][0].layer, params)
 
 
 def _add_note(e: BaseException, note: str) -> None:
@@ -578,18 +670,17 @@ def _range_delivered(report, start: int, end: int) -> float:
 def allreduce_hook(state: GradwireState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket's gradients over gradwire, in place.
 
-    Register with ``ddp.register_comm_hook(state, allreduce_hook)``. Returns a completed
-    future holding the bucket's buffer.
+    Register with ``ddp.register_comm_hook(state, allreduce_hook)``. Starts the bucket's
+    all-reduces and returns a future of the bucket's buffer that gradwire's completion thread
+    completes: several buckets, and the priority classes of one bucket, are in flight
+    together while the backward pass goes on.
     """
     if not isinstance(state, GradwireState):
         raise TypeError(
             "allreduce_hook's state must be a gradwire.ddp.GradwireState, not "
             f"{type(state).__name__}: ddp.register_comm_hook(GradwireState(ddp), allreduce_hook)"
         )
-    buf = state.reduce_bucket(bucket)
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
+    return state.start_bucket(bucket)
 
 
 # DDP checks the hook's return annotation by value; the postponed annotations of this module

@@ -39,7 +39,6 @@ import contextlib
 import datetime
 import math
 import os
-import queue
 import secrets as _secrets
 import threading
 from typing import Any, Callable, Iterator, List, Optional, Sequence
@@ -49,6 +48,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 import gradwire
+from gradwire._completion import Completer
 
 __all__ = ["BACKEND", "Options", "ProcessGroupGradwire", "loss_bound"]
 
@@ -218,38 +218,6 @@ class _Work(dist._Work):
         return None
 
 
-class _Completer:
-    """One thread that waits for started operations, in the order they were started, and
-    completes their futures (torch's waits and DDP's callbacks then run)."""
-
-    def __init__(self, name: str) -> None:
-        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def add(self, native: Any, fut: Future, finish: Callable[[Any], Any]) -> None:
-        self._q.put((native, fut, finish))
-
-    def close(self) -> None:
-        self._q.put(None)
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            native, fut, finish = item
-            del item
-            try:
-                report = native.wait() if native is not None else None
-                value = finish(report)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                fut.set_exception(e)
-            else:
-                fut.set_result(value)
-            del native, fut, finish
-
-
 class ProcessGroupGradwire(dist.ProcessGroup):
     """A torch.distributed process group over one gradwire session (see the module doc)."""
 
@@ -288,7 +256,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._session = endpoint.connect(table)
         self._async = self._session.message_layer
         self._block = self._session.block_bytes if self._async else 0
-        self._completer = _Completer(f"gradwire-pg{rank}")
+        self._completer = Completer(f"gradwire-pg{rank}")
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -312,7 +280,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         fut: Future = Future()
         if self._async:
             native = start()
-            self._completer.add(native, fut, finish)
+            self._completer.add([native], fut, lambda reports: finish(reports[0]))
         else:
             try:
                 fut.set_result(finish(blocking()))

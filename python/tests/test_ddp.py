@@ -267,16 +267,21 @@ def scenario_dead(a) -> dict:
         try:
             loss.backward()
         except BaseException as e:  # noqa: BLE001 -- reported to the test as it is
+            # torch raises a failed communication future as RuntimeError; the state keeps
+            # gradwire's own error.
+            f = state.failed
             return {
                 "step": step,
                 "elapsed_s": time.monotonic() - t0,
-                "type": type(e).__name__,
-                "module": type(e).__module__,
-                "is_gradwire": isinstance(e, gradwire.GradwireError),
-                "is_peer_error": isinstance(e, gradwire.PeerError),
-                "peer": getattr(e, "peer", None),
-                "message": str(e),
-                "notes": list(getattr(e, "__notes__", [])),
+                "raised": type(e).__name__,
+                "raised_message": str(e),
+                "type": type(f).__name__,
+                "module": type(f).__module__,
+                "is_gradwire": isinstance(f, gradwire.GradwireError),
+                "is_peer_error": isinstance(f, gradwire.PeerError),
+                "peer": getattr(f, "peer", None),
+                "message": str(f),
+                "notes": list(getattr(f, "__notes__", [])),
             }
     return {"step": None, "type": None, "message": "no error"}
 
@@ -422,6 +427,8 @@ def _check_survivors(results, victim: int, timeout: float) -> None:
         assert r.returncode == 0 and r.output is not None, explain(results)
         o = r.output
         assert o["step"] == 3, o
+        assert o["raised"] in ("PeerError", "RuntimeError"), o
+        assert f"rank {o['peer']}" in o["raised_message"], o
         assert o["is_gradwire"] and o["is_peer_error"], f"not a gradwire.PeerError: {o}"
         assert o["module"] == "gradwire" and o["type"] == "PeerError", o
         # The peer it lost: the victim, or a survivor that failed (and exited) first.
