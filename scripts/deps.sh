@@ -8,8 +8,9 @@ have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok ins
 # clang builds the XDP program; libelf-dev and zlib1g-dev the vendored libbpf; iproute2 (ip,
 # tc) and ethtool the network-namespace testbeds; util-linux (setpriv, prlimit) the AF_XDP error
 # tests that drop privileges; fonts-dejavu-core the font of the
-# experiment's plot (`gradwire experiment incast --plot`).
-for p in iproute2 ethtool util-linux pkg-config make gcc libc6-dev clang libelf-dev zlib1g-dev fonts-dejavu-core; do
+# experiment's plot (`gradwire experiment incast --plot`); openmpi-bin and libopenmpi-dev
+# (mpicc, mpirun) the C library's MPI example and its test.
+for p in iproute2 ethtool util-linux pkg-config make gcc libc6-dev clang libelf-dev zlib1g-dev fonts-dejavu-core openmpi-bin libopenmpi-dev; do
     have "$p" || need_pkgs+=("$p")
 done
 if ((${#need_pkgs[@]})); then

@@ -117,6 +117,9 @@ typedef struct gw_config {
   const uint8_t *secret;
   // Length of secret in bytes.
   size_t secret_len;
+  // The network's MTU in bytes, the same on every rank (default 1500; 9000 with jumbo
+  // frames; up to 65535 on loopback, a one-host job). 0: the default.
+  uint32_t mtu;
 } gw_config;
 
 // An all-reduce algorithm (gw_op_options.algorithm).

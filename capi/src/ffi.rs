@@ -277,6 +277,7 @@ pub extern "C" fn gw_config_default(rank: u32, world: u32, ip: *const c_char) ->
         rate_bps: 0,
         secret: std::ptr::null(),
         secret_len: 0,
+        mtu: 0,
     };
     guard_value(fallback, || gw_config::defaults(rank, world, ip))
 }

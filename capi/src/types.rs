@@ -120,6 +120,9 @@ pub struct gw_config {
     pub secret: *const u8,
     /// Length of secret in bytes.
     pub secret_len: usize,
+    /// The network's MTU in bytes, the same on every rank (default 1500; 9000 with jumbo
+    /// frames; up to 65535 on loopback, a one-host job). 0: the default.
+    pub mtu: u32,
 }
 
 impl gw_config {
@@ -139,6 +142,7 @@ impl gw_config {
             rate_bps: d.rate_bps.unwrap_or(0),
             secret: ptr::null(),
             secret_len: 0,
+            mtu: u32::try_from(d.mtu).unwrap_or(0),
         }
     }
 
@@ -163,6 +167,9 @@ impl gw_config {
         cfg.seed = self.seed;
         cfg.rate_bps = (self.rate_bps != 0).then_some(self.rate_bps);
         cfg.secret = secret.map(<[u8]>::to_vec);
+        if self.mtu != 0 {
+            cfg.mtu = self.mtu as usize;
+        }
         Ok(cfg)
     }
 }

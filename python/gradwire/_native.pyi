@@ -125,6 +125,7 @@ class Endpoint:
         seed: int = 0,
         point_to_point: bool = True,
         rate_bps: Optional[int] = None,
+        mtu: Optional[int] = None,
     ) -> None: ...
     @property
     def address(self) -> bytes:
@@ -167,6 +168,7 @@ class Session:
         seed: int = 0,
         point_to_point: bool = True,
         rate_bps: Optional[int] = None,
+        mtu: Optional[int] = None,
     ) -> Session:
         """Both phases through gradwire's rendezvous at ``master`` ("host:port", served by
         rank 0)."""
@@ -185,6 +187,7 @@ class Session:
         seed: int = 0,
         point_to_point: bool = True,
         rate_bps: Optional[int] = None,
+        mtu: Optional[int] = None,
     ) -> Session:
         """Both phases with the caller's all-gather (the C library's ``gw_session_init``):
         ``allgather(address)`` returns every rank's address bytes, in rank order."""

@@ -23,6 +23,7 @@ pub(crate) struct Keywords {
     pub(crate) seed: u64,
     pub(crate) point_to_point: bool,
     pub(crate) rate_bps: Option<i64>,
+    pub(crate) mtu: Option<i64>,
 }
 
 /// The session configuration of rank `rank` of `world` at `ip`.
@@ -61,6 +62,10 @@ pub(crate) fn session_config(
             )
         })?),
     };
+    if let Some(m) = kw.mtu {
+        cfg.mtu = usize::try_from(m)
+            .map_err(|_| errors::config(py, format!("mtu {m} is not a number of bytes")))?;
+    }
     Ok(cfg)
 }
 

@@ -85,7 +85,7 @@ pub(crate) struct Endpoint {
 impl Endpoint {
     #[new]
     #[pyo3(signature = (rank, world, ip, *, job = 1, loss_bound = 0.0, timeout = 30.0,
-        secret = None, inject_loss = 0.0, seed = 0, point_to_point = true, rate_bps = None))]
+        secret = None, inject_loss = 0.0, seed = 0, point_to_point = true, rate_bps = None, mtu = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -100,6 +100,7 @@ impl Endpoint {
         seed: i128,
         point_to_point: bool,
         rate_bps: Option<i64>,
+        mtu: Option<i64>,
     ) -> PyResult<Self> {
         let secret = config::secret(py, secret)?;
         let kw = Keywords {
@@ -111,6 +112,7 @@ impl Endpoint {
             seed: config::seed(py, seed)?,
             point_to_point,
             rate_bps,
+            mtu,
         };
         let cfg = config::session_config(py, rank, world, ip, kw)?;
         let (rank, world) = (cfg.rank, cfg.world);
@@ -379,7 +381,7 @@ impl Session {
     /// serves it on that port).
     #[staticmethod]
     #[pyo3(signature = (master, rank, world, ip, *, job = 1, loss_bound = 0.0, timeout = 30.0,
-        secret = None, inject_loss = 0.0, seed = 0, point_to_point = true, rate_bps = None))]
+        secret = None, inject_loss = 0.0, seed = 0, point_to_point = true, rate_bps = None, mtu = None))]
     #[allow(clippy::too_many_arguments)]
     fn rendezvous(
         py: Python<'_>,
@@ -395,6 +397,7 @@ impl Session {
         seed: i128,
         point_to_point: bool,
         rate_bps: Option<i64>,
+        mtu: Option<i64>,
     ) -> PyResult<Session> {
         let secret = config::secret(py, secret)?;
         let kw = Keywords {
@@ -406,6 +409,7 @@ impl Session {
             seed: config::seed(py, seed)?,
             point_to_point,
             rate_bps,
+            mtu,
         };
         let cfg = config::session_config(py, rank, world, ip, kw)?;
         let master_addr = master.to_owned();
@@ -435,7 +439,7 @@ impl Session {
     #[staticmethod]
     #[pyo3(signature = (allgather, rank, world, ip, *, job = 1, loss_bound = 0.0,
         timeout = 30.0, secret = None, inject_loss = 0.0, seed = 0, point_to_point = true,
-        rate_bps = None))]
+        rate_bps = None, mtu = None))]
     #[allow(clippy::too_many_arguments)]
     fn init(
         py: Python<'_>,
@@ -451,6 +455,7 @@ impl Session {
         seed: i128,
         point_to_point: bool,
         rate_bps: Option<i64>,
+        mtu: Option<i64>,
     ) -> PyResult<Session> {
         let endpoint = Endpoint::new(
             py,
@@ -465,6 +470,7 @@ impl Session {
             seed,
             point_to_point,
             rate_bps,
+            mtu,
         )?;
         let table = allgather.call1((endpoint.address(py),))?;
         endpoint.connect(py, &table)

@@ -52,6 +52,11 @@ pub type PriorityFn<'a> = gradwire::flow::PriorityFn<'a>;
 /// own timeout may be longer: a peer may still be computing before it starts).
 const MAX_IDLE: Duration = Duration::from_secs(5);
 
+/// The smallest MTU a session takes (IPv4's minimum datagram size).
+pub const MIN_MTU: usize = 576;
+/// The largest MTU a session takes (one UDP datagram; loopback's MTU is 65536).
+pub const MAX_MTU: usize = 65_535;
+
 /// How a session is set up and runs.
 #[derive(Debug, Clone)]
 pub struct SessionConfig {
@@ -81,6 +86,10 @@ pub struct SessionConfig {
     pub point_to_point: bool,
     /// The senders' line rate in bit/s; `None`: the transport's default.
     pub rate_bps: Option<u64>,
+    /// The network's MTU in bytes (the message layer's segments fill it): 1500 by default;
+    /// 9000 on a jumbo-frame network, up to 65535 on loopback (one host), where fewer,
+    /// larger segments cost less per byte. Every rank gives the same.
+    pub mtu: usize,
     /// Run all-reduce, broadcast and barrier on the message layer (one socket per rank, no
     /// handshake per message; docs/design.md). An authenticated job (`secret`) runs them on
     /// the flow transport, which seals its packets.
@@ -102,6 +111,7 @@ impl SessionConfig {
             seed: 0,
             point_to_point: true,
             rate_bps: None,
+            mtu: 1500,
             message_layer: true,
         }
     }
@@ -127,6 +137,13 @@ impl SessionConfig {
             ));
         }
         loss_bound(self.loss_bound)?;
+        if !(MIN_MTU..=MAX_MTU).contains(&self.mtu) {
+            return bad(format!(
+                "mtu {} is not in {MIN_MTU}..={MAX_MTU}: give the network's MTU (1500 on \
+                 Ethernet, 9000 with jumbo frames, up to 65535 on loopback)",
+                self.mtu
+            ));
+        }
         if !(0.0..=1.0).contains(&self.inject_loss) {
             return bad(format!(
                 "inject_loss {} is not a fraction in [0, 1]",
@@ -174,6 +191,7 @@ impl SessionConfig {
         }
         let mut g = GroupConfig::new(self.job, self.rank, self.world, self.ip, self.timeout);
         g.endpoint.inject_loss = self.inject_loss;
+        g.endpoint.mtu = self.mtu;
         g.endpoint.seed = self.seed;
         Ok(Some(PendingGroup::bind(g)?))
     }

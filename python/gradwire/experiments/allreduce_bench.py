@@ -533,6 +533,9 @@ def write_outputs(out: Path, doc: dict, runs: list[dict], max_other_cpu: float) 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
+    from gradwire.experiments import require_extras
+
+    require_extras()
     cfg, ranks, nets = make_config(a)
     fabric = None
     if "fabric" in nets:

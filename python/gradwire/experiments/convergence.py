@@ -645,6 +645,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="diagnostic: TCP rto_min on every host's routes (default: the kernel's 200 ms)")
     ap.add_argument("--run-timeout", type=float, default=None, help="seconds per run before it is killed")
     a = ap.parse_args(argv)
+    from gradwire.experiments import require_extras
+
+    require_extras()
 
     if os.geteuid() != 0:
         sys.exit("convergence: needs root (it builds network namespaces and runs the emulated fabric)")
