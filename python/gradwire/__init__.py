@@ -30,6 +30,7 @@ from ._native import (
     ReduceReport,
     SendReport,
     Session,
+    Work,
 )
 
 __version__: str = _native.__version__
@@ -49,6 +50,7 @@ __all__ = [
     "BroadcastReport",
     "SendReport",
     "RecvReport",
+    "Work",
 ]
 
 

@@ -107,6 +107,16 @@ class RecvReport:
     def elapsed_s(self) -> float: ...
     def to_dict(self) -> Dict[str, Any]: ...
 
+class Work:
+    """A started operation (``Session.start_*``). Dropping it before it completed cancels
+    the operation (and waits for it to let go of the array)."""
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """The operation's report (ReduceReport, BroadcastReport, SendReport, RecvReport;
+        None for an all-gather or barrier), or its error raised; later calls give the same.
+        TimeoutError if it still runs after ``timeout`` seconds (it keeps running)."""
+    def is_completed(self) -> bool: ...
+
 class Endpoint:
     """Phase 1: this rank's sockets, bound; exchange ``address`` with every rank, then
     ``connect``."""
@@ -249,6 +259,64 @@ class Session:
         """The sender's ``tensor`` id. ``layer`` and ``num_layers`` are not used on the
         receiving side (accepted so that both ends can pass the same options). With
         ``point_to_point=False`` only from rank - 1."""
+    def start_all_reduce(
+        self,
+        array: ArrayLike,
+        *,
+        op: Literal["sum", "average", "min", "max", "product"] = "sum",
+        loss_bound: Optional[float] = None,
+        layer: int = 0,
+        num_layers: int = 0,
+        dscp: Optional[int] = None,
+        algorithm: Literal["auto", "ring", "direct"] = "auto",
+        step_deadline: Union[float, Literal["adaptive"], None] = None,
+    ) -> Work:
+        """Starts an all-reduce in place and returns at once (message layer only; an
+        authenticated session raises ConfigError). Ranks start operations in the same
+        order. The array is claimed until the Work completes: do not touch it meanwhile."""
+    def start_reduce_scatter(
+        self,
+        array: ArrayLike,
+        *,
+        op: Literal["sum", "average", "min", "max", "product"] = "sum",
+        loss_bound: Optional[float] = None,
+        layer: int = 0,
+        num_layers: int = 0,
+        dscp: Optional[int] = None,
+    ) -> Work:
+        """This rank's chunk (``chunk(len, rank)``) ends with the reduction of every rank's
+        chunk there."""
+    def start_all_gather(self, array: Any) -> Work:
+        """``array``: a C-contiguous numpy uint8 array; rank r's chunk (``chunk``), filled by
+        rank r, reaches every rank. Reliable."""
+    def start_broadcast(self, array: Any, root: int, *, loss_bound: Optional[float] = None) -> Work:
+        """``array``: a numpy uint8 array (any tensor's bytes)."""
+    def start_barrier(self) -> Work: ...
+    def start_send(
+        self,
+        array: Any,
+        peer: int,
+        *,
+        tensor: int = 0,
+        layer: int = 0,
+        num_layers: int = 0,
+        loss_bound: Optional[float] = None,
+        raw: bool = False,
+    ) -> Work:
+        """Copies the array first (it is free at once). ``raw=True``: a numpy uint8 array."""
+    def start_recv(
+        self, array: Any, peer: int, *, tensor: int = 0, loss_bound: Optional[float] = None
+    ) -> Work:
+        """``array``: a numpy uint8 array of the sender's length in bytes."""
+    @property
+    def block_bytes(self) -> int:
+        """Bytes per block (one segment's payload) on the message layer."""
+    def chunk(self, length: int, c: int) -> Tuple[int, int]:
+        """``(start, end)`` bytes of rank c's chunk of a ``length``-byte array in
+        reduce-scatter and all-gather."""
+    @property
+    def message_layer(self) -> bool:
+        """Whether the session runs on the message layer (started operations need it)."""
     def message_stats(self) -> Optional[Dict[str, int]]:
         """The message layer's counters (data_sent, data_resent, ctrl_sent, polls, nacks,
         refused, datagrams_in/out, send_calls, ...), or None when the session does not run on
