@@ -76,7 +76,9 @@ class Options:
     ``ip``: this rank's address (default: ``GRADWIRE_IP``, else the local address towards
     ``MASTER_ADDR``). ``secret``: a job secret (bytes) every rank shares: authenticated
     packets, on the flow transport. ``rate_bps``: a sending rate cap. ``inject_loss``: drop
-    this fraction of incoming data packets (tests and experiments)."""
+    this fraction of incoming data packets (tests and experiments). ``mtu``: the network's
+    MTU, the same on every rank (default 1500; 9000 with jumbo frames; up to 65535 for a
+    one-host job on loopback)."""
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class Options:
         rate_bps: Optional[int] = None,
         inject_loss: float = 0.0,
         seed: int = 0,
+        mtu: Optional[int] = None,
     ) -> None:
         if isinstance(loss_bound, bool) or not 0.0 <= float(loss_bound) < 1.0:
             raise gradwire.ConfigError(f"loss_bound {loss_bound!r} is not a fraction in [0, 1)")
@@ -96,6 +99,7 @@ class Options:
         self.rate_bps = rate_bps
         self.inject_loss = inject_loss
         self.seed = seed
+        self.mtu = mtu
 
 
 @contextlib.contextmanager
@@ -250,6 +254,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
             inject_loss=self._opts.inject_loss,
             seed=self._opts.seed,
             rate_bps=self._opts.rate_bps,
+            mtu=self._opts.mtu,
         )
         store.set(f"gradwire/endpoint/{rank}", endpoint.address)
         table = [bytes(store.get(f"gradwire/endpoint/{r}")) for r in range(world)]

@@ -5,7 +5,9 @@
 Modes (each a DDP job of ``--world`` ranks on 127.0.0.1, the same model, data and seed):
 
 - ``gloo``: ``DistributedDataParallel`` on a Gloo group (PyTorch as people run it);
-- ``gradwire``: ``init_process_group("gradwire")`` and DDP unchanged (no hook);
+- ``gradwire``: ``init_process_group("gradwire")`` and DDP unchanged (no hook), and
+  ``gradwire-mtu64k`` the same with ``Options(mtu=65000)``: loopback's MTU is 65536, and
+  TCP (Gloo) fills it, while gradwire's default segments are Ethernet's 1500 bytes;
 - ``hook``: Gloo's group with gradwire's communication hook (``gradwire.ddp``), default
   buckets (25 MB), and ``hook-1mb`` (``bucket_cap_mb=1``: many buckets in flight) against
   ``hook-1bucket`` (one bucket: nothing to overlap).
@@ -16,7 +18,8 @@ median and spread over rounds, the ratios the issue's targets name, the system-w
 busy share during each run (/proc/stat), and whether the modes trained to the same
 parameters (the backend must be bit-identical to Gloo on two ranks).
 
-Writes ``results.json``, ``results.csv`` and ``ddp_bench.png`` into ``--out``.
+Writes ``results.json``, ``results.csv`` and ``ddp_bench.png`` into ``--out`` (and the
+ranks' own outputs and logs of the latest round into ``--out/runs``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("gloo", "gradwire", "hook", "hook-1mb", "hook-1bucket")
+MODES = ("gloo", "gradwire", "gradwire-mtu64k", "hook", "hook-1mb", "hook-1bucket")
 
 
 def _busy_jiffies() -> tuple[int, int]:
@@ -118,8 +121,9 @@ def worker(mode: str, iters: int, out: Path, model_name: str) -> None:
     import gradwire.distributed as gwd
 
     torch.set_num_threads(1)
-    if mode == "gradwire":
-        dist.init_process_group(gwd.BACKEND)
+    if mode.startswith("gradwire"):
+        opts = gwd.Options(mtu=65000) if mode == "gradwire-mtu64k" else None
+        dist.init_process_group(gwd.BACKEND, pg_options=opts)
         group = None
     else:
         dist.init_process_group("gloo")
@@ -166,12 +170,14 @@ def summarize(rows: list[dict]) -> dict:
         "median_ms": med,
         "spread_ms": {m: [min(v), max(v)] if v else None for m, v in by.items()},
         "gradwire_over_gloo": ratio("gradwire", "gloo"),
+        "gradwire_mtu64k_over_gloo": ratio("gradwire-mtu64k", "gloo"),
         "hook_over_gloo": ratio("hook", "gloo"),
         "hook_1mb_over_1bucket": ratio("hook-1mb", "hook-1bucket"),
         "backend_bit_identical_to_gloo": all(
             g["checksum"] == b["checksum"]
+            for mode in ("gradwire", "gradwire-mtu64k")
             for g, b in zip(
-                [r for r in rows if r["mode"] == "gloo"], [r for r in rows if r["mode"] == "gradwire"]
+                [r for r in rows if r["mode"] == "gloo"], [r for r in rows if r["mode"] == mode]
             )
         ),
         "failed_runs": [r["mode"] for r in rows if not r["ok"]],
@@ -217,10 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     require_extras()
     a.out.mkdir(parents=True, exist_ok=True)
     modes = [m for m in a.modes.split(",") if m]
+    runs = a.out / "runs"  # each run's ranks' outputs and logs (the latest round's)
+    runs.mkdir(exist_ok=True)
     rows = []
     for rnd in range(a.rounds):
         for m in modes:
-            r = run_mode(m, a, a.out)
+            r = run_mode(m, a, runs)
             r["round"] = rnd
             rows.append(r)
             print(f"round {rnd} {m}: {r['iteration_ms'] and round(r['iteration_ms'], 1)} ms "
