@@ -65,6 +65,9 @@ _DATA_PRIORITIES = 7
 # dtypes the transport reduces (numerically, f16 and bf16 are summed in f32).
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+# Iterations between replica checks by default: one all-gather of 8 bytes a bucket.
+_DEFAULT_CHECK_EVERY = 50
+
 # Records kept in ``state.log`` by default: ~100 iterations of a 1000-parameter model.
 _DEFAULT_LOG_SIZE = 100_000
 
@@ -201,6 +204,12 @@ class GradwireState:
             (default 7, gradwire-qos's data priorities: one class per DSCP). Fewer classes mean
             fewer, larger all-reduces; a group is tagged with the DSCP of its front-most layer.
         log_size: records ``state.log`` keeps (the newest).
+        check_every: every this many iterations (0: never) each rank checksums the averaged
+            gradients of every bucket, and the ranks compare their checksums at the start of
+            the next iteration (an all-gather of 8 bytes a bucket): replicas must apply the
+            same gradient at any bound. A mismatch fails that iteration's backward pass with
+            ``gradwire.DataError`` naming the iteration, the bucket and the ranks
+            (``state.replica_checks`` counts the checks passed). Message layer only.
         keep_contributors: keep ``state.contributors``, ``{name: [ContributorRun, ...]}`` of
             the latest iteration (``state.contributors_iteration``): which ranks each element
             of each parameter averages, from the report's per-block sets with the rotation
@@ -230,6 +239,7 @@ class GradwireState:
         spread_loss: bool = True,
         log_size: int | None = _DEFAULT_LOG_SIZE,
         keep_contributors: bool = False,
+        check_every: int = _DEFAULT_CHECK_EVERY,
         process_group=None,
     ) -> None:
         module = _module_of(ddp)
@@ -305,6 +315,13 @@ class GradwireState:
         self.on_report = on_report
         self.log: collections.deque[LossRecord] = collections.deque(maxlen=log_size)
         self.keep_contributors = bool(keep_contributors)
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
+            raise _config_error(f"check_every {check_every!r} is not a number of iterations >= 0")
+        self.check_every = check_every
+        self.replica_checks = 0
+        # {(iteration, bucket index): checksum} of finished buckets, compared at the start of
+        # the next iteration (started in the same order on every rank).
+        self._checksums: dict[tuple[int, int], int] = {}
         self.contributors: dict[str, list[ContributorRun]] = {}
         self.contributors_iteration: int | None = None
         self.iteration = 0
@@ -490,6 +507,9 @@ class GradwireState:
             iteration = self.iteration
             plan = self._plan(groups, buf)
             natives = []
+            check = self._start_replica_check()
+            if check is not None:
+                natives.append(check[0])
             for g, _view, work, _shift in plan:
                 try:
                     natives.append(self.session.start_all_reduce(work, **self._reduce_options(g)))
@@ -499,9 +519,17 @@ class GradwireState:
             if bucket.is_last():
                 self.iteration += 1
 
+        checks = self.check_every and iteration % self.check_every == 0
+        index = bucket.index()
+
         def finish(reports):
+            if check is not None:
+                self._compare_replicas(check[1], check[2])
+                reports = reports[1:]
             with self._lock:
                 records = self._records(plan, reports, iteration)
+                if checks:
+                    self._checksums[(iteration, index)] = _checksum(buf)
             self._report(iteration, records)
             return buf
 
@@ -515,6 +543,46 @@ class GradwireState:
         # waits in C++. A callback that raises it marks the chained future failed, so
         # loss.backward() raises instead of DDP reading an exception as the bucket.
         return fut.then(_value)
+
+    def _start_replica_check(self):
+        """At an iteration's first bucket: starts the all-gather of the previous checked
+        iteration's checksums (the same keys on every rank, in order). Returns the work,
+        the keys and the staging buffer, or None."""
+        if not self._checksums:
+            return None
+        keys = sorted(self._checksums)
+        if keys[-1][0] >= self.iteration:
+            return None  # this iteration's own buckets: compared at the next one
+        mine = torch.tensor([self._checksums.pop(k) for k in keys], dtype=torch.int64)
+        per = self._padded_bytes(mine.numel() * 8)
+        staging = torch.zeros(per * self.world, dtype=torch.uint8)
+        a, _ = self.session.chunk(staging.numel(), self.rank)
+        staging[a : a + mine.numel() * 8] = mine.view(torch.uint8)
+        return self.session.start_all_gather(staging.numpy()), keys, staging
+
+    def _padded_bytes(self, n: int) -> int:
+        bb = self.session.block_bytes
+        return max(1, -(-n // bb)) * bb
+
+    def _compare_replicas(self, keys, staging) -> None:
+        n = len(keys) * 8
+        sums = []
+        for r in range(self.world):
+            a, _ = self.session.chunk(staging.numel(), r)
+            sums.append(staging[a : a + n].view(torch.int64).tolist())
+        for i, (it, b) in enumerate(keys):
+            values = [s[i] for s in sums]
+            if len(set(values)) != 1:
+                odd = [r for r, v in enumerate(values) if v != values[0]]
+                err = gradwire.DataError(
+                    f"gradwire: the ranks applied different averaged gradients at iteration {it} "
+                    f"(DDP bucket {b}): checksums by rank {values}; ranks {odd} differ from "
+                    "rank 0. The replicas have diverged: restart from a checkpoint and report "
+                    "this as a bug"
+                )
+                self.failed = err
+                raise err
+        self.replica_checks += len(keys)
 
     def reduce_bucket(self, bucket) -> torch.Tensor:
         """All-reduce `bucket` in place, waiting for it, and record each parameter's
@@ -565,6 +633,14 @@ class GradwireState:
             f"params={len(self.params)}, layers={self.num_layers}, iteration={self.iteration})"
         )
 
+
+
+def _checksum(buf: torch.Tensor) -> int:
+    """A position-weighted sum of the buffer's bits: cheap, and any change to a few elements
+    (or a permutation) changes it."""
+    bits = buf.detach().reshape(-1).view(torch.int16 if buf.element_size() == 2 else torch.int32)
+    w = torch.arange(1, bits.numel() + 1, dtype=torch.int64) % 65521
+    return int((bits.to(torch.int64) * w).sum())
 
 
 def _value(fut: torch.futures.Future):

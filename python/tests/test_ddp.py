@@ -166,6 +166,7 @@ def scenario_loss(a) -> dict:
         inject_loss=a.inject,
         seed=rank + 1,
         keep_contributors=True,
+        check_every=1,
     )
     ddp.register_comm_hook(state, gwddp.allreduce_hook)
     names = [n for n, _ in model.named_parameters()]
@@ -199,7 +200,44 @@ def scenario_loss(a) -> dict:
                 g = p.grad.clone()
                 dist.broadcast(g, 0)
                 p -= 0.05 * g
-    return {"world": world, "steps": steps, "bound": a.bound, "inject": a.inject}
+    return {
+        "world": world,
+        "steps": steps,
+        "bound": a.bound,
+        "inject": a.inject,
+        "replica_checks": state.replica_checks,
+    }
+
+
+def scenario_diverge(a) -> dict:
+    """Rank 1's checksum is made wrong from step 1 on: every rank's replica check must fail
+    the next backward pass with a DataError naming the iteration and rank 1."""
+    import gradwire
+    import gradwire.ddp as gwddp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist, rank, world = _init_dist()
+    ddp = DDP(make_model())
+    state = gwddp.GradwireState(ddp, timeout=10, check_every=1)
+    ddp.register_comm_hook(state, gwddp.allreduce_hook)
+    honest = gwddp._checksum
+    for step in range(4):
+        if rank == 1 and step == 1:
+            gwddp._checksum = lambda buf: honest(buf) + 1
+        x, y = batch(rank, step)
+        try:
+            F.cross_entropy(ddp(x), y).backward()
+        except BaseException as e:  # noqa: BLE001 -- reported to the test
+            f = state.failed
+            return {
+                "step": step,
+                "message": str(e),
+                "failed": type(f).__name__,
+                "is_data_error": isinstance(f, gradwire.DataError),
+                "failed_message": str(f),
+                "checks": state.replica_checks,
+            }
+    return {"step": None, "checks": state.replica_checks}
 
 
 def _check_contributors(grad: torch.Tensor, terms: list[torch.Tensor], runs, world: int) -> dict:
@@ -288,7 +326,7 @@ def scenario_dead(a) -> dict:
 
 def _worker_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["exact", "loss", "dead"])
+    ap.add_argument("scenario", choices=["exact", "loss", "dead", "diverge"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--bound", type=float, default=0.1)
@@ -298,7 +336,12 @@ def _worker_main(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--stall", action="store_true", help="the victim stops instead of dying")
     a = ap.parse_args(argv)
-    result = {"exact": scenario_exact, "loss": scenario_loss, "dead": scenario_dead}[a.scenario](a)
+    result = {
+        "exact": scenario_exact,
+        "loss": scenario_loss,
+        "dead": scenario_dead,
+        "diverge": scenario_diverge,
+    }[a.scenario](a)
     Path(a.out).write_text(json.dumps(result))
     # The dead scenario leaves a broken process group behind: do not wait on its teardown.
     sys.stdout.flush()
@@ -394,6 +437,18 @@ def test_injected_loss_reports_fractions_consistent_with_the_bound(job):
             assert weighted >= floor, (weighted, floor, lossy)
     # The injected loss is within the bound, so not all of it is sent again: it shows.
     assert min(lossy_seen) < 1.0, lossy_seen
+    # Every bucket of every step but the last was compared across the ranks: identical.
+    for out in outs:
+        assert out["replica_checks"] >= len(out["steps"]) - 1, out["replica_checks"]
+
+
+def test_diverged_replicas_fail_loudly_on_every_rank(job):
+    for out in _run_ok(job, "diverge", 2, 120):
+        assert out["step"] == 2, out  # step 1's sums are compared when step 2 starts
+        assert out["is_data_error"], out
+        assert "iteration 1" in out["failed_message"] and "ranks [1]" in out["failed_message"], out
+        assert "different averaged gradients" in out["message"], out
+        assert out["checks"] >= 1, out
 
 
 def test_injected_loss_averages_each_element_over_its_reported_contributors(job):
