@@ -268,6 +268,19 @@ class ProcessGroupGradwire(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
 
+    # torch names groups after creating them (DeviceMesh and FSDP look them up by name).
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return getattr(self, "_group_desc", "")
+
     def __repr__(self) -> str:
         return f"ProcessGroupGradwire(rank={self._rank}, world={self._world})"
 
@@ -424,6 +437,12 @@ class ProcessGroupGradwire(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         return self._allgather_base(output, inp, opts)
 
+    def allgather_into_tensor_coalesced(
+        self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any = None
+    ) -> Any:
+        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[0] if len(works) == 1 else self._chain(works, outputs)
+
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         if output.numel() != inp.numel() * self._world or output.dtype != inp.dtype:
             raise gradwire.ConfigError(
@@ -497,6 +516,12 @@ class ProcessGroupGradwire(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         return self._reduce_scatter_base(output, inp, opts)
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts: Any = None
+    ) -> Any:
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return works[0] if len(works) == 1 else self._chain(works, outputs)
 
     def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
         if inp.numel() != output.numel() * self._world or inp.dtype != output.dtype:

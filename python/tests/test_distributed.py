@@ -307,9 +307,45 @@ def scenario_secret(a) -> dict:
     return {"bad": bad, "reduce_scatter_refused": refused}
 
 
+def scenario_fsdp(a) -> dict:
+    """FSDP2 (fully_shard) on the CPU over gradwire and over Gloo: the same losses and
+    parameters, bit for bit, on two ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    gloo = _init()
+    r, w = dist.get_rank(), dist.get_world_size()
+    runs = {}
+    for name, group in (("gradwire", dist.group.WORLD), ("gloo", gloo)):
+        mesh = DeviceMesh.from_group(group, "cpu")
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        for layer in m:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for step in range(a.steps):
+            g = torch.Generator().manual_seed(r * 10 + step)
+            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        full = [p.full_tensor().detach().clone() for p in m.parameters()]
+        runs[name] = (losses, full)
+    same = runs["gradwire"][0] == runs["gloo"][0] and all(
+        torch.equal(p, q) for p, q in zip(runs["gradwire"][1], runs["gloo"][1])
+    )
+    dist.destroy_process_group()
+    return {"same": same, "losses": runs["gradwire"][0], "torch": torch.__version__}
+
+
 def _worker_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["ops", "ddp", "dead", "lossy", "secret"])
+    ap.add_argument("scenario", choices=["ops", "ddp", "dead", "lossy", "secret", "fsdp"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--victim", type=int, default=2)
@@ -323,6 +359,7 @@ def _worker_main(argv: list[str]) -> int:
         "dead": scenario_dead,
         "lossy": scenario_lossy,
         "secret": scenario_secret,
+        "fsdp": scenario_fsdp,
     }[a.scenario]
     Path(a.out).write_text(json.dumps(fn(a)))
     sys.stdout.flush()
@@ -388,3 +425,8 @@ def test_an_authenticated_job_runs_the_operations_blocking(job):
     for out in _run_ok(job, "secret", 2, 120):
         assert out["bad"] == [], out
         assert "without a job secret" in (out["reduce_scatter_refused"] or ""), out
+
+
+def test_fsdp2_on_the_cpu_matches_gloo_bit_for_bit(job):
+    for out in _run_ok(job, "fsdp", 2, 180, "--steps", "3"):
+        assert out["same"], out
