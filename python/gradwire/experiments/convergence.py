@@ -39,7 +39,15 @@ import time
 import tomllib
 from pathlib import Path
 
-VARIANTS = {"gloo": None, "gradwire-p0": 0.0, "gradwire-p1": 0.01, "gradwire-p10": 0.10}
+VARIANTS = {
+    "gloo": None,
+    "gradwire-p0": 0.0,
+    "gradwire-p1": 0.01,
+    "gradwire-p10": 0.10,
+    # init_process_group("gradwire") with DDP unchanged, the group's loss bound p
+    "backend-p0": 0.0,
+    "backend-p10": 0.10,
+}
 QUICK_VARIANTS = ("gloo", "gradwire-p1")
 LINK_LOSSES = (0.0, 0.02)
 TOPOLOGY = "testbeds/convergence.toml"
@@ -353,6 +361,7 @@ def run_one(
             iteration_ms_p99=_pct(all_ms, 0.99),
             delivered_fraction_mean=statistics.fmean(r["delivered_fraction_mean"] for r in ranks),
             delivered_fraction_min=min(r["delivered_fraction_min"] for r in ranks),
+            replica_drift=max(r.get("replica_drift", math.nan) for r in ranks),
             iterations=r0["iterations"],
             train_s=r0["train_s"],
         )
@@ -532,8 +541,15 @@ def targets(results: list[dict]) -> list[dict]:
         return next((r for r in results if r["variant"] == variant and r["link_loss"] == loss), None)
 
     out = []
+    for r in results:
+        if r["variant"] != "gloo" and r.get("completed"):
+            d = r.get("replica_drift")
+            out.append(_judged(
+                f"{r['variant']} at {r['link_loss']:.0%} link loss: replica drift exactly 0",
+                [r], "value_drift", d, d == 0.0,
+            ))
     gloo0, gloo2 = get("gloo", 0.0), get("gloo", 0.02)
-    for v in ("gradwire-p1", "gradwire-p10"):
+    for v in ("gradwire-p1", "gradwire-p10", "backend-p10"):
         lossy, clean = get(v, 0.02), get(v, 0.0)
         if lossy and gloo0:
             # Every rank of the lossy run against the baseline's worst rank: the rank farthest
@@ -565,7 +581,7 @@ def targets(results: list[dict]) -> list[dict]:
 
 def write_csv(path: Path, results: list[dict]) -> None:
     cols = ["variant", "link_loss", "final_accuracy", "iteration_ms_mean", "iteration_ms_p50",
-            "iteration_ms_p99", "delivered_fraction_mean", "delivered_fraction_min", "valid",
+            "iteration_ms_p99", "delivered_fraction_mean", "delivered_fraction_min", "replica_drift", "valid",
             "completed", "wall_s", "accuracy_per_epoch"]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
@@ -725,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
             fig = f"{t['value_pp']:+.2f} pp"
         elif t.get("value_ratio") is not None:
             fig = f"{t['value_ratio']:.2f}x"
+        elif t.get("value_drift") is not None:
+            fig = f"drift {t['value_drift']:g}"
         else:
             fig = "no figure"
         why = "".join(f"; {e['run']} excluded: {', '.join(e['reasons'])}" for e in t["excluded"])

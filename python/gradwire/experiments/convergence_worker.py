@@ -70,7 +70,7 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variant", required=True, help="gloo or gradwire-pN")
+    ap.add_argument("--variant", required=True, help="gloo, gradwire-pN (the hook) or backend-pN")
     ap.add_argument("--loss-bound", type=float, default=0.0, help="gradwire's bound p")
     ap.add_argument("--epochs", type=int, required=True)
     ap.add_argument("--batch", type=int, default=16, help="samples per rank per iteration")
@@ -85,14 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(a.timeout, 30.0)))
+    timeout = datetime.timedelta(seconds=max(a.timeout, 30.0))
+    backend = a.variant.startswith("backend")
+    if backend:
+        # DDP unchanged on init_process_group("gradwire"), the bound set for the group.
+        import gradwire.distributed as gwd
+
+        opts = gwd.Options(loss_bound=a.loss_bound, rate_bps=a.rate_bps)
+        dist.init_process_group(gwd.BACKEND, timeout=timeout, pg_options=opts)
+        gloo = dist.new_group(backend="gloo")
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+        gloo = None
 
     xtr, ytr, xte, yte = digits()
     torch.manual_seed(a.seed)
     model = DigitsCNN()
     ddp = DDP(model)
     state = None
-    if a.variant != "gloo":
+    if a.variant != "gloo" and not backend:
         import gradwire.ddp as gwddp
 
         state = gwddp.GradwireState(
@@ -133,8 +144,16 @@ def main(argv: list[str] | None = None) -> int:
             )
     train_s = time.perf_counter() - started
 
+    # Replica drift: the largest difference between any rank's parameters and rank 0's
+    # (0 when every rank applied the same averaged gradients, as DDP assumes).
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat, group=gloo)
+    drift = max(float((g - gathered[0]).abs().max()) for g in gathered)
+
     result = {
         "rank": rank,
+        "replica_drift": drift,
         "world": world,
         "variant": a.variant,
         "loss_bound": a.loss_bound if state is not None else None,
