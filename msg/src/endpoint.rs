@@ -385,12 +385,32 @@ struct Driver {
     rng: fastrand::Rng,
 }
 
+/// After the endpoint is dropped its progress thread goes on answering until nothing has
+/// arrived for this long: a peer whose last DONE (or ACK) was lost asks again, and a socket
+/// closed at once would fail that peer's operation although everything arrived (the last
+/// barrier of a job under loss). An endpoint idle this long before the drop closes at once.
+const LINGER_QUIET: Duration = Duration::from_millis(100);
+/// The longest a dropped endpoint lingers.
+const LINGER_MAX: Duration = Duration::from_secs(1);
+
 impl Driver {
     fn run(&mut self) -> Result<(), BoxError> {
+        let mut closing: Option<Instant> = None;
+        let mut last_heard = Instant::now()
+            .checked_sub(LINGER_QUIET)
+            .unwrap_or_else(Instant::now);
         loop {
             let now = Instant::now();
+            if let Some(at) = closing {
+                if now.saturating_duration_since(last_heard) >= LINGER_QUIET
+                    || now.saturating_duration_since(at) >= LINGER_MAX
+                {
+                    let _ = self.transmit(now);
+                    return Ok(());
+                }
+            }
             // Commands.
-            loop {
+            while closing.is_none() {
                 match self.rx.try_recv() {
                     Ok(Cmd::Submit(id, op)) => self.start(now, id, op),
                     Ok(Cmd::Cancel(id)) => self.end(
@@ -408,11 +428,9 @@ impl Driver {
                     {
                         break
                     }
-                    // Dropped: what is queued (an ABORT of everything) still goes out.
-                    Err(_) => {
-                        let _ = self.transmit(now);
-                        return Ok(());
-                    }
+                    // Dropped: what is queued (an ABORT of everything) goes out below, and
+                    // the endpoint lingers while its peers still talk to it.
+                    Err(_) => closing = Some(now),
                 }
             }
             // Input.
@@ -435,6 +453,7 @@ impl Driver {
                 self.stats.recv_calls += 1;
                 self.stats.datagrams_in += n as u64;
                 got += n;
+                last_heard = now;
                 self.dispatch(now);
             }
             self.check_unreachable();
@@ -451,7 +470,11 @@ impl Driver {
                     .next_timeout()
                     .map(|t| t.saturating_duration_since(Instant::now()))
                     .unwrap_or(Duration::from_millis(100))
-                    .min(Duration::from_millis(100));
+                    .min(Duration::from_millis(if closing.is_some() {
+                        10
+                    } else {
+                        100
+                    }));
                 if self.io.wait(Some(timeout), false)?.errors {
                     self.check_unreachable();
                 }
