@@ -9,6 +9,8 @@
 
 mod common;
 
+use common::programs::{lib_dir, repo, run};
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -25,40 +27,6 @@ const RUN_DEADLINE: Duration = Duration::from_secs(90);
 struct Binaries {
     shared: PathBuf,
     static_: PathBuf,
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// The directory holding the libgradwire_c.so/.a that cargo built with this test (the same
-/// compilation as the rlib the test links: never stale).
-fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let deps = exe.parent().unwrap();
-    for dir in [deps, deps.parent().unwrap()] {
-        if dir.join("libgradwire_c.so").is_file() && dir.join("libgradwire_c.a").is_file() {
-            return dir.to_path_buf();
-        }
-    }
-    panic!("libgradwire_c.so/.a not found next to {}", exe.display());
-}
-
-fn run(cmd: &mut Command, what: &str) -> String {
-    let out = cmd.output().unwrap_or_else(|e| {
-        panic!("{what}: cannot run: {e} (scripts/deps.sh installs gcc and pkg-config)")
-    });
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Installs through scripts/capi.sh and compiles the example twice, once per test binary.

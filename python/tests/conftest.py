@@ -139,6 +139,14 @@ def job(tmp_path):
         j.kill()
 
 
+def run_ok(job: Job, script: Path, scenario: str, world: int, timeout: float, *args: str) -> list[dict]:
+    """Runs `script`'s `scenario` as a job of `world` ranks; every rank must exit 0 with its
+    JSON, which is returned in rank order."""
+    results = job.run(script, [scenario, *args], world, timeout)
+    assert all(r.returncode == 0 and r.output is not None for r in results), explain(results)
+    return [r.output for r in results]
+
+
 def explain(results: list[RankResult]) -> str:
     """Every rank's exit code and log tail, for assertion messages."""
     return "\n".join(

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 if __name__ != "__main__":
-    from conftest import explain
+    from conftest import explain, run_ok
 
 U = 2.0**-24  # unit roundoff of float32
 STEPS = 4
@@ -360,9 +360,7 @@ HERE = Path(__file__).resolve()
 
 
 def _run_ok(job, scenario: str, world: int, timeout: float, *args: str):
-    results = job.run(HERE, [scenario, *args], world, timeout)
-    assert all(r.returncode == 0 and r.output is not None for r in results), explain(results)
-    return [r.output for r in results]
+    return run_ok(job, HERE, scenario, world, timeout, *args)
 
 
 def _check_telemetry(out: dict, iterations: int) -> None:

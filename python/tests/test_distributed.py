@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 if __name__ != "__main__":
-    from conftest import explain
+    from conftest import explain, run_ok
 
 
 def _init(timeout: float = 30.0, options=None):
@@ -378,9 +378,7 @@ HERE = Path(__file__).resolve()
 
 
 def _run_ok(job, scenario: str, world: int, timeout: float, *args: str):
-    results = job.run(HERE, [scenario, *args], world, timeout)
-    assert all(r.returncode == 0 and r.output is not None for r in results), explain(results)
-    return [r.output for r in results]
+    return run_ok(job, HERE, scenario, world, timeout, *args)
 
 
 def test_every_operation_matches_gloo_exactly_on_3_ranks(job):

@@ -306,17 +306,7 @@ impl Session {
         region: Region,
         opts: &ReduceOptions,
     ) -> Result<Work, SessionError> {
-        let g = self.layer()?;
-        float_dtype(dtype)?;
-        let elems = region.len() / dtype.elem_size();
-        let work = g.start_all_reduce(dtype, region, &self.group_options(opts)?)?;
-        Ok(Work::new(Pending::Reduce {
-            work,
-            dtype,
-            elems,
-            world: self.cfg.world,
-            block_bytes: g.block_bytes(),
-        }))
+        self.start_reduction(dtype, region, opts, Group::start_all_reduce)
     }
 
     /// Starts a reduce-scatter of `region` in place: this rank's chunk
@@ -327,10 +317,28 @@ impl Session {
         region: Region,
         opts: &ReduceOptions,
     ) -> Result<Work, SessionError> {
+        self.start_reduction(dtype, region, opts, Group::start_reduce_scatter)
+    }
+
+    fn start_reduction(
+        &self,
+        dtype: DType,
+        region: Region,
+        opts: &ReduceOptions,
+        start: impl FnOnce(
+            &Group,
+            DType,
+            Region,
+            &GroupReduceOptions,
+        ) -> Result<
+            group::Work<ReduceOutcome>,
+            gradwire_collective::error::CollectiveError,
+        >,
+    ) -> Result<Work, SessionError> {
         let g = self.layer()?;
         float_dtype(dtype)?;
         let elems = region.len() / dtype.elem_size();
-        let work = g.start_reduce_scatter(dtype, region, &self.group_options(opts)?)?;
+        let work = start(g, dtype, region, &self.group_options(opts)?)?;
         Ok(Work::new(Pending::Reduce {
             work,
             dtype,

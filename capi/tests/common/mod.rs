@@ -3,6 +3,7 @@
 #![allow(dead_code, unsafe_code)]
 
 pub mod forge;
+pub mod programs;
 
 use std::ffi::{CStr, CString};
 use std::net::Ipv4Addr;
