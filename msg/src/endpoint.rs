@@ -388,7 +388,9 @@ struct Driver {
 /// After the endpoint is dropped its progress thread goes on answering until nothing has
 /// arrived for this long: a peer whose last DONE (or ACK) was lost asks again, and a socket
 /// closed at once would fail that peer's operation although everything arrived (the last
-/// barrier of a job under loss). An endpoint idle this long before the drop closes at once.
+/// barrier of a job under loss). Anything about another message gets an ABORT naming this
+/// rank, so peers that expect more of it fail at once. An endpoint idle this long before the
+/// drop closes at once.
 const LINGER_QUIET: Duration = Duration::from_millis(100);
 /// The longest a dropped endpoint lingers.
 const LINGER_MAX: Duration = Duration::from_secs(1);
@@ -429,8 +431,13 @@ impl Driver {
                         break
                     }
                     // Dropped: what is queued (an ABORT of everything) goes out below, and
-                    // the endpoint lingers while its peers still talk to it.
-                    Err(_) => closing = Some(now),
+                    // the endpoint lingers while its peers still talk to it, answering only
+                    // about finished messages (`Core::close`).
+                    Err(_) => {
+                        self.fail_all("the endpoint was shut down");
+                        self.core.close();
+                        closing = Some(now);
+                    }
                 }
             }
             // Input.

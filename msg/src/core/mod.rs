@@ -510,6 +510,8 @@ pub struct Core {
     rr: usize,
     /// The receiver's budget of segments in flight towards it.
     budget: Window,
+    /// The endpoint is closing ([`Core::close`]): only finished messages are answered.
+    closing: bool,
 }
 
 impl Core {
@@ -545,7 +547,26 @@ impl Core {
             unexpected_bytes: 0,
             rr: 0,
             budget,
+            closing: false,
         }
+    }
+
+    /// The endpoint is going away but its socket stays open a little (lingering): a peer
+    /// that asks again about a message this rank finished (its DONE was lost) still gets the
+    /// DONE, while data, POLLs and PINGs about any other message get an ABORT naming this
+    /// rank, so a peer that expects more of it fails at once instead of seeing it alive.
+    pub fn close(&mut self) {
+        self.closing = true;
+    }
+
+    /// While closing: tells peer `i` that this rank gave up message `msg` (`our_send`: the
+    /// message this rank would send, else the one it would receive), naming itself.
+    fn refuse_closing(&mut self, i: usize, msg: u32, our_send: bool) {
+        let mut c = self.ctrl_to(i, CtrlOp::Abort, msg, 0);
+        c.a = u32::from(self.cfg.rank) + 1;
+        // b = 1: about the frame's receiver's send (we give up our receive).
+        c.b = u32::from(!our_send);
+        self.ctrl_frame(i, c, &[]);
     }
 
     /// The configuration.

@@ -297,6 +297,12 @@ impl Core {
             }
             return;
         }
+        if self.closing {
+            if h.flags & flags::LAST != 0 || h.pass > 0 {
+                self.refuse_closing(i, h.msg, false);
+            }
+            return;
+        }
         let ahead = h.msg.wrapping_sub(p.recv_next);
         let behind_reserved =
             h.msg.wrapping_sub(p.done_below) < p.recv_next.wrapping_sub(p.done_below);
@@ -565,6 +571,8 @@ impl Core {
         if p.is_done(c.msg) {
             let f = self.ctrl_to(i, CtrlOp::Done, c.msg, c.pass);
             self.ctrl_frame(i, f, &[]);
+        } else if self.closing {
+            self.refuse_closing(i, c.msg, false);
         } else {
             // Not posted yet: say we are alive and what we hold, so the sender keeps waiting.
             let held = p.unexpected.get(&c.msg).map_or(0, |u| u.segs.len() as u32);
@@ -580,6 +588,7 @@ impl Core {
             CtrlOp::Ack | CtrlOp::Done | CtrlOp::Nack => self.on_send_ctrl(now, i, c, bitmap),
             CtrlOp::Grant => self.on_grant(i, c),
             CtrlOp::Poll | CtrlOp::Abort | CtrlOp::Pong => self.on_recv_ctrl(now, i, c),
+            CtrlOp::Ping if self.closing => self.refuse_closing(i, c.msg, true),
             CtrlOp::Ping => {
                 let posted = self.peers[i].sends.contains_key(&c.msg);
                 let mut f = self.ctrl_to(i, CtrlOp::Pong, c.msg, 0);

@@ -1171,3 +1171,48 @@ fn counters_add_field_by_field() {
     };
     assert_eq!(sum, twice);
 }
+
+#[test]
+fn a_closing_core_still_confirms_what_it_finished_and_refuses_anything_else() {
+    use std::cell::Cell;
+    use std::rc::Rc;
+
+    // Every control frame lost while the data goes through: rank 1 has the whole message,
+    // rank 0 never heard so.
+    let lose = Rc::new(Cell::new(true));
+    let l = lose.clone();
+    let mut net = Net::new(2, Box::new(move |_, d| l.get() && d[1] != wire::KIND_DATA));
+    let data = pattern(64 * 8, 3);
+    one_message(&mut net, &data, RecvOpts::default());
+    net.run(Duration::from_millis(3));
+    assert_eq!(received(&net, 1).len(), 1);
+    assert_eq!(sent(&net, 0), 0);
+    // Rank 1 leaves (its endpoint lingers): rank 0's POLL still gets the DONE.
+    net.cores[1].close();
+    lose.set(false);
+    net.run(Duration::from_millis(50));
+    assert_eq!(sent(&net, 0), 1, "{:?}", net.events[0]);
+    // A new message to the closing rank fails at once, naming it as the rank that left.
+    let now = net.now;
+    let src = net.cores[0].register(Region::owned(vec![7; 64 * 4]));
+    assert_eq!(net.cores[0].reserve_sends(1, 1), Ok(1));
+    net.cores[0]
+        .post_send(now, 1, 1, src, 0..64 * 4, SendOpts::default())
+        .expect("post send");
+    net.run(Duration::from_millis(50));
+    let failed: Vec<_> = net.events[0]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Failed { error, .. } => Some(error.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        failed,
+        vec![MsgError::Aborted {
+            peer: 1,
+            msg: 1,
+            culprit: Some(1)
+        }]
+    );
+}
