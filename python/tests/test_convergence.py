@@ -151,6 +151,19 @@ def test_accuracy_is_judged_on_the_worst_rank():
     assert t["met"] is True, t
 
 
+def test_replica_drift_is_met_only_when_exactly_zero():
+    results = good_results()
+    results[2]["replica_drift"] = 0.0
+    results[3]["replica_drift"] = 1e-7  # one bit apart is a different model
+    ts = conv.targets(results)
+    clean = target(ts, "gradwire-p1 at 0% link loss: replica drift")
+    lossy = target(ts, "gradwire-p1 at 2% link loss: replica drift")
+    assert clean["met"] is True and clean["value_drift"] == 0.0, clean
+    assert lossy["met"] is False and lossy["value_drift"] == 1e-7, lossy
+    # Gloo's runs get no drift target (DDP on Gloo is the reference).
+    assert not [t for t in ts if t["target"].startswith("gloo") and "drift" in t["target"]]
+
+
 def test_the_document_lists_excluded_runs_with_reasons():
     results = good_results()
     results[1] = run("gloo", 0.02, ms=100.0, valid=False)
@@ -336,7 +349,10 @@ def test_quick_convergence_run_writes_its_results(tmp_path):
     }
     # A target is met only from runs that may be judged.
     by_tag = {conv.run_tag(r): r for r in results}
-    assert len(doc["targets"]) == 3
+    # Accuracy and the two time ratios of gradwire-p1, and its replica drift at each loss.
+    assert len(doc["targets"]) == 5
+    drift = [t for t in doc["targets"] if "replica drift" in t["target"]]
+    assert len(drift) == 2 and all(t["value_drift"] is not None for t in drift), drift
     for t in doc["targets"]:
         assert isinstance(t["met"], bool)
         runs = [by_tag[tag] for tag in t["runs"]]
