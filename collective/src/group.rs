@@ -408,13 +408,9 @@ impl Group {
         let algo = o.algorithm.resolve(t.as_bytes().len(), self.world());
         let mut t = t;
         let bytes = t.as_bytes_mut();
-        self.learn(self.guard(|| match algo {
-            AllReduceAlgo::Ring => self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
-                Either::<Ring, Direct>::A(Ring::new(r, spec, Halves::Both))
-            }),
-            _ => self.ep.run_borrowed(bytes, self.cfg.op_timeout, |r| {
-                Either::<Ring, Direct>::B(Direct::new(r, spec))
-            }),
+        self.learn(self.guard(|| {
+            self.ep
+                .run_borrowed(bytes, self.cfg.op_timeout, |r| all_reduce_op(algo, r, spec))
         }))
     }
 
@@ -446,11 +442,8 @@ impl Group {
         o: &GroupReduceOptions,
     ) -> Result<Work<ReduceOutcome>, CollectiveError> {
         let spec = self.spec(dtype, o)?;
-        let op = match o.algorithm.resolve(region.len(), self.world()) {
-            AllReduceAlgo::Ring => Either::<Ring, Direct>::A(Ring::new(region, spec, Halves::Both)),
-            _ => Either::<Ring, Direct>::B(Direct::new(region, spec)),
-        };
-        self.start(op)
+        let algo = o.algorithm.resolve(region.len(), self.world());
+        self.start(all_reduce_op(algo, region, spec))
     }
 
     /// Starts a reduce-scatter of `region` in place (rank r's chunk r holds the result:
@@ -666,6 +659,14 @@ impl Group {
                 Some(e) => Err(e),
             }
         })
+    }
+}
+
+/// The all-reduce `algo` (resolved: ring or two-phase) over `region`.
+fn all_reduce_op(algo: AllReduceAlgo, region: Region, spec: ReduceSpec) -> Either<Ring, Direct> {
+    match algo {
+        AllReduceAlgo::Ring => Either::A(Ring::new(region, spec, Halves::Both)),
+        _ => Either::B(Direct::new(region, spec)),
     }
 }
 

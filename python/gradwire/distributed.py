@@ -167,15 +167,19 @@ def _check_float(t: torch.Tensor, what: str) -> None:
         )
 
 
+# torch's reductions gradwire runs, and their names in gradwire (built once: every
+# all_reduce looks its op up here).
+_OPS = (
+    (dist.ReduceOp.SUM, "sum"),
+    (dist.ReduceOp.AVG, "average"),
+    (dist.ReduceOp.MIN, "min"),
+    (dist.ReduceOp.MAX, "max"),
+    (dist.ReduceOp.PRODUCT, "product"),
+)
+
+
 def _op_name(op: Any) -> str:
-    table = {
-        dist.ReduceOp.SUM: "sum",
-        dist.ReduceOp.AVG: "average",
-        dist.ReduceOp.MIN: "min",
-        dist.ReduceOp.MAX: "max",
-        dist.ReduceOp.PRODUCT: "product",
-    }
-    for k, v in table.items():
+    for k, v in _OPS:
         if op == k:
             return v
     raise gradwire.ConfigError(

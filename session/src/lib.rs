@@ -614,45 +614,18 @@ impl Session {
         priority: Option<&PriorityFn<'_>>,
     ) -> Result<SendSummary, SessionError> {
         self.check_p2p_link(peer, true)?;
+        let o = p2p_options(opts)?;
+        if self.group.is_some() {
+            // One copy, into the message's own buffer.
+            let (work, segments, len) =
+                self.post_send(peer, dtype, Region::owned(bytes.to_vec()), opts, priority)?;
+            let started = std::time::Instant::now();
+            return Ok(work::send_summary(work.wait()?, segments, len, started));
+        }
         let tensor = p2p_tensor(dtype, bytes.len()).map(|mut t| {
             t.as_bytes_mut().copy_from_slice(bytes);
             t
         })?;
-        let o = p2p_options(opts)?;
-        if let Some(g) = &self.group {
-            self.check_peer(peer)?;
-            // Each segment of the layer tagged by the priority function (DLCP's default:
-            // the layer's DSCP, ECN-capable when its gradients are large).
-            let tagger;
-            let f: &PriorityFn<'_> = match priority {
-                Some(f) => f,
-                None => {
-                    tagger = DlcpTagger {
-                        dscp: data_dscp(&ReduceOptions {
-                            layer: opts.layer,
-                            num_layers: opts.num_layers,
-                            ..ReduceOptions::default()
-                        })?,
-                        threshold: gradwire::tagging::magnitude_threshold(
-                            &tensor,
-                            &gradwire::tagging::MagnitudeConfig::default(),
-                        ),
-                    };
-                    &tagger.priority_fn()
-                }
-            };
-            let seg = g.block_bytes();
-            let tags = gradwire::flow::tos_per_segment(bytes, seg, opts.layer, dtype, f);
-            let started = std::time::Instant::now();
-            let resent = g.send(peer, bytes, opts.tensor, 0, tags)?;
-            return Ok(SendSummary {
-                segments: bytes.len().div_ceil(seg).max(1) as u32,
-                bytes: bytes.len() as u64,
-                retransmitted_segments: resent,
-                elapsed_s: started.elapsed().as_secs_f64(),
-                final_rate_bps: 0,
-            });
-        }
         let report = match priority {
             Some(f) => self.comm.send(peer, &tensor, &o, f)?,
             None => {
@@ -768,12 +741,22 @@ fn float_tensor(dtype: DType, bytes: &mut [u8]) -> Result<TensorMut<'_>, Session
 }
 
 fn p2p_tensor(dtype: DType, len: usize) -> Result<gradwire::tensor::Tensor, SessionError> {
-    gradwire::tensor::Tensor::zeros_bytes(dtype, len).ok_or_else(|| {
-        SessionError::InvalidArgument(format!(
+    whole_elems(dtype, len)?;
+    Ok(gradwire::tensor::Tensor::zeros(
+        dtype,
+        len / dtype.elem_size(),
+    ))
+}
+
+/// `len` bytes must be a whole number of `dtype` elements.
+fn whole_elems(dtype: DType, len: usize) -> Result<(), SessionError> {
+    if len % dtype.elem_size() != 0 {
+        return Err(SessionError::InvalidArgument(format!(
             "a buffer of {len} bytes is not a whole number of {dtype} elements ({} bytes each)",
             dtype.elem_size()
-        ))
-    })
+        )));
+    }
+    Ok(())
 }
 
 fn p2p_options(opts: &P2pOptions) -> Result<gradwire_collective::comm::P2pOptions, SessionError> {

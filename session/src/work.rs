@@ -151,17 +151,7 @@ impl Work {
                 work,
                 segments,
                 bytes,
-            } => {
-                let done = work.wait()?;
-                Outcome::Sent(SendSummary {
-                    segments,
-                    bytes,
-                    retransmitted_segments: u64::from(done.segments)
-                        .saturating_sub(u64::from(segments)),
-                    elapsed_s: elapsed(self.started),
-                    final_rate_bps: 0,
-                })
-            }
+            } => Outcome::Sent(send_summary(work.wait()?, segments, bytes, self.started)),
             Pending::Recv {
                 work,
                 peer,
@@ -178,6 +168,23 @@ impl Work {
                 Outcome::Received(summary)
             }
         })
+    }
+}
+
+/// A send's summary (`segments` of `bytes`, started at `started`).
+pub(crate) fn send_summary(
+    done: SendDone,
+    segments: u32,
+    bytes: u64,
+    started: Instant,
+) -> SendSummary {
+    SendSummary {
+        segments,
+        bytes,
+        // Segments beyond one of each: this message's own resends and probes.
+        retransmitted_segments: u64::from(done.segments).saturating_sub(u64::from(segments)),
+        elapsed_s: started.elapsed().as_secs_f64(),
+        final_rate_bps: 0,
     }
 }
 
@@ -390,27 +397,40 @@ impl Session {
         opts: &P2pOptions,
         priority: Option<&PriorityFn<'_>>,
     ) -> Result<Work, SessionError> {
+        let (work, segments, bytes) = self.post_send(peer, dtype, region, opts, priority)?;
+        Ok(Work::new(Pending::Send {
+            work,
+            segments,
+            bytes,
+        }))
+    }
+
+    /// The send of `region` on the layer, tagged (the blocking `send` waits for it): its
+    /// work, its segments and its length.
+    pub(crate) fn post_send(
+        &self,
+        peer: usize,
+        dtype: DType,
+        region: Region,
+        opts: &P2pOptions,
+        priority: Option<&PriorityFn<'_>>,
+    ) -> Result<(group::Work<SendDone>, u32, u64), SessionError> {
         let g = self.layer()?;
         self.check_peer(peer)?;
         check_tensor_id(opts.tensor)?;
         let bytes = region.as_slice();
-        if bytes.len() % dtype.elem_size() != 0 {
-            return Err(SessionError::InvalidArgument(format!(
-                "a buffer of {} bytes is not a whole number of {dtype} elements",
-                bytes.len()
-            )));
-        }
+        crate::whole_elems(dtype, bytes.len())?;
         let seg = g.block_bytes();
-        let dscp = data_dscp(&ReduceOptions {
-            layer: opts.layer,
-            num_layers: opts.num_layers,
-            ..ReduceOptions::default()
-        })?;
         let tags = match priority {
             Some(f) => gradwire::flow::tos_per_segment(bytes, seg, opts.layer, dtype, f),
             None => {
+                // DLCP's default: the layer's DSCP, ECN-capable when its gradients are large.
                 let tagger = DlcpTagger {
-                    dscp,
+                    dscp: data_dscp(&ReduceOptions {
+                        layer: opts.layer,
+                        num_layers: opts.num_layers,
+                        ..ReduceOptions::default()
+                    })?,
                     threshold: gradwire::tagging::magnitude_threshold_of(
                         bytes,
                         dtype,
@@ -427,12 +447,11 @@ impl Session {
             }
         };
         let (segments, len) = (bytes.len().div_ceil(seg).max(1) as u32, bytes.len() as u64);
-        let work = g.start_send(peer, region, opts.tensor, tags)?;
-        Ok(Work::new(Pending::Send {
-            work,
+        Ok((
+            g.start_send(peer, region, opts.tensor, tags)?,
             segments,
-            bytes: len,
-        }))
+            len,
+        ))
     }
 
     /// Starts a receive of tensor `opts.tensor` from `peer` into `region` (the sender's
