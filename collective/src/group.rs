@@ -110,6 +110,9 @@ pub struct GroupReduceOptions {
     /// A time bound per reduce-scatter step: none, fixed, or adaptive from the steps this
     /// group's blocking calls saw (see [`crate::deadline`]).
     pub step_deadline: StepDeadline,
+    /// Element ranges of the tensor (ascending, disjoint: the parameters it coalesces) each
+    /// held to the loss bound on its own. Empty: the tensor as a whole.
+    pub ranges: Vec<std::ops::Range<usize>>,
 }
 
 /// A group before its endpoint starts.
@@ -372,6 +375,14 @@ impl Group {
             tos: (o.dscp << 2) | 0b10,
             layer: o.layer,
             step_deadline,
+            ranges: o
+                .ranges
+                .iter()
+                .map(|r| {
+                    r.start.saturating_mul(dtype.elem_size())
+                        ..r.end.saturating_mul(dtype.elem_size())
+                })
+                .collect(),
         })
     }
 
@@ -679,6 +690,7 @@ fn gather_spec() -> ReduceSpec {
         tos: 0b10,
         layer: 0,
         step_deadline: None,
+        ranges: Vec::new().into(),
     }
 }
 

@@ -523,6 +523,7 @@ pub fn run_jobs(
                         dscp: plan.dscp,
                         layer: 0,
                         step_deadline: Default::default(),
+                        ranges: Vec::new(),
                     },
                 };
                 let transport = settings.transport;

@@ -42,6 +42,12 @@ fuzz_target!(|data: &[u8]| {
         up_to: mode & 8 != 0,
         skip_meta_zero: mode & 16 != 0,
         patient: mode & 32 != 0,
+        // Per-range budgets (not with up_to): three parameters, one smaller than a segment.
+        ranges: if mode & 64 != 0 && mode & 8 == 0 {
+            vec![0..LEN / 3, LEN / 3 + 5..LEN / 3 + 40, LEN / 2..LEN]
+        } else {
+            Vec::new()
+        },
     };
     let _ = core.reserve_recvs(0, 1);
     core.post_recv(now, 0, 0, buf, GUARD..GUARD + LEN, opts).expect("post");

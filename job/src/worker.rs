@@ -415,6 +415,7 @@ pub fn run_worker(w: &WorkerSpec, mut progress: impl FnMut(&str)) -> Result<Work
                         dscp: opts.dscp,
                         layer: opts.layer,
                         step_deadline: Default::default(),
+                        ranges: Vec::new(),
                     };
                     let before = g.stats().core.payload_bytes_sent;
                     let out = match &algorithm {

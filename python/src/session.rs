@@ -311,7 +311,30 @@ fn reduce_options(
         dscp: dscp.map(|d| config::dscp(py, d)).transpose()?,
         algorithm,
         step_deadline,
+        ranges: Vec::new(),
     })
+}
+
+/// `ranges=`: (start, end) element pairs, ascending, disjoint and non-empty, each held to
+/// the loss bound on its own.
+fn loss_ranges(
+    py: Python<'_>,
+    pairs: Vec<(usize, usize)>,
+) -> PyResult<Vec<std::ops::Range<usize>>> {
+    let mut end = 0;
+    for &(a, b) in &pairs {
+        if a < end || a >= b {
+            return Err(errors::config(
+                py,
+                format!(
+                    "ranges: ({a}, {b}) is not a non-empty (start, end) element range after the \
+                     previous one (ending at {end}); give ascending, disjoint ranges"
+                ),
+            ));
+        }
+        end = b;
+    }
+    Ok(pairs.into_iter().map(|(a, b)| a..b).collect())
 }
 
 /// `step_deadline=`: None, a positive number of seconds, or "adaptive".
@@ -488,7 +511,7 @@ impl Session {
 
     /// Reduces `array` over all ranks, in place.
     #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0,
-        dscp = None, algorithm = "auto", step_deadline = None))]
+        dscp = None, algorithm = "auto", step_deadline = None, ranges = None))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
         &self,
@@ -501,8 +524,9 @@ impl Session {
         dscp: Option<i64>,
         algorithm: &str,
         step_deadline: Option<&Bound<'_, PyAny>>,
+        ranges: Option<Vec<(usize, usize)>>,
     ) -> PyResult<ReduceReport> {
-        let opts = reduce_options(
+        let mut opts = reduce_options(
             py,
             op,
             loss_bound,
@@ -512,6 +536,7 @@ impl Session {
             algorithm,
             step_deadline,
         )?;
+        opts.ranges = loss_ranges(py, ranges.unwrap_or_default())?;
         let mut array = ArrayMut::new(py, array, "all_reduce")?;
         let dtype = array.dtype;
         let bytes = array.bytes(py)?;
@@ -614,7 +639,7 @@ impl Session {
 
     /// Starts an all-reduce of `array` in place (the options of `all_reduce`); returns a Work.
     #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0,
-        dscp = None, algorithm = "auto", step_deadline = None))]
+        dscp = None, algorithm = "auto", step_deadline = None, ranges = None))]
     #[allow(clippy::too_many_arguments)]
     fn start_all_reduce(
         &self,
@@ -627,8 +652,9 @@ impl Session {
         dscp: Option<i64>,
         algorithm: &str,
         step_deadline: Option<&Bound<'_, PyAny>>,
+        ranges: Option<Vec<(usize, usize)>>,
     ) -> PyResult<Work> {
-        let opts = reduce_options(
+        let mut opts = reduce_options(
             py,
             op,
             loss_bound,
@@ -638,6 +664,7 @@ impl Session {
             algorithm,
             step_deadline,
         )?;
+        opts.ranges = loss_ranges(py, ranges.unwrap_or_default())?;
         let lent = Lent::new(py, array, false, "start_all_reduce")?;
         let dtype = lent.dtype;
         self.start(py, "all_reduce", Some(lent), move |s, r| {

@@ -29,7 +29,7 @@ use gradwire::tagging::DlcpTagger;
 use gradwire::transport::TransferConfig;
 use gradwire_collective::comm::{Algorithm, AllReduceOptions, CommConfig, Communicator, TensorMut};
 use gradwire_collective::error::CollectiveError;
-use gradwire_collective::group::{Group, GroupConfig, GroupReduceOptions, PendingGroup};
+use gradwire_collective::group::{Group, GroupConfig, PendingGroup};
 use gradwire_collective::job::MAX_RANKS;
 use gradwire_collective::link::{Links, NetLinkConfig, PendingLinks};
 
@@ -314,6 +314,11 @@ pub struct ReduceOptions {
     /// at most this long after it could start, with what arrived (fixed, or adaptive from the
     /// steps this session saw); the report says which steps did.
     pub step_deadline: StepDeadline,
+    /// Element ranges of the tensor (ascending, disjoint: the parameters it coalesces) each
+    /// held to the loss bound on its own, so every parameter delivers at least
+    /// `1 - loss_bound` however they are coalesced (message layer only). Empty: the tensor
+    /// as a whole.
+    pub ranges: Vec<std::ops::Range<usize>>,
 }
 
 /// Options of a point-to-point transfer: both ends give the same tensor id.
@@ -509,16 +514,7 @@ impl Session {
     ) -> Result<ReduceReport, SessionError> {
         let tensor = float_tensor(dtype, bytes)?;
         if let Some(g) = &self.group {
-            let bound = opts.loss_bound.unwrap_or(self.cfg.loss_bound);
-            loss_bound(bound)?;
-            let o = GroupReduceOptions {
-                op: opts.op,
-                loss_bound: bound,
-                algorithm: opts.algorithm,
-                dscp: data_dscp(opts)?,
-                layer: opts.layer,
-                step_deadline: opts.step_deadline,
-            };
+            let o = self.group_options(opts)?;
             let elems = tensor.elems();
             let r = g.all_reduce(tensor, &o)?;
             return Ok(work::reduce_report(
@@ -527,6 +523,14 @@ impl Session {
                 elems,
                 self.cfg.world,
                 g.block_bytes(),
+            ));
+        }
+        if !opts.ranges.is_empty() && opts.loss_bound.unwrap_or(self.cfg.loss_bound) > 0.0 {
+            return Err(SessionError::InvalidArgument(
+                "a loss bound per range (per parameter) needs the message layer, and this \
+                 session runs on the flow transport (a job secret): all-reduce without ranges, \
+                 or run the job without a secret"
+                    .into(),
             ));
         }
         let o = AllReduceOptions {

@@ -293,7 +293,10 @@ impl Session {
         Ok(self.layer()?.chunk(len, c))
     }
 
-    fn group_options(&self, o: &ReduceOptions) -> Result<GroupReduceOptions, SessionError> {
+    pub(crate) fn group_options(
+        &self,
+        o: &ReduceOptions,
+    ) -> Result<GroupReduceOptions, SessionError> {
         let bound = o.loss_bound.unwrap_or(self.cfg.loss_bound);
         loss_bound(bound)?;
         Ok(GroupReduceOptions {
@@ -303,6 +306,7 @@ impl Session {
             dscp: data_dscp(o)?,
             layer: o.layer,
             step_deadline: o.step_deadline,
+            ranges: o.ranges.clone(),
         })
     }
 

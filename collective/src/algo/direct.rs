@@ -88,7 +88,7 @@ impl Op for Direct {
                 cx.skip_recv(peer, self.recv_base[q])?;
             } else {
                 let deadline = self.r.spec.step_deadline.map(|d| cx.now() + d);
-                let opts = self.r.sum_opts(deadline);
+                let opts = self.r.sum_opts(deadline, &own, 1);
                 cx.recv(peer, self.recv_base[q], buf, own.clone(), opts)?;
                 self.phase1_left += 1;
                 self.r.recvs_left += 1;

@@ -14,6 +14,14 @@
 //! meta word (a rank bit-set, so lossy reductions are limited to 64 ranks) and each block
 //! is finished over its contributors ([`crate::aggregate::finish_block`]). The all-gather
 //! half is always reliable, so every rank ends with the same values and the same sets.
+//!
+//! The bound is a bound on what each block's result misses: a block's delivered fraction is
+//! the share of ranks summed in it, and the bound holds for the tensor's elements on
+//! average, and for each of the spec's `ranges` (the parameters a tensor coalesces) on its
+//! own. A segment lost on a hop that carries `k` ranks' partial sum costs its blocks `k` of
+//! the `world` contributions, so a receive carrying `k` does without at most
+//! `min(p, p * world / ((world - 1) * k))` of each range (see [`step_bound`]): the hops
+//! together lose at most p.
 
 pub mod barrier;
 pub mod bcast;
@@ -51,6 +59,10 @@ pub struct ReduceSpec {
     /// A time bound per lossy step (OptiReduce): a reduce-scatter receive ends at most this
     /// long after its step could start, with what arrived (`None`: only the loss bound).
     pub step_deadline: Option<Duration>,
+    /// Byte ranges of the tensor (ascending, disjoint) each held to the loss bound on its
+    /// own: a parameter of a coalesced bucket delivers at least `1 - loss_bound` whatever
+    /// its neighbours lose. Empty: the tensor as a whole.
+    pub ranges: std::sync::Arc<[Range<usize>]>,
 }
 
 impl ReduceSpec {
@@ -59,6 +71,29 @@ impl ReduceSpec {
     pub(crate) fn lossy(&self) -> bool {
         self.loss_bound > 0.0 || self.step_deadline.is_some()
     }
+}
+
+/// The loss bound of a receive that carries `carried` ranks' partial sum, in a reduction
+/// of `world` ranks under `p`: what it misses costs each block `carried / world` of its
+/// contributions, and at most `world - 1` such receives feed a block, so each gets
+/// `p / (world - 1)` of the loss (never more than `p` itself).
+pub(crate) fn step_bound(p: f64, world: usize, carried: usize) -> f64 {
+    if p <= 0.0 || world < 2 {
+        return 0.0;
+    }
+    let share = p * world as f64 / ((world - 1) as f64 * carried.max(1) as f64);
+    share.min(p)
+}
+
+/// The spec's ranges within `bytes` (a receive's part of the tensor), from its start.
+pub(crate) fn ranges_within(ranges: &[Range<usize>], bytes: &Range<usize>) -> Vec<Range<usize>> {
+    let first = ranges.partition_point(|r| r.end <= bytes.start);
+    ranges[first..]
+        .iter()
+        .take_while(|r| r.start < bytes.end)
+        .map(|r| r.start.max(bytes.start) - bytes.start..r.end.min(bytes.end) - bytes.start)
+        .filter(|r| !r.is_empty())
+        .collect()
 }
 
 /// How one lossy receive of a reduction ended.
@@ -292,6 +327,16 @@ pub(crate) fn check_spec(spec: &ReduceSpec, len: usize, world: usize) -> Result<
     }
     if !(0.0..1.0).contains(&spec.loss_bound) {
         return Err(format!("loss bound {} is not in [0, 1)", spec.loss_bound));
+    }
+    let mut end = 0;
+    for r in spec.ranges.iter() {
+        if r.start < end || r.start >= r.end || r.end > len {
+            return Err(format!(
+                "loss range {r:?} (bytes) is not after {end}, non-empty and within the \
+                 {len}-byte tensor: give ascending, disjoint element ranges"
+            ));
+        }
+        end = r.end;
     }
     if spec.lossy() && world > MAX_LOSSY_WORLD {
         return Err(format!(

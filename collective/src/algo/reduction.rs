@@ -8,7 +8,10 @@ use gradwire_msg::core::{Place, RecvOpts, RecvReport};
 use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{OpCx, OpError, Step};
 
-use super::{check_spec, outcome, Chunks, Masks, ReduceOutcome, ReduceSpec, StepReport};
+use super::{
+    check_spec, outcome, ranges_within, step_bound, Chunks, Masks, ReduceOutcome, ReduceSpec,
+    StepReport,
+};
 
 /// The state shared by ring, direct and tree all-reduce.
 #[derive(Debug)]
@@ -100,12 +103,26 @@ impl Reduction {
         self.buf.ok_or_else(|| OpError::Invalid("no buffer".into()))
     }
 
-    /// A reduce-scatter receive: summed in as it lands, under the loss bound and the step's
-    /// time bound, with the senders' contributor sets when they are tracked.
-    pub(crate) fn sum_opts(&self, deadline: Option<Instant>) -> RecvOpts {
+    /// A reduce-scatter receive of the tensor's `bytes` carrying `carried` ranks' partial
+    /// sum: summed in as it lands, under its share of the loss bound (each of the spec's
+    /// ranges on its own) and the step's time bound, with the senders' contributor sets when
+    /// they are tracked.
+    pub(crate) fn sum_opts(
+        &self,
+        deadline: Option<Instant>,
+        bytes: &std::ops::Range<usize>,
+        carried: usize,
+    ) -> RecvOpts {
+        let loss_bound = step_bound(self.spec.loss_bound, self.world, carried);
+        let ranges = if loss_bound > 0.0 {
+            ranges_within(&self.spec.ranges, bytes)
+        } else {
+            Vec::new()
+        };
         RecvOpts {
             place: Place::Reduce(self.spec.op.combine(), self.spec.dtype),
-            loss_bound: self.spec.loss_bound,
+            loss_bound,
+            ranges,
             keep_meta: self.masks.is_some(),
             deadline,
             up_to: false,

@@ -139,15 +139,11 @@ impl Op for Ring {
         self.send_base = cx.reserve_sends(self.next, steps)?;
         self.recv_base = cx.reserve_recvs(prev, steps)?;
         for s in 0..self.rs_steps {
+            // Step s carries the partial sum of s + 1 ranks.
             let c = self.r.chunks.sub(self.r.rank, s + 2);
-            let opts = self.r.sum_opts(None);
-            cx.recv(
-                prev,
-                self.recv_base + s as u32,
-                buf,
-                self.r.chunks.bytes(c),
-                opts,
-            )?;
+            let bytes = self.r.chunks.bytes(c);
+            let opts = self.r.sum_opts(None, &bytes, s + 1);
+            cx.recv(prev, self.recv_base + s as u32, buf, bytes, opts)?;
         }
         self.rs_left = self.rs_steps;
         if self.rs_steps == 0 {

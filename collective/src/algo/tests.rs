@@ -860,3 +860,96 @@ fn adaptive_time_bounds_learn_from_the_steps_and_the_ranks_still_agree() {
         }
     }
 }
+
+#[test]
+fn under_loss_every_range_delivers_its_bound_however_small() {
+    // Parameters of very different sizes coalesced in one tensor, 8 % of packets lost,
+    // a 10 % bound: every range is summed over at least 90 % of the ranks on average over
+    // its elements, however few segments it spans, and so is the whole tensor.
+    let sizes: Vec<usize> = (0..60)
+        .map(|i| [3, 1000, 17, 20_000, 358, 5, 4_000][i % 7])
+        .collect();
+    let mut ranges = Vec::new();
+    let mut at = 0;
+    for s in &sizes {
+        ranges.push(at..at + s);
+        at += s;
+    }
+    let n = at;
+    for algo in [AllReduceAlgo::Ring, AllReduceAlgo::Direct] {
+        let world = 4;
+        let given = ranges.clone();
+        let out = with_groups(
+            world,
+            |c| {
+                c.endpoint.inject_loss = 0.08;
+                c.endpoint.seed = 5;
+            },
+            move |g| {
+                let mut b = f32s(&input(g.rank(), n));
+                let o = GroupReduceOptions {
+                    op: ReduceOp::Sum,
+                    loss_bound: 0.1,
+                    algorithm: algo,
+                    ranges: given.clone(),
+                    ..GroupReduceOptions::default()
+                };
+                let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+                let r = g.all_reduce(t, &o).expect("all-reduce");
+                let c = r.contributors.expect("contributors");
+                let per_block = g.block_bytes() / 4;
+                let counts: Vec<usize> = (0..c.blocks()).map(|b| c.ranks(b).len()).collect();
+                (counts, per_block, r.complete_blocks, r.blocks)
+            },
+        );
+        let (counts, per_block, complete, blocks) = &out[0];
+        assert!(complete < blocks, "{algo:?}: 8 % loss left no block short");
+        let delivered = |r: &std::ops::Range<usize>| {
+            let sum: usize = r.clone().map(|i| counts[i / per_block]).sum();
+            sum as f64 / (r.len() * world) as f64
+        };
+        for r in ranges.iter().chain(std::iter::once(&(0..n))) {
+            let d = delivered(r);
+            assert!(d >= 0.9, "{algo:?}: elements {r:?} delivered {d:.3} < 0.9");
+        }
+        for (rank, o) in out.iter().enumerate() {
+            assert_eq!(o.0, out[0].0, "{algo:?}: rank {rank} holds other sets");
+        }
+    }
+}
+
+#[test]
+fn loss_ranges_outside_the_tensor_are_refused() {
+    let out = with_groups(
+        2,
+        |_| {},
+        |g| {
+            let mut b = f32s(&input(g.rank(), 100));
+            let o = GroupReduceOptions {
+                loss_bound: 0.1,
+                ranges: vec![0..10, 5..20],
+                ..GroupReduceOptions::default()
+            };
+            let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+            let overlap = g.all_reduce(t, &o).map(|_| ()).map_err(|e| e.to_string());
+            let o = GroupReduceOptions {
+                loss_bound: 0.1,
+                ranges: std::iter::once(90..101).collect(),
+                ..GroupReduceOptions::default()
+            };
+            let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+            let outside = g.all_reduce(t, &o).map(|_| ()).map_err(|e| e.to_string());
+            (overlap, outside)
+        },
+    );
+    for (overlap, outside) in out {
+        assert!(
+            overlap.is_err_and(|e| e.contains("loss range")),
+            "overlap accepted"
+        );
+        assert!(
+            outside.is_err_and(|e| e.contains("loss range")),
+            "outside accepted"
+        );
+    }
+}

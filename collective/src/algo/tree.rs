@@ -160,7 +160,9 @@ impl Op for TreeAllReduce {
             let bytes = self.pipeline[k].0.clone();
             for (i, &c) in self.children.clone().iter().enumerate() {
                 let deadline = self.r.spec.step_deadline.map(|d| cx.now() + d);
-                let opts = self.r.sum_opts(deadline);
+                // A child's part carries its whole subtree's sum.
+                let carried = subtree_size(&self.tree, usize::from(c));
+                let opts = self.r.sum_opts(deadline, &bytes, carried);
                 cx.recv(c, self.up_from[i] + k as u32, buf, bytes.clone(), opts)?;
                 self.r.recvs_left += 1;
             }
@@ -228,4 +230,13 @@ impl Op for TreeAllReduce {
         }
         self.done(cx)
     }
+}
+
+/// Ranks in the subtree under `rank` (itself included).
+fn subtree_size(tree: &Tree, rank: usize) -> usize {
+    1 + tree
+        .children(rank)
+        .iter()
+        .map(|&c| subtree_size(tree, c))
+        .sum::<usize>()
 }

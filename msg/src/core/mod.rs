@@ -184,6 +184,12 @@ pub struct RecvOpts {
     /// when the peer itself has been silent for the peer timeout (no PONG to the receive's
     /// PINGs, no datagram at all), not when the message alone made no progress.
     pub patient: bool,
+    /// Byte ranges of the message (ascending, disjoint, within it: the parameters a tensor
+    /// coalesces) each held to the loss bound on its own, besides the message as a whole:
+    /// a missing segment is done without only if every range it overlaps can lose its
+    /// bytes, so a small range never carries a large one's losses (DLCP's bound per tensor).
+    /// Empty: the message alone. Not with `up_to`.
+    pub ranges: Vec<Range<usize>>,
 }
 
 impl Default for RecvOpts {
@@ -196,6 +202,7 @@ impl Default for RecvOpts {
             up_to: false,
             skip_meta_zero: false,
             patient: false,
+            ranges: Vec::new(),
         }
     }
 }
@@ -339,6 +346,34 @@ pub enum PostError {
     /// A loss bound outside [0, 1).
     #[error("loss bound {0} is not in [0, 1)")]
     Bound(f64),
+    /// Loss ranges that are not ascending, disjoint, non-empty ranges within the message,
+    /// or ranges on a receive of unknown length.
+    #[error("loss ranges must be ascending, disjoint, non-empty ranges within the {len}-byte message, on a receive of known length: {why}")]
+    Ranges {
+        /// The message's length.
+        len: usize,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+/// Checks a receive's loss ranges against its message of `len` bytes.
+fn check_ranges(opts: &RecvOpts, len: usize) -> Result<(), PostError> {
+    let bad = |why: String| Err(PostError::Ranges { len, why });
+    if opts.ranges.is_empty() {
+        return Ok(());
+    }
+    if opts.up_to {
+        return bad("the receive is up_to".into());
+    }
+    let mut end = 0;
+    for r in &opts.ranges {
+        if r.start < end || r.start >= r.end || r.end > len {
+            return bad(format!("{r:?} after a range ending at {end}"));
+        }
+        end = r.end;
+    }
+    Ok(())
 }
 
 /// Counters of an endpoint (monotonic).
@@ -722,6 +757,7 @@ impl Core {
             return Err(PostError::Bound(opts.loss_bound));
         }
         let total = u32::try_from(range.len()).map_err(|_| PostError::TooLong(range.len()))?;
+        check_ranges(&opts, range.len())?;
         let nsegs = self.segments(range.len()) as u32;
         {
             let p = &self.peers[i];

@@ -89,6 +89,20 @@ pub(super) struct RecvMsg {
     /// Arrival of the first and the last placed segment.
     first_at: Option<Instant>,
     last_at: Option<Instant>,
+    /// The loss ranges' budgets (empty: the message's bound alone).
+    ranges: Vec<RangeBudget>,
+    /// With ranges: the missing segments the bound absorbs (not asked for), and how many.
+    tolerated: Vec<u64>,
+    tolerated_count: u32,
+}
+
+/// One loss range of a receive: the bytes it may do without, and has done without.
+#[derive(Debug)]
+struct RangeBudget {
+    start: usize,
+    end: usize,
+    budget: usize,
+    lost: usize,
 }
 
 impl RecvMsg {
@@ -101,6 +115,21 @@ impl RecvMsg {
         opts: RecvOpts,
     ) -> RecvMsg {
         let lose = (opts.loss_bound * f64::from(nsegs)).floor() as u32;
+        let ranges: Vec<RangeBudget> = opts
+            .ranges
+            .iter()
+            .map(|r| RangeBudget {
+                start: r.start,
+                end: r.end,
+                budget: (opts.loss_bound * r.len() as f64).floor() as usize,
+                lost: 0,
+            })
+            .collect();
+        let tolerated = if ranges.is_empty() {
+            Vec::new()
+        } else {
+            vec![0; (nsegs as usize).div_ceil(64)]
+        };
         RecvMsg {
             buf,
             start,
@@ -126,8 +155,70 @@ impl RecvMsg {
             heard: now,
             first_at: None,
             last_at: None,
+            ranges,
+            tolerated,
+            tolerated_count: 0,
             opts,
         }
+    }
+
+    fn is_tolerated(&self, seg: u32) -> bool {
+        self.tolerated
+            .get(seg as usize / 64)
+            .is_some_and(|w| w & (1 << (seg % 64)) != 0)
+    }
+
+    /// With ranges: does without segment `seg` (of `seg_payload` bytes) if the message's
+    /// bound and every range it overlaps can absorb it.
+    fn tolerate(&mut self, seg: u32, seg_payload: usize) -> bool {
+        if self.is_tolerated(seg) {
+            return true;
+        }
+        if self.tolerated_count >= self.nsegs - self.need {
+            return false;
+        }
+        let a = seg as usize * seg_payload;
+        let b = (a + seg_payload).min(self.total as usize);
+        let first = self.ranges.partition_point(|r| r.end <= a);
+        let overlap = |r: &RangeBudget| r.end.min(b).saturating_sub(r.start.max(a));
+        let hit = self.ranges[first..].iter().take_while(|r| r.start < b);
+        if hit.clone().any(|r| r.lost + overlap(r) > r.budget) {
+            return false;
+        }
+        for r in self.ranges[first..].iter_mut().take_while(|r| r.start < b) {
+            r.lost += overlap(r);
+        }
+        self.tolerated[seg as usize / 64] |= 1 << (seg % 64);
+        self.tolerated_count += 1;
+        true
+    }
+
+    /// Whether the receive may end within its bound once the sender ended a pass.
+    fn within_bound(&self) -> bool {
+        if self.ranges.is_empty() {
+            self.count >= self.need
+        } else {
+            self.count + self.tolerated_count >= self.nsegs
+        }
+    }
+
+    /// With ranges, after a pass: does without what the bound absorbs and returns the rest
+    /// as a NACK bitmap (at most MAX_BITMAP bytes; `None` when nothing else is needed).
+    fn ranged_nack(&mut self, seg_payload: usize) -> Option<(u32, Vec<u8>, u32)> {
+        let mut named: Vec<u32> = Vec::new();
+        for seg in 0..self.nsegs {
+            if self.has(seg) || self.tolerate(seg, seg_payload) {
+                continue;
+            }
+            if named
+                .first()
+                .is_some_and(|&f| seg - f >= MAX_BITMAP as u32 * 8)
+            {
+                break;
+            }
+            named.push(seg);
+        }
+        bitmap_of(&named)
     }
 
     pub(super) fn next_timer(&self, peer_timeout: Duration, alive_at: Option<Instant>) -> Instant {
@@ -207,7 +298,7 @@ impl RecvMsg {
     /// bitmap. The first losses, as many as the loss bound allows, are not asked for: only
     /// what the bound cannot absorb is resent (DLCP). Each segment is looked at once, so the
     /// work is linear in the message.
-    fn new_gaps(&mut self, reorder: u32) -> Option<(u32, Vec<u8>, u32)> {
+    fn new_gaps(&mut self, reorder: u32, seg_payload: usize) -> Option<(u32, Vec<u8>, u32)> {
         if reorder == 0 || self.pass_end.is_some() || !self.known || self.count >= self.highest {
             return None;
         }
@@ -221,7 +312,12 @@ impl RecvMsg {
         while seg < limit {
             if !self.has(seg) {
                 self.gap_lost += 1;
-                if self.gap_tolerated < may_lose {
+                let absorbed = if self.ranges.is_empty() {
+                    self.gap_tolerated < may_lose
+                } else {
+                    self.tolerate(seg, seg_payload)
+                };
+                if absorbed {
                     self.gap_tolerated += 1;
                 } else {
                     // A bitmap holds at most MAX_BITMAP * 8 segments: the rest next time.
@@ -237,15 +333,20 @@ impl RecvMsg {
             seg += 1;
         }
         self.gap_checked = seg;
-        let (&first, &last) = (named.first()?, named.last()?);
-        let bits = last - first + 1;
-        let mut map = vec![0u8; (bits as usize).div_ceil(8)];
-        for s in named {
-            let b = s - first;
-            map[(b / 8) as usize] |= 1 << (b % 8);
-        }
-        Some((first, map, bits))
+        bitmap_of(&named)
     }
+}
+
+/// Ascending segments (spanning at most MAX_BITMAP * 8) as a NACK bitmap: first, bits, count.
+fn bitmap_of(named: &[u32]) -> Option<(u32, Vec<u8>, u32)> {
+    let (&first, &last) = (named.first()?, named.last()?);
+    let bits = last - first + 1;
+    let mut map = vec![0u8; (bits as usize).div_ceil(8)];
+    for &s in named {
+        let b = s - first;
+        map[(b / 8) as usize] |= 1 << (b % 8);
+    }
+    Some((first, map, bits))
 }
 
 /// A segment kept for a message not posted yet.
@@ -394,6 +495,11 @@ impl Core {
         r.last_at = Some(r.last_at.map_or(arrived, |t| t.max(arrived)));
         r.got[seg as usize / 64] |= 1 << (seg % 64);
         r.count += 1;
+        if r.is_tolerated(seg) {
+            // Done without, then it came after all.
+            r.tolerated[seg as usize / 64] &= !(1 << (seg % 64));
+            r.tolerated_count -= 1;
+        }
         r.highest = r.highest.max(seg + 1);
         if tos & 3 == 3 {
             r.ce += 1;
@@ -403,13 +509,13 @@ impl Core {
         }
         r.since_ack += 1;
         let complete = r.count == r.nsegs;
-        let bound = r.pass_end.is_some() && r.count >= r.need;
+        let bound = r.pass_end.is_some() && r.within_bound();
         let ack = r.since_ack >= ack_every;
         let lost_before = r.gap_lost;
         let gaps = if complete || bound {
             None
         } else {
-            r.new_gaps(self.cfg.gap_reorder)
+            r.new_gaps(self.cfg.gap_reorder, seg_payload)
         };
         let lost = r.gap_lost - lost_before;
         self.note_gaps(lost);
@@ -457,10 +563,19 @@ impl Core {
         if r.count == r.nsegs {
             return self.finish(i, msg, Ended::Complete);
         }
-        if r.count >= r.need {
-            return self.finish(i, msg, Ended::Bound);
-        }
-        if let Some((first, map, bits)) = r.missing_bitmap() {
+        let nack = if r.ranges.is_empty() {
+            if r.count >= r.need {
+                return self.finish(i, msg, Ended::Bound);
+            }
+            r.missing_bitmap()
+        } else {
+            let nack = r.ranged_nack(self.cfg.seg_payload);
+            if nack.is_none() {
+                return self.finish(i, msg, Ended::Bound);
+            }
+            nack
+        };
+        if let Some((first, map, bits)) = nack {
             let mut c = self.ctrl_to(i, CtrlOp::Nack, msg, pass);
             c.a = first;
             c.b = bits;

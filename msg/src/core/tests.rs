@@ -1216,3 +1216,98 @@ fn a_closing_core_still_confirms_what_it_finished_and_refuses_anything_else() {
         }]
     );
 }
+
+#[test]
+fn loss_ranges_hold_each_range_to_the_bound_however_small() {
+    // 1000 segments under a 10 % bound: the message may do without 100. A 118-byte range
+    // over segments 100 and 101 may lose 11 bytes, so neither of its segments; the big
+    // ranges around it lose every 20th segment, within their own budgets.
+    let small = 100 * 64 + 10..102 * 64;
+    let ranges = vec![0..100 * 64, small.clone(), 110 * 64..1000 * 64];
+    let lose = |seg: u64| seg == 100 || seg == 101 || seg % 20 == 3;
+    let data = pattern(64 * 1000, 8);
+    for reorder in [0, 16] {
+        for with_ranges in [false, true] {
+            let mut net = Net::with(2, drop_first_tx(lose), |c| {
+                c.gap_reorder = reorder;
+                ack_clocked(c);
+            });
+            let opts = RecvOpts {
+                loss_bound: 0.1,
+                ranges: if with_ranges {
+                    ranges.clone()
+                } else {
+                    Vec::new()
+                },
+                ..RecvOpts::default()
+            };
+            let dst = one_message(&mut net, &data, opts);
+            net.run(Duration::from_secs(2));
+            let r = received(&net, 1);
+            assert_eq!(r.len(), 1, "reorder {reorder} ranges {with_ranges}");
+            assert_eq!(r[0].ended, Ended::Bound);
+            assert!(r[0].missing <= 100);
+            let lost_in = |range: &std::ops::Range<usize>| {
+                (0..1000)
+                    .filter(|&s| !r[0].has(s))
+                    .map(|s| {
+                        (s * 64 + 64)
+                            .min(range.end)
+                            .saturating_sub((s * 64).max(range.start))
+                    })
+                    .sum::<usize>()
+            };
+            if with_ranges {
+                for range in &ranges {
+                    let lost = lost_in(range);
+                    assert!(
+                        lost as f64 <= 0.1 * range.len() as f64,
+                        "range {range:?} lost {lost} bytes (reorder {reorder})"
+                    );
+                }
+                assert!(r[0].has(100) && r[0].has(101), "the small range was resent");
+            } else {
+                // The message's bound alone absorbs the first losses, the small range's too.
+                assert!(!r[0].has(100) && !r[0].has(101));
+                assert_eq!(lost_in(&small), small.len());
+            }
+            let got = net.cores[1].buffer(dst).expect("buffer");
+            for seg in (0..1000).filter(|&s| r[0].has(s)) {
+                let range = seg * 64..seg * 64 + 64;
+                assert_eq!(got[range.clone()], data[range]);
+            }
+        }
+    }
+}
+
+#[test]
+fn loss_ranges_that_are_not_ascending_disjoint_and_inside_are_refused() {
+    let mut net = Net::new(2, Box::new(|_, _| false));
+    let dst = net.cores[1].register(Region::owned(vec![0; 640]));
+    assert_eq!(net.cores[1].reserve_recvs(0, 1), Ok(0));
+    let now = net.now;
+    for ranges in [
+        vec![0..10, 5..20],
+        vec![10..20, 0..5],
+        std::iter::once(0..0).collect(),
+        std::iter::once(600..700).collect(),
+    ] {
+        let opts = RecvOpts {
+            loss_bound: 0.1,
+            ranges: ranges.clone(),
+            ..RecvOpts::default()
+        };
+        let e = net.cores[1].post_recv(now, 0, 0, dst, 0..640, opts);
+        assert!(
+            matches!(e, Err(PostError::Ranges { len: 640, .. })),
+            "{ranges:?}: {e:?}"
+        );
+    }
+    let opts = RecvOpts {
+        ranges: std::iter::once(0..10).collect(),
+        up_to: true,
+        ..RecvOpts::default()
+    };
+    let e = net.cores[1].post_recv(now, 0, 0, dst, 0..640, opts);
+    assert!(matches!(e, Err(PostError::Ranges { .. })), "{e:?}");
+}
