@@ -48,11 +48,16 @@ fuzz_target!(|data: &[u8]| {
         } else {
             Vec::new()
         },
+        rotate: mode & 128 != 0,
     };
     let _ = core.reserve_recvs(0, 1);
     core.post_recv(now, 0, 0, buf, GUARD..GUARD + LEN, opts).expect("post");
     let _ = core.reserve_sends(0, 1);
-    core.post_send(now, 0, 0, buf, GUARD..GUARD + LEN, SendOpts::default())
+    let send = SendOpts {
+        rotate: mode & 128 != 0,
+        ..SendOpts::default()
+    };
+    core.post_send(now, 0, 0, buf, GUARD..GUARD + LEN, send)
         .expect("post");
     let mut tx = TxBatch::default();
     let mut t = now;

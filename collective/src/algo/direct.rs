@@ -54,6 +54,7 @@ impl Direct {
                 layer: r.spec.layer,
                 meta: meta.clone(),
                 tos_per_segment: Vec::new(),
+                rotate: false,
             };
             cx.send(q as u16, self.send_base[q] + 1, buf, range.clone(), opts)?;
             r.sends_left += 1;
@@ -112,6 +113,8 @@ impl Op for Direct {
                     layer: self.r.spec.layer,
                     meta,
                     tos_per_segment: Vec::new(),
+                    // What a bound leaves out moves from message to message.
+                    rotate: self.r.spec.lossy(),
                 };
                 cx.send(peer, self.send_base[q], buf, theirs, opts)?;
                 self.r.sends_left += 1;

@@ -128,6 +128,7 @@ impl Reduction {
             up_to: false,
             skip_meta_zero: false,
             patient: false,
+            rotate: self.spec.lossy(),
         }
     }
 

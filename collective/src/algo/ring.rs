@@ -93,6 +93,9 @@ impl Ring {
             layer: self.r.spec.layer,
             meta,
             tos_per_segment: Vec::new(),
+            // The reduce-scatter's lossy steps: what a bound leaves out moves from message
+            // to message (the receive rotates alike).
+            rotate: self.r.spec.lossy() && k < self.rs_steps,
         };
         let buf = self.r.buf()?;
         cx.send(

@@ -71,6 +71,7 @@ impl TreeAllReduce {
                     layer: self.r.spec.layer,
                     meta: self.meta(k),
                     tos_per_segment: Vec::new(),
+                    rotate: self.r.spec.lossy(),
                 };
                 cx.send(parent, self.up_to + k as u32, buf, bytes, opts)?;
                 self.r.sends_left += 1;
@@ -103,6 +104,7 @@ impl TreeAllReduce {
                 layer: self.r.spec.layer,
                 meta: self.meta(k),
                 tos_per_segment: Vec::new(),
+                rotate: false,
             };
             cx.send(c, self.down_to[i] + k as u32, buf, bytes.clone(), opts)?;
             self.r.sends_left += 1;

@@ -159,6 +159,10 @@ pub struct SendOpts {
     /// One TOS byte per segment (DLCP's priority function: DSCP by layer, ECN-capable by
     /// gradient magnitude); empty: `tos` for all.
     pub tos_per_segment: Vec<u8>,
+    /// Send the first pass starting at a segment derived from the message number and
+    /// wrapping round ([`rotation`]), so what a loss or time bound leaves out is not the
+    /// same part of a tensor in every message. The receive must say `rotate` too.
+    pub rotate: bool,
 }
 
 /// Options of a posted receive.
@@ -190,6 +194,9 @@ pub struct RecvOpts {
     /// bytes, so a small range never carries a large one's losses (DLCP's bound per tensor).
     /// Empty: the message alone. Not with `up_to`.
     pub ranges: Vec<Range<usize>>,
+    /// The sender rotates the first pass ([`SendOpts::rotate`]): gaps are looked for in
+    /// the order it sends. Not with `up_to`.
+    pub rotate: bool,
 }
 
 impl Default for RecvOpts {
@@ -203,8 +210,17 @@ impl Default for RecvOpts {
             skip_meta_zero: false,
             patient: false,
             ranges: Vec::new(),
+            rotate: false,
         }
     }
+}
+
+/// The segment a rotated message of `nsegs` segments starts its first pass at: message
+/// numbers times the golden ratio, so successive messages start evenly spread over it.
+/// Sender and receiver derive it alike.
+pub fn rotation(msg: u32, nsegs: u32) -> u32 {
+    let frac = u64::from(msg).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+    ((frac * u64::from(nsegs)) >> 32) as u32
 }
 
 /// What ended a receive.
@@ -733,7 +749,7 @@ impl Core {
         }
         p.sends.insert(
             msg,
-            SendMsg::new(now, buf, range.start, total, nsegs as u32, opts),
+            SendMsg::new(now, msg, buf, range.start, total, nsegs as u32, opts),
         );
         Ok(())
     }
@@ -780,7 +796,7 @@ impl Core {
             });
             return Ok(());
         }
-        let r = RecvMsg::new(now, buf, range.start, total, nsegs, opts);
+        let r = RecvMsg::new(now, msg, buf, range.start, total, nsegs, opts);
         self.peers[i].recvs.insert(msg, r);
         if let Some(u) = self.peers[i].unexpected.remove(&msg) {
             self.unexpected_bytes -= u.bytes;

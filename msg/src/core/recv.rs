@@ -72,7 +72,10 @@ pub(super) struct RecvMsg {
     got: Vec<u64>,
     count: u32,
     ce: u32,
+    /// One past the highest first-pass position received (the segment order of a rotated
+    /// message: `rot` first).
     highest: u32,
+    rot: u32,
     meta: Vec<u64>,
     since_ack: u32,
     /// Segments below this were looked at for gaps (first pass only), and how many missing
@@ -108,6 +111,7 @@ struct RangeBudget {
 impl RecvMsg {
     pub(super) fn new(
         now: Instant,
+        msg: u32,
         buf: BufId,
         start: usize,
         total: u32,
@@ -141,6 +145,11 @@ impl RecvMsg {
             count: 0,
             ce: 0,
             highest: 0,
+            rot: if opts.rotate && !opts.up_to {
+                super::rotation(msg, nsegs)
+            } else {
+                0
+            },
             meta: if opts.keep_meta {
                 vec![0; nsegs as usize]
             } else {
@@ -159,6 +168,24 @@ impl RecvMsg {
             tolerated,
             tolerated_count: 0,
             opts,
+        }
+    }
+
+    /// The segment the sender sends at first-pass position `pos`.
+    fn seg_at(&self, pos: u32) -> u32 {
+        if self.rot == 0 {
+            pos
+        } else {
+            (pos + self.rot) % self.nsegs
+        }
+    }
+
+    /// The first-pass position of segment `seg`.
+    fn pos_of(&self, seg: u32) -> u32 {
+        if self.rot == 0 {
+            seg
+        } else {
+            (seg + self.nsegs - self.rot) % self.nsegs
         }
     }
 
@@ -308,10 +335,10 @@ impl RecvMsg {
         }
         let may_lose = self.nsegs - self.need;
         let mut named: Vec<u32> = Vec::new();
-        let mut seg = self.gap_checked;
-        while seg < limit {
+        let mut pos = self.gap_checked;
+        while pos < limit {
+            let seg = self.seg_at(pos);
             if !self.has(seg) {
-                self.gap_lost += 1;
                 let absorbed = if self.ranges.is_empty() {
                     self.gap_tolerated < may_lose
                 } else {
@@ -320,19 +347,21 @@ impl RecvMsg {
                 if absorbed {
                     self.gap_tolerated += 1;
                 } else {
-                    // A bitmap holds at most MAX_BITMAP * 8 segments: the rest next time.
+                    // A bitmap holds at most MAX_BITMAP * 8 ascending segments (a rotated
+                    // message wraps to segment 0): the rest next time.
                     if named
                         .first()
-                        .is_some_and(|&f| seg - f >= MAX_BITMAP as u32 * 8)
+                        .is_some_and(|&f| seg < f || seg - f >= MAX_BITMAP as u32 * 8)
                     {
                         break;
                     }
                     named.push(seg);
                 }
+                self.gap_lost += 1;
             }
-            seg += 1;
+            pos += 1;
         }
-        self.gap_checked = seg;
+        self.gap_checked = pos;
         bitmap_of(&named)
     }
 }
@@ -500,7 +529,7 @@ impl Core {
             r.tolerated[seg as usize / 64] &= !(1 << (seg % 64));
             r.tolerated_count -= 1;
         }
-        r.highest = r.highest.max(seg + 1);
+        r.highest = r.highest.max(r.pos_of(seg) + 1);
         if tos & 3 == 3 {
             r.ce += 1;
         }

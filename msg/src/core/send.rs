@@ -16,15 +16,18 @@ pub(super) struct SendMsg {
     total: u32,
     nsegs: u32,
     opts: SendOpts,
-    /// Next segment of the first pass.
+    /// Next position of the first pass (segment `seg_at(next)`).
     next: u32,
+    /// The first pass's first segment (0 unless the message is rotated).
+    rot: u32,
     pass: u8,
     /// Segments to resend in this pass, and which are queued or sent in it.
     resend: VecDeque<u32>,
     queued: Vec<u64>,
     /// The LAST segment (or a POLL) of `pass` went out.
     finished_pass: bool,
-    /// The receiver's count of distinct segments and one past the highest it has seen.
+    /// The receiver's count of distinct segments and one past the highest first-pass
+    /// position it has seen.
     acked: u32,
     highest: u32,
     ce: u32,
@@ -46,12 +49,18 @@ pub(super) struct SendMsg {
 impl SendMsg {
     pub(super) fn new(
         now: Instant,
+        msg: u32,
         buf: BufId,
         start: usize,
         total: u32,
         nsegs: u32,
         opts: SendOpts,
     ) -> SendMsg {
+        let rot = if opts.rotate {
+            super::rotation(msg, nsegs)
+        } else {
+            0
+        };
         SendMsg {
             buf,
             start,
@@ -59,6 +68,7 @@ impl SendMsg {
             nsegs,
             opts,
             next: 0,
+            rot,
             pass: 0,
             resend: VecDeque::new(),
             queued: Vec::new(),
@@ -93,6 +103,24 @@ impl SendMsg {
     pub(super) fn clear_stall_timer(&mut self) {
         if self.pass == 0 && !self.finished_pass {
             self.timer = None;
+        }
+    }
+
+    /// The segment sent at position `pos` of the first pass.
+    fn seg_at(&self, pos: u32) -> u32 {
+        if self.rot == 0 {
+            pos
+        } else {
+            (pos + self.rot) % self.nsegs
+        }
+    }
+
+    /// The first-pass position of segment `seg`.
+    fn pos_of(&self, seg: u32) -> u32 {
+        if self.rot == 0 {
+            seg
+        } else {
+            (seg + self.nsegs - self.rot) % self.nsegs
         }
     }
 
@@ -155,7 +183,7 @@ impl Core {
                         let next = if retransmit {
                             s.resend.front().copied()
                         } else if room > 0 && s.next < s.nsegs {
-                            Some(s.next)
+                            Some(s.seg_at(s.next))
                         } else {
                             None
                         };
@@ -181,7 +209,7 @@ impl Core {
                             s.resend.is_empty() && (s.pass > 0 || s.next == s.nsegs)
                         } else {
                             if s.probe.is_none() {
-                                s.probe = Some((seg, now));
+                                s.probe = Some((s.next, now));
                             }
                             s.next += 1;
                             room -= 1;
@@ -271,9 +299,9 @@ impl Core {
         }
         match c.op {
             CtrlOp::Ack => {
-                if let Some((seg, sent)) = s.probe {
+                if let Some((pos, sent)) = s.probe {
                     // Karn: not when a POLL may have asked for this ACK.
-                    if c.c > seg {
+                    if c.c > pos {
                         if s.polls == 0 {
                             p.rtt.sample(now.saturating_duration_since(sent));
                         }
@@ -325,11 +353,11 @@ impl Core {
                         continue;
                     }
                     let seg = c.a.saturating_add(bit);
-                    if seg < s.next && !s.is_queued(seg) {
+                    if seg < s.nsegs && s.pos_of(seg) < s.next && !s.is_queued(seg) {
                         s.set_queued(seg);
                         s.resend.push_back(seg);
                         self.stats.gap_resent += 1;
-                        if s.probe.is_some_and(|(p, _)| p == seg) {
+                        if s.probe.is_some_and(|(p, _)| p == s.pos_of(seg)) {
                             s.probe = None;
                         }
                     }
@@ -412,7 +440,7 @@ impl Core {
                     // window: on a loaded host most stalls are a receiver not yet scheduled,
                     // and congestion shows as CE marks and gaps, which do.
                     if s.pass == 0 && !s.finished_pass && s.next > s.highest {
-                        let tail = s.next - 1;
+                        let tail = s.seg_at(s.next - 1);
                         if !s.resend.contains(&tail) {
                             s.set_queued(tail);
                             s.resend.push_back(tail);

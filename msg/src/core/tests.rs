@@ -1311,3 +1311,85 @@ fn loss_ranges_that_are_not_ascending_disjoint_and_inside_are_refused() {
     let e = net.cores[1].post_recv(now, 0, 0, dst, 0..640, opts);
     assert!(matches!(e, Err(PostError::Ranges { .. })), "{e:?}");
 }
+
+#[test]
+fn a_rotated_message_starts_where_its_number_says_and_gaps_across_the_wrap_are_resent() {
+    // 201 segments (a short last one): the first pass of a rotated message starts at
+    // `rotation(msg, 201)` and wraps round. Segments lost either side of the wrap, and one
+    // early in the pass, come back through gap NACKs within the first pass.
+    let nsegs = 201u32;
+    let msg = (0..64)
+        .find(|&m| (60..140).contains(&rotation(m, nsegs)))
+        .expect("a message");
+    let rot = rotation(msg, nsegs);
+    let data = pattern(64 * 200 + 20, 9);
+    let lost = [nsegs - 2, nsegs - 1, 0, 1, (rot + 10) % nsegs];
+    let mut net = Net::with(
+        2,
+        drop_first_tx(move |seg| lost.contains(&(seg as u32))),
+        |c| {
+            c.gap_reorder = 16;
+            ack_clocked(c);
+        },
+    );
+    net.trace = Some(Vec::new());
+    let now = net.now;
+    let src = net.cores[0].register(Region::owned(data.clone()));
+    let dst = net.cores[1].register(Region::owned(vec![0; data.len()]));
+    assert_eq!(net.cores[0].reserve_sends(1, msg + 1), Ok(0));
+    assert_eq!(net.cores[1].reserve_recvs(0, msg + 1), Ok(0));
+    let recv = RecvOpts {
+        rotate: true,
+        ..RecvOpts::default()
+    };
+    net.cores[1]
+        .post_recv(now, 0, msg, dst, 0..data.len(), recv)
+        .expect("post recv");
+    let send = SendOpts {
+        rotate: true,
+        ..SendOpts::default()
+    };
+    net.cores[0]
+        .post_send(now, 1, msg, src, 0..data.len(), send)
+        .expect("post send");
+    net.run(Duration::from_secs(1));
+    assert_eq!(net.cores[1].buffer(dst), Some(&data[..]));
+    let r = received(&net, 1);
+    assert_eq!((r.len(), r[0].ended, r[0].missing), (1, Ended::Complete, 0));
+    let (s0, s1) = (net.cores[0].stats(), net.cores[1].stats());
+    assert_eq!(s1.nacks, 0, "everything came back within the first pass");
+    assert!(s1.gap_nacks >= 2, "gap NACKs {}", s1.gap_nacks);
+    assert_eq!(s0.data_resent, 5);
+    let firsts: Vec<wire::DataHeader> = net
+        .trace
+        .take()
+        .expect("trace")
+        .iter()
+        .filter_map(|(_, d)| wire::DataHeader::parse(d).ok().map(|(h, _)| h))
+        .filter(|h| h.flags & wire::flags::RETRANSMIT == 0)
+        .collect();
+    assert_eq!(firsts.len(), nsegs as usize);
+    assert_eq!(
+        firsts[0].offset,
+        u64::from(rot) * 64,
+        "the pass starts at the rotation"
+    );
+    let last = firsts
+        .iter()
+        .find(|h| h.flags & wire::flags::LAST != 0)
+        .expect("LAST");
+    assert_eq!(
+        last.offset,
+        u64::from(rot - 1) * 64,
+        "and ends just before it"
+    );
+}
+
+#[test]
+fn rotations_of_successive_messages_spread_over_the_message() {
+    // 16 successive messages of 100 segments start in at least 9 of its 10 tenths.
+    let tenths: std::collections::HashSet<u32> = (0..16).map(|m| rotation(m, 100) / 10).collect();
+    assert!(tenths.len() >= 9, "{tenths:?}");
+    assert!((0..1000).all(|m| rotation(m, 7) < 7));
+    assert_eq!(rotation(12345, 1), 0);
+}
