@@ -218,10 +218,13 @@ class Session:
         dscp: Optional[int] = None,
         algorithm: Literal["auto", "ring", "direct"] = "auto",
         step_deadline: Union[float, Literal["adaptive"], None] = None,
+        ranges: Optional[Sequence[Tuple[int, int]]] = None,
     ) -> ReduceReport:
         """All-reduce in place. ``step_deadline`` bounds each reduce-scatter step in time
         (OptiReduce): seconds, or ``"adaptive"`` (1.5 x the 95th percentile of the steps this
-        session saw, at least 1 ms; none for the first 8 steps)."""
+        session saw, at least 1 ms; none for the first 8 steps). ``ranges``: ascending,
+        disjoint ``(start, end)`` element ranges (the parameters a flat tensor coalesces),
+        each held to the loss bound on its own (message layer only)."""
     def broadcast(
         self,
         array: ArrayLike,
@@ -270,6 +273,7 @@ class Session:
         dscp: Optional[int] = None,
         algorithm: Literal["auto", "ring", "direct"] = "auto",
         step_deadline: Union[float, Literal["adaptive"], None] = None,
+        ranges: Optional[Sequence[Tuple[int, int]]] = None,
     ) -> Work:
         """Starts an all-reduce in place and returns at once (message layer only; an
         authenticated session raises ConfigError). Ranks start operations in the same

@@ -18,13 +18,16 @@ Each bucket DDP hands over is cut into its parameters. Consecutive parameters wi
 loss bound and the same DLCP priority class (``priority_classes``, 7 by default: one per
 data DSCP) are all-reduced as one slice of the bucket's buffer (in place, ``op="average"``:
 each block is averaged over the ranks whose contribution arrived, never divided by the full
-world when some are missing, DLCP Appendix A). A lossy slice is rotated by a different offset
-every iteration (``spread_loss``): the transport meets a bound by leaving out the tail of each
-transfer, which would otherwise be the same elements every time. Each parameter's delivered
-fraction is read from the report's per-block figures over its own element range, and lands
-in ``state.log`` and the ``on_report`` callback. With ``keep_contributors=True`` the state
-also keeps, for the latest iteration, which ranks are averaged in each run of each parameter's
-elements (``state.contributors``, rotation undone): the record to check a lossy result by.
+world when some are missing, DLCP Appendix A). The bound holds for every parameter on its
+own, however many share a slice: the slice's all-reduce is given each parameter's element
+range (``ranges=``), and the transport does without a lost packet only if every parameter
+it carries can afford it, asking again for the rest; the collective also rotates where each
+lossy message starts, so what a bound leaves out moves from iteration to iteration without
+copying the bucket. Each parameter's delivered fraction is read from the report's per-block
+figures over its own element range, and lands in ``state.log``, the ``on_report`` callback
+and ``state.min_delivered_by_parameter()``. With ``keep_contributors=True`` the state also
+keeps, for the latest iteration, which ranks are averaged in each run of each parameter's
+elements (``state.contributors``): the record to check a lossy result by.
 
 Layers: by default a parameter's layer is the position of the module that owns it among the
 modules with trainable parameters, in registration order (the forward order of a
@@ -197,9 +200,6 @@ class GradwireState:
         secret: job secret (16+ bytes): authenticated links.
         coalesce: all-reduce consecutive parameters of a bucket with the same bound and
             priority class as one slice (False: one all-reduce per parameter).
-        spread_loss: rotate each lossy all-reduce (bound > 0) by a different offset every
-            iteration, so the blocks a bound leaves out are not the same elements each time
-            (costs a copy of the group; off: in place).
         priority_classes: how many classes the layers spread over for coalescing, 1..7
             (default 7, gradwire-qos's data priorities: one class per DSCP). Fewer classes mean
             fewer, larger all-reduces; a group is tagged with the DSCP of its front-most layer.
@@ -212,8 +212,8 @@ class GradwireState:
             (``state.replica_checks`` counts the checks passed). Message layer only.
         keep_contributors: keep ``state.contributors``, ``{name: [ContributorRun, ...]}`` of
             the latest iteration (``state.contributors_iteration``): which ranks each element
-            of each parameter averages, from the report's per-block sets with the rotation
-            undone (costs a list per block; for tests and diagnosis).
+            of each parameter averages, from the report's per-block sets (costs a list per
+            block; for tests and diagnosis).
         process_group: the group whose ranks take part (default: the world).
 
     The constructor is a collective: every rank of the group must build its state.
@@ -236,7 +236,6 @@ class GradwireState:
         job: int = 1,
         coalesce: bool = True,
         priority_classes: int = _DATA_PRIORITIES,
-        spread_loss: bool = True,
         log_size: int | None = _DEFAULT_LOG_SIZE,
         keep_contributors: bool = False,
         check_every: int = _DEFAULT_CHECK_EVERY,
@@ -311,7 +310,6 @@ class GradwireState:
         self._tensors = {id(p): p for _, p in named}
 
         self.coalesce = bool(coalesce)
-        self.spread_loss = bool(spread_loss)
         self.on_report = on_report
         self.log: collections.deque[LossRecord] = collections.deque(maxlen=log_size)
         self.keep_contributors = bool(keep_contributors)
@@ -446,31 +444,25 @@ class GradwireState:
         )
 
     def _plan(self, groups, buf):
-        """For each group: its view of the bucket, the tensor all-reduced (a rotated copy,
-        the same on every rank, when loss is spread) and the rotation."""
-        plan = []
-        for gi, g in enumerate(groups):
-            view = buf[g.start : g.end]
-            n = g.end - g.start
-            shift = _rotation(self.iteration, gi, n) if self.spread_loss and g.loss_bound > 0 else 0
-            plan.append((g, view, torch.roll(view, shift) if shift else view, shift))
-        return plan
+        """For each group: the view of the bucket it all-reduces in place."""
+        return [(g, buf[g.start : g.end]) for g in groups]
 
     def _reduce_options(self, g: _Group) -> dict:
-        return {
+        o = {
             "op": "average",
             "loss_bound": g.loss_bound,
             "layer": g.layer,
             "num_layers": self.num_layers,
         }
+        if g.loss_bound > 0 and len(g.params) > 1 and self.session.message_layer:
+            # Every parameter held to the bound on its own, not the slice as a whole.
+            o["ranges"] = [(a - g.start, b - g.start) for _, a, b in g.params]
+        return o
 
     def _records(self, plan, reports, iteration: int) -> list:
         """Undoes the rotations and turns the reports into per-parameter records."""
         records = []
-        for (g, view, work, shift), report in zip(plan, reports):
-            n = g.end - g.start
-            if shift:
-                view.copy_(torch.roll(work, -shift))
+        for (g, _view), report in zip(plan, reports):
             self.allreduce_calls += 1
             self.allreduce_seconds += report.elapsed_s
             sets = report.block_contributors if self.keep_contributors else None
@@ -478,11 +470,11 @@ class GradwireState:
                 self.contributors = {}
                 self.contributors_iteration = iteration
             for info, start, end in g.params:
-                frac = _rotated_delivered(report, start - g.start, end - g.start, shift, n)
+                frac = _range_delivered(report, start - g.start, end - g.start)
                 records.append(LossRecord(iteration, info.name, frac))
                 if sets is not None:
-                    self.contributors[info.name] = _rotated_runs(
-                        sets, report.block_elems, start - g.start, end - g.start, shift, n
+                    self.contributors[info.name] = _runs(
+                        sets, report.block_elems, start - g.start, end - g.start
                     )
         self.log.extend(records)
         return records
@@ -510,9 +502,9 @@ class GradwireState:
             check = self._start_replica_check()
             if check is not None:
                 natives.append(check[0])
-            for g, _view, work, _shift in plan:
+            for g, view in plan:
                 try:
-                    natives.append(self.session.start_all_reduce(work, **self._reduce_options(g)))
+                    natives.append(self.session.start_all_reduce(view, **self._reduce_options(g)))
                 except gradwire.GradwireError as e:
                     self._failed(e, g, iteration)
                     raise
@@ -593,9 +585,9 @@ class GradwireState:
             iteration = self.iteration
             plan = self._plan(groups, buf)
             reports = []
-            for g, _view, work, _shift in plan:
+            for g, view in plan:
                 try:
-                    reports.append(self.session.all_reduce(work, **self._reduce_options(g)))
+                    reports.append(self.session.all_reduce(view, **self._reduce_options(g)))
                 except gradwire.GradwireError as e:
                     self._failed(e, g, iteration)
                     raise
@@ -615,6 +607,17 @@ class GradwireState:
             s[0] += r.delivered_fraction
             s[1] += 1
         return {n: s[0] / s[1] for n, s in sums.items()}
+
+    def min_delivered_by_parameter(
+        self, records: Iterable[LossRecord] | None = None
+    ) -> dict[str, float]:
+        """Lowest delivered fraction of each parameter in any one iteration of `records`
+        (default: the log): at least ``1 - loss_bound`` for every parameter, however the
+        parameters were coalesced."""
+        low: dict[str, float] = {}
+        for r in self.log if records is None else records:
+            low[r.name] = min(low.get(r.name, 1.0), r.delivered_fraction)
+        return low
 
     def close(self) -> None:
         """Close the gradwire session (the hook fails afterwards)."""
@@ -677,47 +680,14 @@ def _check_tensor(t, what: str) -> None:
         )
 
 
-def _rotation(iteration: int, group: int, n: int) -> int:
-    """Where a lossy all-reduce of `n` elements starts this iteration, the same on every rank.
-
-    The transport meets a bound by finishing a transfer once enough has arrived, so what it
-    leaves out is the tail of each ring chunk: without rotation the same elements would miss
-    contributions in every iteration. Successive multiples of the golden ratio spread the
-    start evenly over the tensor."""
-    if n <= 1:
-        return 0
-    return int(((iteration + 1) * 0.6180339887498949 + group * 0.4142135623730951) % 1.0 * n)
-
-
-def _rotated_delivered(report, start: int, end: int, shift: int, n: int) -> float:
-    """The delivered fraction of elements [start, end) of a group all-reduced rolled by
-    `shift` (element i sat at (i + shift) mod n)."""
-    if not shift:
-        return _range_delivered(report, start, end)
-    a, b = (start + shift) % n, (end + shift) % n
-    if a < b or end - start == 0:
-        return _range_delivered(report, a, b)
-    # Wrapped: [a, n) and [0, b).
-    first, second = n - a, b
-    total = _range_delivered(report, a, n) * first
-    if second:
-        total += _range_delivered(report, 0, b) * second
-    return total / (first + second)
-
-
-def _rotated_runs(
-    sets: list[list[int]], be: int, start: int, end: int, shift: int, n: int
-) -> list[ContributorRun]:
-    """Elements [start, end) of a group all-reduced rolled by `shift` (element i sat at
-    (i + shift) mod n, in block ((i + shift) mod n) // be) as runs of one contributor set,
-    counted from `start`."""
+def _runs(sets: list[list[int]], be: int, start: int, end: int) -> list[ContributorRun]:
+    """Elements [start, end) of a group (in blocks of `be` elements) as runs of one
+    contributor set, counted from `start`."""
     runs: list[ContributorRun] = []
     i = start
     while i < end:
-        p = (i + shift) % n
-        b = p // be
-        # To the end of this block, or of the rotated copy (where it wraps to element 0).
-        stop = min(end, i + min((b + 1) * be, n) - p)
+        b = i // be
+        stop = min(end, (b + 1) * be)
         ranks = tuple(sets[b])
         if runs and runs[-1].ranks == ranks:
             runs[-1] = runs[-1]._replace(end=stop - start)

@@ -541,6 +541,37 @@ def test_inject_loss_all_reduce_respects_the_bound() -> None:
         close_all(sessions)
 
 
+def test_inject_loss_holds_every_range_to_the_bound() -> None:
+    """``ranges=``: many small parameters in one flat tensor each deliver at least
+    ``1 - bound`` (element-weighted over their blocks), started or blocking; bad ranges are
+    a ConfigError naming them."""
+    bound, world = 0.1, 3
+    sessions = connect(world, inject_loss=0.08, seed=3, loss_bound=bound)
+    try:
+        sizes = [7, 3000, 40, 900, 2, 15000] * 6
+        edges = np.cumsum([0] + sizes)
+        ranges = [(int(a), int(b)) for a, b in zip(edges, edges[1:])]
+        n = int(edges[-1])
+        for started in (False, True):
+            arrays = [np.ones(n, dtype=np.float32) for _ in range(world)]
+
+            def run(s, a):
+                if started:
+                    return s.start_all_reduce(a, ranges=ranges).wait(30)
+                return s.all_reduce(a, ranges=ranges)
+
+            reports = run_ranks([lambda s=s, a=a: run(s, a) for s, a in zip(sessions, arrays)])
+            for rep in reports:
+                per_elem = np.repeat(rep.block_delivered, rep.block_elems)[:n]
+                for a, b in ranges:
+                    got = float(per_elem[a:b].mean())
+                    assert got >= 1 - bound - 1e-9, (started, a, b, got)
+        with pytest.raises(gradwire.ConfigError, match="ranges"):
+            sessions[0].all_reduce(np.ones(10, dtype=np.float32), ranges=[(0, 5), (3, 8)])
+    finally:
+        close_all(sessions)
+
+
 def test_inject_loss_recv_respects_the_bound() -> None:
     bound = 0.25
     s0, s1 = connect(2, inject_loss=0.1, seed=5)
