@@ -257,7 +257,7 @@ impl gw_op_options {
             dscp,
             algorithm,
             step_deadline,
-            ranges: Vec::new(),
+            ..ReduceOptions::default()
         })
     }
 }

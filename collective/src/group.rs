@@ -21,7 +21,7 @@ use crate::algo::bcast::{Broadcast, BroadcastOutcome};
 use crate::algo::direct::Direct;
 use crate::algo::ring::{Halves, Ring};
 use crate::algo::tree::TreeAllReduce;
-use crate::algo::{ReduceOutcome, ReduceSpec};
+use crate::algo::{ReduceOutcome, ReduceSpec, Tagging};
 use crate::comm::TensorMut;
 use crate::deadline::{StepDeadline, StepTimes};
 use crate::error::CollectiveError;
@@ -113,6 +113,8 @@ pub struct GroupReduceOptions {
     /// Element ranges of the tensor (ascending, disjoint: the parameters it coalesces) each
     /// held to the loss bound on its own. Empty: the tensor as a whole.
     pub ranges: Vec<std::ops::Range<usize>>,
+    /// Tagging of the lossy steps' segments (default: DLCP's, by gradient magnitude).
+    pub tagging: Tagging,
 }
 
 /// A group before its endpoint starts.
@@ -383,6 +385,7 @@ impl Group {
                         ..r.end.saturating_mul(dtype.elem_size())
                 })
                 .collect(),
+            tagging: o.tagging,
         })
     }
 
@@ -691,6 +694,7 @@ fn gather_spec() -> ReduceSpec {
         layer: 0,
         step_deadline: None,
         ranges: Vec::new().into(),
+        tagging: Tagging::Layer,
     }
 }
 

@@ -522,8 +522,7 @@ pub fn run_jobs(
                         algorithm: AllReduceAlgo::Auto,
                         dscp: plan.dscp,
                         layer: 0,
-                        step_deadline: Default::default(),
-                        ranges: Vec::new(),
+                        ..GroupReduceOptions::default()
                     },
                 };
                 let transport = settings.transport;

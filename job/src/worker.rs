@@ -414,8 +414,7 @@ pub fn run_worker(w: &WorkerSpec, mut progress: impl FnMut(&str)) -> Result<Work
                         algorithm: flat,
                         dscp: opts.dscp,
                         layer: opts.layer,
-                        step_deadline: Default::default(),
-                        ranges: Vec::new(),
+                        ..GroupReduceOptions::default()
                     };
                     let before = g.stats().core.payload_bytes_sent;
                     let out = match &algorithm {

@@ -219,12 +219,16 @@ class Session:
         algorithm: Literal["auto", "ring", "direct"] = "auto",
         step_deadline: Union[float, Literal["adaptive"], None] = None,
         ranges: Optional[Sequence[Tuple[int, int]]] = None,
+        tagging: Literal["magnitude", "layer"] = "magnitude",
     ) -> ReduceReport:
         """All-reduce in place. ``step_deadline`` bounds each reduce-scatter step in time
         (OptiReduce): seconds, or ``"adaptive"`` (1.5 x the 95th percentile of the steps this
         session saw, at least 1 ms; none for the first 8 steps). ``ranges``: ascending,
         disjoint ``(start, end)`` element ranges (the parameters a flat tensor coalesces),
-        each held to the loss bound on its own (message layer only)."""
+        each held to the loss bound on its own (message layer only). ``tagging``: the
+        segments of a bounded all-reduce's lossy steps go ECN-capable by gradient magnitude
+        (``"magnitude"``, DLCP's default: the rest are the first a congested switch drops)
+        or all ECN-capable (``"layer"``); the layer's DSCP either way."""
     def broadcast(
         self,
         array: ArrayLike,
@@ -274,6 +278,7 @@ class Session:
         algorithm: Literal["auto", "ring", "direct"] = "auto",
         step_deadline: Union[float, Literal["adaptive"], None] = None,
         ranges: Optional[Sequence[Tuple[int, int]]] = None,
+        tagging: Literal["magnitude", "layer"] = "magnitude",
     ) -> Work:
         """Starts an all-reduce in place and returns at once (message layer only; an
         authenticated session raises ConfigError). Ranks start operations in the same

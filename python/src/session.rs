@@ -311,8 +311,23 @@ fn reduce_options(
         dscp: dscp.map(|d| config::dscp(py, d)).transpose()?,
         algorithm,
         step_deadline,
-        ranges: Vec::new(),
+        ..ReduceOptions::default()
     })
+}
+
+/// `tagging=`: how a bounded all-reduce tags its lossy segments.
+fn tagging(py: Python<'_>, t: &str) -> PyResult<gs::Tagging> {
+    match t {
+        "magnitude" => Ok(gs::Tagging::Magnitude),
+        "layer" => Ok(gs::Tagging::Layer),
+        _ => Err(errors::config(
+            py,
+            format!(
+                "tagging {t:?} is not 'magnitude' (DLCP: ECN-capable by gradient magnitude) \
+                 or 'layer' (every segment ECN-capable)"
+            ),
+        )),
+    }
 }
 
 /// `ranges=`: (start, end) element pairs, ascending, disjoint and non-empty, each held to
@@ -511,7 +526,8 @@ impl Session {
 
     /// Reduces `array` over all ranks, in place.
     #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0,
-        dscp = None, algorithm = "auto", step_deadline = None, ranges = None))]
+        dscp = None, algorithm = "auto", step_deadline = None, ranges = None,
+        tagging = "magnitude"))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
         &self,
@@ -525,6 +541,7 @@ impl Session {
         algorithm: &str,
         step_deadline: Option<&Bound<'_, PyAny>>,
         ranges: Option<Vec<(usize, usize)>>,
+        tagging: &str,
     ) -> PyResult<ReduceReport> {
         let mut opts = reduce_options(
             py,
@@ -537,6 +554,7 @@ impl Session {
             step_deadline,
         )?;
         opts.ranges = loss_ranges(py, ranges.unwrap_or_default())?;
+        opts.tagging = self::tagging(py, tagging)?;
         let mut array = ArrayMut::new(py, array, "all_reduce")?;
         let dtype = array.dtype;
         let bytes = array.bytes(py)?;
@@ -639,7 +657,8 @@ impl Session {
 
     /// Starts an all-reduce of `array` in place (the options of `all_reduce`); returns a Work.
     #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0,
-        dscp = None, algorithm = "auto", step_deadline = None, ranges = None))]
+        dscp = None, algorithm = "auto", step_deadline = None, ranges = None,
+        tagging = "magnitude"))]
     #[allow(clippy::too_many_arguments)]
     fn start_all_reduce(
         &self,
@@ -653,6 +672,7 @@ impl Session {
         algorithm: &str,
         step_deadline: Option<&Bound<'_, PyAny>>,
         ranges: Option<Vec<(usize, usize)>>,
+        tagging: &str,
     ) -> PyResult<Work> {
         let mut opts = reduce_options(
             py,
@@ -665,6 +685,7 @@ impl Session {
             step_deadline,
         )?;
         opts.ranges = loss_ranges(py, ranges.unwrap_or_default())?;
+        opts.tagging = self::tagging(py, tagging)?;
         let lent = Lent::new(py, array, false, "start_all_reduce")?;
         let dtype = lent.dtype;
         self.start(py, "all_reduce", Some(lent), move |s, r| {

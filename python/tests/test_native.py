@@ -466,6 +466,95 @@ def test_default_tagging_puts_the_layers_dscp_on_the_data_packets() -> None:
         assert set(dscps) == {dscp}, f"layer {layer} of {num_layers}: want DSCP {dscp}, saw {dscps}"
 
 
+# Two ranks all-reduce, in a namespace of their own, a tensor whose first half is large and
+# second half tiny, under a loss bound; a raw socket records each data segment's (offset,
+# meta, ecn). Prints {tagging: [[offset, meta, ecn], ...]} as JSON.
+_REDUCE_TAGS_SCRIPT = r"""
+import json, socket, struct, subprocess, sys, threading
+import numpy as np, gradwire
+
+END = b"gradwire sniff: end of the test's packets"
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+sniff = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
+sniff.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)
+sniff.settimeout(60)
+seen = []
+
+def sniffer():
+    while True:
+        pkt = sniff.recv(65536)
+        ihl = (pkt[0] & 0x0F) * 4
+        tos, udp = pkt[1], pkt[ihl:]
+        payload = udp[8:]
+        if struct.unpack("!H", udp[2:4])[0] == 9 and payload == END:
+            return
+        if len(payload) < 40 or payload[0] != 1 or payload[1] != 3:
+            continue  # control frames, set-up
+        while payload:
+            n = 40 + struct.unpack("!H", payload[28:30])[0]
+            seg, payload = payload[:n], payload[n:]
+            offset, = struct.unpack("!Q", seg[16:24])
+            total, = struct.unpack("!I", seg[24:28])
+            if total:
+                seen.append((offset, total, tos & 3))
+
+reader = threading.Thread(target=sniffer, daemon=True)
+reader.start()
+sessions = [None, None]
+eps = [gradwire.Endpoint(r, 2, "127.0.0.1", timeout=5.0, loss_bound=0.1) for r in range(2)]
+table = [e.address for e in eps]
+ts = [threading.Thread(target=lambda r=r: sessions.__setitem__(r, eps[r].connect(table))) for r in range(2)]
+[t.start() for t in ts]; [t.join(30) for t in ts]
+n = 40_000
+out = {}
+for tagging in ("magnitude", "layer"):
+    start = len(seen)
+    arrays = [np.concatenate([np.full(n // 2, 100.0 + r), np.full(n // 2, 1e-3)]).astype(np.float32) for r in range(2)]
+    ts = [threading.Thread(target=lambda r=r: sessions[r].all_reduce(arrays[r], tagging=tagging)) for r in range(2)]
+    [t.start() for t in ts]; [t.join(30) for t in ts]
+    assert abs(float(arrays[0][0]) - 201.0) < 1e-3 and abs(float(arrays[0][-1]) - 2e-3) < 1e-6, arrays[0][[0, -1]]
+    out[tagging] = None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+        u.sendto(END if tagging == "layer" else b"mark", ("127.0.0.1", 9))
+    out[tagging] = start
+reader.join(90)
+assert not reader.is_alive(), "the sniffer never saw the end marker"
+bounds = [out["magnitude"], out["layer"], len(seen)]
+print(json.dumps({"magnitude": seen[bounds[0]:bounds[1]], "layer": seen[bounds[1]:]}))
+"""
+
+
+def test_a_bounded_all_reduce_tags_its_segments_by_gradient_magnitude() -> None:
+    """DLCP's magnitude tagging through the all-reduce: the lossy step's segments of tiny
+    gradients go not-ECT (the first a congested switch drops), the large ones and every
+    result stay ECN-capable; ``tagging="layer"`` keeps every segment ECN-capable."""
+    needs_root()
+    proc = subprocess.run(
+        ["unshare", "--net", "--", sys.executable, "-c", _REDUCE_TAGS_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    half = 40_000 // 2 * 4
+    mag = seen["magnitude"]
+    assert mag, "no data segments seen"
+    not_ect = [p for p in mag if p[2] == 0]
+    assert not_ect, "no segment of the tiny half went not-ECT"
+    assert all(p[2] in (0, 2) for p in mag), mag[:5]
+    # Each not-ECT segment holds tiny gradients: chunk 0 (whole blocks, a little over half
+    # the tensor) starts at byte 0, chunk 1 ends the tensor; the tiny half starts at `half`.
+    size = 2 * half
+    for offset, total, _ in not_ect:
+        start = offset if total >= half else size - total + offset
+        assert start + 1432 > half, (offset, total)
+    # The tiny chunk's contribution (about 56 segments of 1432 bytes) went not-ECT; its
+    # result sent back, and the large chunk, went ECN-capable.
+    assert len(not_ect) >= 40 and len(not_ect) <= len(mag) // 3, (len(not_ect), len(mag))
+    assert all(p[2] == 2 for p in seen["layer"]), [p for p in seen["layer"] if p[2] != 2][:5]
+
+
 def test_a_priority_int_and_callable_set_each_packets_dscp_on_the_wire() -> None:
     needs_root()
     fixed, func, default = _sniff_dscp([[3, 8, 46], [3, 8, "callable"], [0, 4, None]])

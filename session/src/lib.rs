@@ -37,6 +37,7 @@ pub use gradwire::datapath::fault::FaultConfig;
 pub use gradwire::flow::{SegmentInfo, Tag};
 pub use gradwire::tensor::DType;
 pub use gradwire_collective::aggregate::{Contributors, ReduceOp};
+pub use gradwire_collective::algo::Tagging;
 pub use gradwire_collective::comm::MAX_P2P_TENSOR;
 pub use gradwire_collective::deadline::StepDeadline;
 pub use gradwire_collective::group::AllReduceAlgo;
@@ -319,6 +320,9 @@ pub struct ReduceOptions {
     /// `1 - loss_bound` however they are coalesced (message layer only). Empty: the tensor
     /// as a whole.
     pub ranges: Vec<std::ops::Range<usize>>,
+    /// Tagging of the lossy steps' segments on the message layer (default: DLCP's, the
+    /// layer's DSCP and ECN-capable by gradient magnitude).
+    pub tagging: Tagging,
 }
 
 /// Options of a point-to-point transfer: both ends give the same tensor id.

@@ -307,6 +307,7 @@ impl Session {
             layer: o.layer,
             step_deadline: o.step_deadline,
             ranges: o.ranges.clone(),
+            tagging: o.tagging,
         })
     }
 

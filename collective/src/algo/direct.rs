@@ -112,7 +112,7 @@ impl Op for Direct {
                     tos: self.r.spec.tos,
                     layer: self.r.spec.layer,
                     meta,
-                    tos_per_segment: Vec::new(),
+                    tos_per_segment: self.r.tags(&cx.buf(buf)[theirs.clone()], cx.seg_payload()),
                     // What a bound leaves out moves from message to message.
                     rotate: self.r.spec.lossy(),
                 };

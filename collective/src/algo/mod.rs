@@ -63,6 +63,22 @@ pub struct ReduceSpec {
     /// own: a parameter of a coalesced bucket delivers at least `1 - loss_bound` whatever
     /// its neighbours lose. Empty: the tensor as a whole.
     pub ranges: std::sync::Arc<[Range<usize>]>,
+    /// DLCP's magnitude tagging of the lossy steps (§3.2.2): a reduce-scatter segment whose
+    /// mean |g| is below the tensor's threshold (the median |g| of a sample, taken when the
+    /// operation starts) goes not-ECT, the first a congested switch drops; the others stay
+    /// ECN-capable. Only under a loss or time bound; results always go ECN-capable.
+    pub tagging: Tagging,
+}
+
+/// How the segments of a bounded reduction's lossy steps are tagged.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Tagging {
+    /// DLCP's default (§3.2.2): the layer's DSCP, and ECN-capable only where the segment's
+    /// mean |g| reaches the tensor's threshold (the median |g| of a 0.1 % sample).
+    #[default]
+    Magnitude,
+    /// The layer's DSCP, every segment ECN-capable.
+    Layer,
 }
 
 impl ReduceSpec {

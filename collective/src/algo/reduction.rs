@@ -33,6 +33,8 @@ pub(crate) struct Reduction {
     started: Option<Instant>,
     /// When the current reduce-scatter step could start.
     step_started: Option<Instant>,
+    /// The magnitude threshold of DLCP's tagging, when the lossy steps are tagged.
+    threshold: Option<f32>,
 }
 
 impl Reduction {
@@ -51,6 +53,7 @@ impl Reduction {
             steps: Vec::new(),
             started: None,
             step_started: None,
+            threshold: None,
         }
     }
 
@@ -69,6 +72,13 @@ impl Reduction {
         check_spec(&self.spec, region.len(), self.world).map_err(OpError::Invalid)?;
         let parts = if per_rank { self.world } else { 1 };
         self.chunks = Chunks::new(region.len(), cx.seg_payload(), parts);
+        if self.spec.tagging == super::Tagging::Magnitude && self.spec.lossy() && self.world > 1 {
+            self.threshold = gradwire::tagging::magnitude_threshold_of(
+                region.as_slice(),
+                self.spec.dtype,
+                &gradwire::tagging::MagnitudeConfig::default(),
+            );
+        }
         let buf = cx.register(region);
         self.buf = Some(buf);
         Ok(buf)
@@ -130,6 +140,26 @@ impl Reduction {
             patient: false,
             rotate: self.spec.lossy(),
         }
+    }
+
+    /// The TOS byte of each segment of a lossy step's send of `bytes`: the spec's, not-ECT
+    /// where DLCP's magnitude tagging finds the segment unimportant (empty: untagged).
+    pub(crate) fn tags(&self, bytes: &[u8], seg_payload: usize) -> Vec<u8> {
+        let Some(t) = self.threshold else {
+            return Vec::new();
+        };
+        bytes
+            .chunks(seg_payload.max(1))
+            .map(|s| {
+                let m = gradwire::tagging::mean_abs(s, self.spec.dtype);
+                // NaN is important: it must not be dropped silently.
+                if m.is_nan() || m >= t {
+                    self.spec.tos
+                } else {
+                    self.spec.tos & !0b11
+                }
+            })
+            .collect()
     }
 
     /// A receive of finished values: reliable (every rank must end with the same values),

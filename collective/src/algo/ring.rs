@@ -88,23 +88,23 @@ impl Ring {
             Some(m) => m.meta(self.r.chunks.block_range(c)),
             None => Vec::new(),
         };
+        let buf = self.r.buf()?;
+        let bytes = self.r.chunks.bytes(c);
+        let lossy_step = k < self.rs_steps;
         let opts = SendOpts {
             tos: self.r.spec.tos,
             layer: self.r.spec.layer,
             meta,
-            tos_per_segment: Vec::new(),
+            tos_per_segment: if lossy_step {
+                self.r.tags(&cx.buf(buf)[bytes.clone()], cx.seg_payload())
+            } else {
+                Vec::new()
+            },
             // The reduce-scatter's lossy steps: what a bound leaves out moves from message
             // to message (the receive rotates alike).
-            rotate: self.r.spec.lossy() && k < self.rs_steps,
+            rotate: self.r.spec.lossy() && lossy_step,
         };
-        let buf = self.r.buf()?;
-        cx.send(
-            self.next,
-            self.send_base + k as u32,
-            buf,
-            self.r.chunks.bytes(c),
-            opts,
-        )
+        cx.send(self.next, self.send_base + k as u32, buf, bytes, opts)
     }
 
     fn done(&mut self, cx: &mut OpCx<'_>) -> Step<ReduceOutcome> {

@@ -70,7 +70,7 @@ impl TreeAllReduce {
                     tos: self.r.spec.tos,
                     layer: self.r.spec.layer,
                     meta: self.meta(k),
-                    tos_per_segment: Vec::new(),
+                    tos_per_segment: self.r.tags(&cx.buf(buf)[bytes.clone()], cx.seg_payload()),
                     rotate: self.r.spec.lossy(),
                 };
                 cx.send(parent, self.up_to + k as u32, buf, bytes, opts)?;
