@@ -1,13 +1,17 @@
 """Convergence on the emulated fabric: PyTorch's Gloo all-reduce against gradwire's (root).
 
-    python -m gradwire.experiments.convergence --out DIR [--epochs N] [--quick]
+    python -m gradwire.experiments.convergence --out DIR [--workload digits|charlm]
+        [--workers N] [--epochs N] [--quick]
 
-4 data-parallel workers, each a process in its own network namespace of the testbed
-``testbeds/convergence.toml`` (4 hosts on one emulated switch), train a small CNN on
-scikit-learn's digits with DDP. Variants: ``gloo`` (DDP's own all-reduce over TCP, the
-baseline) and gradwire's DDP hook at p = 0, 1 % and 10 % (``gradwire-p0``, ``-p1``,
-``-p10``), each with 0 % and with 2 % random loss on every fabric link. Every run gets a fresh
-testbed, so its fabric counters (did the emulator keep its clock: ``valid``) are its own.
+Data-parallel workers (4 by default), each a process in its own network namespace of the
+testbed ``testbeds/convergence.toml`` (hosts on one emulated switch), train a workload of
+``gradwire.experiments.workloads`` with DDP: a small CNN on scikit-learn's digits, or a
+character-level transformer language model on a text the package ships. Variants: ``gloo``
+(DDP's own all-reduce over TCP, the baseline), gradwire's DDP hook at p = 0, 1 % and 10 %
+(``gradwire-p0``, ``-p1``, ``-p10``) and ``init_process_group("gradwire")`` with DDP
+unchanged (``backend-p0``, ``backend-p10``), each at the link losses asked for (0 and 2 % by
+default) on every fabric link. Every run gets a fresh testbed, so its fabric counters (did the
+emulator keep its clock: ``valid``) are its own.
 
 The targets are judged only on runs that are valid and have every rank's result; a run that
 is not is listed under ``excluded_runs`` with the reasons, and a target that needs it is not
@@ -39,6 +43,15 @@ import time
 import tomllib
 from pathlib import Path
 
+from gradwire.experiments.convergence_report import (  # noqa: F401 -- the experiment's API
+    excluded_runs,
+    exclusion_reasons,
+    plot,
+    run_tag,
+    targets,
+    write_csv,
+)
+
 VARIANTS = {
     "gloo": None,
     "gradwire-p0": 0.0,
@@ -51,8 +64,24 @@ VARIANTS = {
 QUICK_VARIANTS = ("gloo", "gradwire-p1")
 LINK_LOSSES = (0.0, 0.02)
 TOPOLOGY = "testbeds/convergence.toml"
-FULL_EPOCHS = 20
+FULL_EPOCHS = {"digits": 20, "charlm": 10}
 QUICK_EPOCHS = 2
+# What the JSON records of each workload's set-up.
+WORKLOAD_CONFIG = {
+    "digits": {
+        "lr": 0.1, "optimizer": "SGD momentum 0.9, cosine",
+        "model": "DigitsCNN (conv16-conv32-pool-fc64-fc10, 38 k params)",
+        "dataset": "sklearn load_digits, 20% stratified test split (360 images), seed 0",
+    },
+    "charlm": {
+        "lr": 0.01, "optimizer": "AdamW, cosine",
+        "model": "CharLM (2 pre-norm causal transformer blocks, width 64, 4 heads, context 64, 118 k params)",
+        "dataset": "gradwire/experiments/data/charlm.txt (171 kB of the project's docs), last 10% held out, "
+                   "40 iterations of random windows an epoch",
+    },
+}
+# Iterations an epoch at 4 workers (digits: its training split over a global batch of 64).
+ITERS_PER_EPOCH = {"digits": 22, "charlm": 40}
 MASTER_PORT = 29500
 # The hook's priority classes: one, so each iteration is one all-reduce. On one switch with
 # nothing else on it the per-layer DSCPs change nothing, and each class costs a ring of flows:
@@ -109,9 +138,10 @@ def find_binary(given: str | None, topology: Path) -> Path:
     )
 
 
-def lossy_topology(lossless: Path, loss: float, tmp: Path) -> Path:
-    """A copy of `lossless` with `loss` on every link (its [defaults] loss line), the policy
-    path made absolute: the lossless file stays the one source of truth."""
+def lossy_topology(lossless: Path, loss: float, tmp: Path, workers: int | None = None) -> Path:
+    """A copy of `lossless` with `loss` on every link (its [defaults] loss line) and, when
+    given, `workers` hosts (its one [[host]] count line), the policy path made absolute: the
+    lossless file stays the one source of truth."""
     text = lossless.read_text()
     spec = tomllib.loads(text)
     if spec.get("link") or any("loss" in h for h in spec.get("host", [])):
@@ -120,9 +150,13 @@ def lossy_topology(lossless: Path, loss: float, tmp: Path) -> Path:
     new, n = re.subn(r"(?m)^loss\s*=.*$", f"loss = {loss!r}", text)
     if n != 1:
         sys.exit(f"convergence: {lossless} needs exactly one `loss = ...` line in [defaults]")
+    if workers is not None:
+        new, n = re.subn(r"(?m)^count\s*=.*$", f"count = {workers}", new)
+        if n != 1 or len(spec.get("host", [])) != 1:
+            sys.exit(f"convergence: {lossless} needs one [[host]] table with a `count = ...` line")
     policy = (lossless.parent / spec["policy"]).resolve()
     new = re.sub(r'(?m)^policy\s*=.*$', f"policy = {json.dumps(str(policy))}", new)
-    out = tmp / f"{lossless.stem}-loss{loss:g}.toml"
+    out = tmp / f"{lossless.stem}-{workers or 'n'}w-loss{loss:g}.toml"
     out.write_text(new)
     if tomllib.loads(new)["defaults"]["loss"] != loss:
         sys.exit(f"convergence: could not set the loss of {lossless}")
@@ -229,6 +263,7 @@ def run_one(
     name: str,
     variant: str,
     link_loss: float,
+    workload: str,
     epochs: int,
     run_timeout: float,
     rate_bps: int,
@@ -270,6 +305,7 @@ def run_one(
                     "ip", "netns", "exec", h["netns"],
                     sys.executable, "-m", "gradwire.experiments.convergence_worker",
                     "--variant", variant,
+                    "--workload", workload,
                     "--epochs", str(epochs),
                     "--timeout", str(PEER_TIMEOUT_S),
                     "--out", str(workdir / f"{tag}-rank{rank}.json"),
@@ -348,6 +384,9 @@ def run_one(
     record["rank_final_accuracy"] = [
         r["accuracy_per_epoch"][-1] if r["accuracy_per_epoch"] else None for r in by_rank
     ]
+    record["rank_final_loss"] = [
+        r["loss_per_epoch"][-1] if r.get("loss_per_epoch") else None for r in by_rank
+    ]
     if ranks:
         r0 = next((r for r in ranks if r["rank"] == 0), ranks[0])
         w = r0["warmup_iterations"]
@@ -356,6 +395,9 @@ def run_one(
         record.update(
             final_accuracy=r0["accuracy_per_epoch"][-1] if r0["accuracy_per_epoch"] else None,
             accuracy_per_epoch=r0["accuracy_per_epoch"],
+            final_loss=r0["loss_per_epoch"][-1] if r0.get("loss_per_epoch") else None,
+            loss_per_epoch=r0.get("loss_per_epoch", []),
+            epoch_end_s=r0.get("epoch_end_s", []),
             iteration_ms_mean=statistics.fmean(per_rank_ms) if per_rank_ms else None,
             iteration_ms_p50=_pct(all_ms, 0.50),
             iteration_ms_p99=_pct(all_ms, 0.99),
@@ -467,187 +509,15 @@ def _link_counters(stats: dict | None) -> dict:
     return out
 
 
-def exclusion_reasons(r: dict) -> list[str]:
-    """Why run `r` cannot be judged against a target ([] when it can): it must be valid, and
-    every rank of its world must have reported a final accuracy."""
-    reasons = []
-    if r.get("valid") is not True:
-        reasons.append("not valid: " + ("; ".join(r.get("invalid_reasons") or []) or "valid is not true"))
-    world = r.get("world")
-    reported = r.get("ranks_reported")
-    acc = r.get("rank_final_accuracy")
-    if not isinstance(world, int) or world < 1:
-        reasons.append("world size not recorded")
-    elif not isinstance(reported, list):
-        reasons.append("ranks not recorded")
-    else:
-        missing = sorted(set(range(world)) - set(reported))
-        if missing:
-            reasons.append(f"no result from rank(s) {missing} of {world}")
-        if len(reported) != len(set(reported)) or not set(reported) <= set(range(world)):
-            reasons.append(f"ranks reported {reported}, expected each of 0..{world - 1} once")
-        if (
-            not isinstance(acc, list)
-            or len(acc) != len(reported)
-            or any(not isinstance(a, (int, float)) or math.isnan(a) for a in acc)
-        ):
-            reasons.append("final accuracy not recorded for every reporting rank")
-    return reasons
-
-
-def run_tag(r: dict) -> str:
-    return f"{r['variant']} at {r['link_loss']:.0%} link loss"
-
-
-def excluded_runs(results: list[dict]) -> list[dict]:
-    """Every run no target may be judged on, with why: for convergence.json."""
-    return [
-        {"variant": r["variant"], "link_loss": r["link_loss"], "reasons": why}
-        for r in results
-        if (why := exclusion_reasons(r))
-    ]
-
-
-def worst_rank_accuracy(r: dict) -> tuple[int, float] | None:
-    """(rank, final accuracy) of the run's lowest-accuracy rank, or None without figures."""
-    pairs = [
-        (k, a)
-        for k, a in zip(r.get("ranks_reported") or [], r.get("rank_final_accuracy") or [])
-        if isinstance(a, (int, float)) and not math.isnan(a)
-    ]
-    return min(pairs, key=lambda p: p[1]) if pairs else None
-
-
-def _judged(target: str, runs: list[dict], value_key: str, value, passes: bool) -> dict:
-    """A target's record: met only when every run it needs may be judged and `passes`."""
-    excluded = [{"run": run_tag(r), "reasons": why} for r in runs if (why := exclusion_reasons(r))]
-    judged = not excluded and value is not None
-    return {
-        "target": target,
-        "runs": [run_tag(r) for r in runs],
-        value_key: value,
-        "judged": judged,
-        "valid": not excluded,
-        "met": bool(judged and passes),
-        "excluded": excluded,
-    }
-
-
-def targets(results: list[dict]) -> list[dict]:
-    """The issue's targets, each with the figures it was judged on. A target whose runs are
-    all absent (variants not run) is left out; one whose runs are present but cannot be
-    judged is listed, not met, with the runs excluded and why."""
-    def get(variant, loss):
-        return next((r for r in results if r["variant"] == variant and r["link_loss"] == loss), None)
-
-    out = []
-    for r in results:
-        if r["variant"] != "gloo" and r.get("completed"):
-            d = r.get("replica_drift")
-            out.append(_judged(
-                f"{r['variant']} at {r['link_loss']:.0%} link loss: replica drift exactly 0",
-                [r], "value_drift", d, d == 0.0,
-            ))
-    gloo0, gloo2 = get("gloo", 0.0), get("gloo", 0.02)
-    for v in ("gradwire-p1", "gradwire-p10", "backend-p10"):
-        lossy, clean = get(v, 0.02), get(v, 0.0)
-        if lossy and gloo0:
-            # Every rank of the lossy run against the baseline's worst rank: the rank farthest
-            # from it decides (Gloo's ranks hold identical models; gradwire's may not).
-            base = worst_rank_accuracy(gloo0)
-            accs = [a for a in (lossy.get("rank_final_accuracy") or []) if isinstance(a, (int, float))]
-            d, worst = None, None
-            if base is not None and accs:
-                worst = max(accs, key=lambda a: abs(a - base[1]))
-                d = 100 * (worst - base[1])
-            t = _judged(
-                f"{v} at 2% link loss: final accuracy of every rank within 1 pp of gloo at 0%",
-                [lossy, gloo0], "value_pp", d, d is not None and abs(d) <= 1.0,
-            )
-            t["worst_rank_accuracy"] = worst
-            t["baseline_accuracy"] = base[1] if base else None
-            out.append(t)
-        for ref, base_run, limit in ((lossy, gloo2, 0.5), (clean, gloo0, 1.0)):
-            if ref and base_run:
-                ratio = None
-                if ref.get("iteration_ms_mean") and base_run.get("iteration_ms_mean"):
-                    ratio = ref["iteration_ms_mean"] / base_run["iteration_ms_mean"]
-                out.append(_judged(
-                    f"{v} at {ref['link_loss']:.0%} link loss: mean iteration time <= {limit}x gloo's",
-                    [ref, base_run], "value_ratio", ratio, ratio is not None and ratio <= limit,
-                ))
-    return out
-
-
-def write_csv(path: Path, results: list[dict]) -> None:
-    cols = ["variant", "link_loss", "final_accuracy", "iteration_ms_mean", "iteration_ms_p50",
-            "iteration_ms_p99", "delivered_fraction_mean", "delivered_fraction_min", "replica_drift", "valid",
-            "completed", "wall_s", "accuracy_per_epoch"]
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        for r in results:
-            row = [r.get(c) for c in cols]
-            row[-1] = " ".join(f"{a:.4f}" for a in r.get("accuracy_per_epoch") or [])
-            w.writerow(row)
-
-
-def plot(path: Path, results: list[dict], epochs: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"gloo": "tab:gray", "gradwire-p0": "tab:blue", "gradwire-p1": "tab:green",
-              "gradwire-p10": "tab:orange"}
-    losses = sorted({r["link_loss"] for r in results})
-    fig, axes = plt.subplots(1, len(losses) + 1, figsize=(5 * (len(losses) + 1), 4.2))
-    for ax, loss in zip(axes, losses):
-        for r in results:
-            if r["link_loss"] != loss or not r.get("accuracy_per_epoch"):
-                continue
-            acc = [100 * a for a in r["accuracy_per_epoch"]]
-            label = r["variant"] + ("" if r["valid"] else " (not valid)")
-            gloo = r["variant"] == "gloo"  # drawn wide underneath: identical curves stay visible
-            ax.plot(range(1, len(acc) + 1), acc, marker=None if gloo else ".",
-                    color=colors.get(r["variant"]), label=label,
-                    linestyle="-" if r["valid"] else ":", linewidth=5 if gloo else 1.3,
-                    alpha=0.45 if gloo else 1.0, zorder=1 if gloo else 2)
-        ax.set_title(f"test accuracy, {loss:.0%} link loss")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("accuracy (%)")
-        ax.set_ylim(80, 100)
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
-    ax = axes[-1]
-    variants = [v for v in VARIANTS if any(r["variant"] == v for r in results)]
-    width = 0.8 / max(len(losses), 1)
-    for i, loss in enumerate(losses):
-        xs, ys = [], []
-        for j, v in enumerate(variants):
-            r = next((r for r in results if r["variant"] == v and r["link_loss"] == loss), None)
-            if r and r.get("iteration_ms_mean"):
-                xs.append(j + (i - (len(losses) - 1) / 2) * width)
-                ys.append(r["iteration_ms_mean"])
-        bars = ax.bar(xs, ys, width, label=f"{loss:.0%} link loss")
-        ax.bar_label(bars, fmt="%.0f", fontsize=7)
-    ax.set_xticks(range(len(variants)), variants, rotation=15, fontsize=8)
-    ax.set_ylabel("mean iteration time (ms)")
-    ax.set_title("iteration time (4 workers)")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"digits CNN, DDP on 4 namespaces, {epochs} epochs: Gloo vs gradwire")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m gradwire.experiments.convergence",
         description="Gloo vs gradwire DDP training on the emulated fabric (root).",
     )
     ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--workload", default="digits", choices=sorted(FULL_EPOCHS),
+                    help="digits (CNN, accuracy) or charlm (transformer LM on a shipped text, loss)")
+    ap.add_argument("--workers", type=int, default=None, help="workers (default: the topology's hosts, 4)")
     ap.add_argument("--epochs", type=int, default=None, help=f"epochs (default {FULL_EPOCHS}; --quick {QUICK_EPOCHS})")
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_EPOCHS} epochs, variants {', '.join(QUICK_VARIANTS)}")
     ap.add_argument("--variants", default=None, help="comma-separated subset of " + ",".join(VARIANTS))
@@ -667,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if os.geteuid() != 0:
         sys.exit("convergence: needs root (it builds network namespaces and runs the emulated fabric)")
-    epochs = a.epochs or (QUICK_EPOCHS if a.quick else FULL_EPOCHS)
+    epochs = a.epochs or (QUICK_EPOCHS if a.quick else FULL_EPOCHS[a.workload])
+    if a.workers is not None and not 2 <= a.workers <= 64:
+        sys.exit(f"convergence: --workers {a.workers} is not in 2..64")
     variants = a.variants.split(",") if a.variants else list(QUICK_VARIANTS if a.quick else VARIANTS)
     for v in variants:
         if v not in VARIANTS:
@@ -681,8 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = tomllib.loads(topology.read_text())
     name = spec["name"]
     rate_bps = a.rate_bps or _rate_bps(spec["defaults"]["rate"])
-    # ~0.1 s per iteration at worst (Gloo under loss), 22 iterations an epoch, plus start-up.
-    run_timeout = a.run_timeout or 60.0 + epochs * 22 * 0.6
+    world = a.workers or sum(h.get("count", 1) for h in spec.get("host", []))
+    # ~0.15 s per iteration at 4 workers at worst (Gloo under loss), slower with more workers
+    # on this machine's 2 cores, plus start-up.
+    run_timeout = a.run_timeout or 60.0 + epochs * ITERS_PER_EPOCH[a.workload] * 0.15 * max(world, 4)
     out = Path(a.out)
     logdir = out / "logs"
     logdir.mkdir(parents=True, exist_ok=True)
@@ -698,10 +572,11 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gw-convergence-") as tmp:
             tmp = Path(tmp)
             for loss in losses:
-                topo = topology if loss == 0.0 else lossy_topology(topology, loss, tmp)
+                same = loss == 0.0 and a.workers is None
+                topo = topology if same else lossy_topology(topology, loss, tmp, a.workers)
                 for v in variants:
                     print(f"convergence: {v} at {loss:.0%} link loss ...", file=sys.stderr, flush=True)
-                    r = run_one(binary, topo, name, v, loss, epochs, run_timeout, rate_bps, a.priority_classes,
+                    r = run_one(binary, topo, name, v, loss, a.workload, epochs, run_timeout, rate_bps, a.priority_classes,
                                 a.tcp_rto_min_ms, tmp, logdir)
                     results.append(r)
                     print(
@@ -718,9 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         "experiment": "convergence",
         "command": "python -m gradwire.experiments.convergence " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": {
-            "world": 4, "epochs": epochs, "batch_per_rank": 16, "lr": 0.1, "optimizer": "SGD momentum 0.9, cosine",
-            "model": "DigitsCNN (conv16-conv32-pool-fc64-fc10, 38 k params)",
-            "dataset": "sklearn load_digits, 20% stratified test split (360 images), seed 0",
+            "workload": a.workload, "world": world, "epochs": epochs, "batch_per_rank": 16,
+            **WORKLOAD_CONFIG[a.workload],
             "topology": str(topology), "link_rate_bps": _rate_bps(spec["defaults"]["rate"]),
             "gradwire_rate_bps": rate_bps, "gradwire_priority_classes": a.priority_classes,
             "link_losses": losses, "fabric_scheduling": f"SCHED_FIFO {FABRIC_RT_PRIORITY}",
@@ -730,15 +604,17 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": time.monotonic() - t0,
         "results": results,
         "excluded_runs": excluded_runs(results),
-        "targets": targets(results),
+        "targets": targets(results, a.workload),
     }
     (out / "convergence.json").write_text(json.dumps(doc, indent=2))
     write_csv(out / "convergence.csv", results)
-    plot(out / "convergence.png", results, epochs)
+    plot(out / "convergence.png", results, epochs, a.workload, world)
     print(f"convergence: wrote {out}/convergence.json, .csv, .png in {doc['elapsed_s']:.0f} s", file=sys.stderr)
     for t in doc["targets"]:
         if t.get("value_pp") is not None:
             fig = f"{t['value_pp']:+.2f} pp"
+        elif t.get("value_pct") is not None:
+            fig = f"{t['value_pct']:+.2f} %"
         elif t.get("value_ratio") is not None:
             fig = f"{t['value_ratio']:.2f}x"
         elif t.get("value_drift") is not None:

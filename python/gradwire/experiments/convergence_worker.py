@@ -1,10 +1,12 @@
 """One rank of the convergence experiment, started by ``gradwire.experiments.convergence``
 with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
-It trains a small CNN on scikit-learn's bundled digits (8x8 images, no download) with
-PyTorch's DDP: gradients averaged by Gloo (DDP's own all-reduce, no hook) or by gradwire's
-hook with a loss bound. Every rank sees the same data order and starts from the same weights,
-so variants differ only in how gradients are averaged. It writes its figures to ``--out``.
+It trains one of the workloads of ``gradwire.experiments.workloads`` (a small CNN on
+scikit-learn's digits, or a character-level transformer on a shipped text) with PyTorch's
+DDP: gradients averaged by Gloo (DDP's own all-reduce, no hook), by gradwire's hook with a
+loss bound, or by ``init_process_group("gradwire")``. Every rank sees the same data order and
+starts from the same weights, so variants differ only in how gradients are averaged. It
+writes its figures to ``--out``.
 """
 
 from __future__ import annotations
@@ -17,64 +19,26 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-# The split, the model's initial weights and the data order are fixed by these seeds.
-SPLIT_SEED = 0
-TEST_FRACTION = 0.2
+from gradwire.experiments import workloads
+
 # Iterations at the start of the run left out of the iteration-time mean: DDP rebuilds its
 # buckets after the first one, and both transports open their connections and find their
 # rate there.
 WARMUP_ITERATIONS = 2
 
 
-def digits():
-    """(x_train, y_train, x_test, y_test) of load_digits, scaled to [0, 1], fixed split."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    d = load_digits()
-    x = (d.images / 16.0).astype(np.float32)[:, None]  # N x 1 x 8 x 8
-    xtr, xte, ytr, yte = train_test_split(
-        x, d.target, test_size=TEST_FRACTION, random_state=SPLIT_SEED, stratify=d.target
-    )
-    return (torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte), torch.from_numpy(yte))
-
-
-class DigitsCNN(nn.Module):
-    """Two 3x3 convolutions, a max-pool and two linear layers: 38 k parameters, 153 KB of
-    float32 gradients per iteration in 8 tensors over 4 layers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 4 * 4, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    with torch.no_grad():
-        return float((model(x).argmax(1) == y).float().mean())
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", required=True, help="gloo, gradwire-pN (the hook) or backend-pN")
     ap.add_argument("--loss-bound", type=float, default=0.0, help="gradwire's bound p")
+    ap.add_argument("--workload", default="digits", help=", ".join(workloads.WORKLOADS))
     ap.add_argument("--epochs", type=int, required=True)
     ap.add_argument("--batch", type=int, default=16, help="samples per rank per iteration")
-    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--lr", type=float, default=None, help="default: 0.1 (digits), 0.01 (charlm)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=20.0, help="gradwire's peer timeout, s")
     ap.add_argument("--rate-bps", type=int, default=None, help="gradwire senders' line rate")
@@ -98,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo", timeout=timeout)
         gloo = None
 
-    xtr, ytr, xte, yte = digits()
+    work = workloads.make(a.workload, a.batch, a.seed, world)
     torch.manual_seed(a.seed)
-    model = DigitsCNN()
+    model = work.model()
     ddp = DDP(model)
     state = None
     if a.variant != "gloo" and not backend:
@@ -114,31 +78,36 @@ def main(argv: list[str] | None = None) -> int:
             priority_classes=a.priority_classes,
         )
         ddp.register_comm_hook(state, gwddp.allreduce_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    if a.workload == "charlm":
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr or 0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=a.lr or 0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, a.epochs)
 
-    global_batch = a.batch * world
-    iters_per_epoch = len(xtr) // global_batch
+    iters_per_epoch = work.iters_per_epoch
     iter_ms: list[float] = []
     acc_per_epoch: list[float] = []
+    loss_per_epoch: list[float] = []
+    epoch_end_s: list[float] = []
     started = time.perf_counter()
     for epoch in range(a.epochs):
-        perm = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(a.seed * 1000 + epoch))
         model.train()
-        for it in range(iters_per_epoch):
-            idx = perm[it * global_batch + rank * a.batch : it * global_batch + (rank + 1) * a.batch]
+        for x, y in work.epoch_batches(epoch, rank, world):
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(ddp(xtr[idx]), ytr[idx]).backward()
+            work.loss(ddp(x), y).backward()
             opt.step()
             iter_ms.append((time.perf_counter() - t0) * 1e3)
         sched.step()
+        epoch_end_s.append(time.perf_counter() - started)
         model.eval()
-        acc_per_epoch.append(accuracy(model, xte, yte))
+        acc, loss = work.evaluate(model)
+        acc_per_epoch.append(acc)
+        loss_per_epoch.append(loss)
         if rank == 0:
             print(
-                f"[{a.variant}] epoch {epoch + 1}/{a.epochs}: test accuracy {acc_per_epoch[-1]:.4f}, "
-                f"iteration {statistics.fmean(iter_ms[-iters_per_epoch:]):.1f} ms",
+                f"[{a.variant}] epoch {epoch + 1}/{a.epochs}: held-out accuracy {acc:.4f}, loss "
+                f"{loss:.4f}, iteration {statistics.fmean(iter_ms[-iters_per_epoch:]):.1f} ms",
                 file=sys.stderr,
                 flush=True,
             )
@@ -160,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": a.epochs,
         "iterations": len(iter_ms),
         "iters_per_epoch": iters_per_epoch,
+        "workload": a.workload,
         "accuracy_per_epoch": acc_per_epoch,
+        "loss_per_epoch": loss_per_epoch,
+        "epoch_end_s": epoch_end_s,
         "iteration_ms": iter_ms,
         "warmup_iterations": WARMUP_ITERATIONS,
         "train_s": train_s,
