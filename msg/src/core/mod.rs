@@ -223,6 +223,39 @@ pub fn rotation(msg: u32, nsegs: u32) -> u32 {
     ((frac * u64::from(nsegs)) >> 32) as u32
 }
 
+/// The order of a message's first pass: from segment `first`, wrapping round.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PassOrder {
+    first: u32,
+    nsegs: u32,
+}
+
+impl PassOrder {
+    /// In order (`rotate` false), or from [`rotation`]`(msg, nsegs)`.
+    pub(super) fn new(rotate: bool, msg: u32, nsegs: u32) -> PassOrder {
+        let first = if rotate { rotation(msg, nsegs) } else { 0 };
+        PassOrder { first, nsegs }
+    }
+
+    /// The segment sent at first-pass position `pos`.
+    pub(super) fn seg_at(self, pos: u32) -> u32 {
+        if self.first == 0 {
+            pos
+        } else {
+            (pos + self.first) % self.nsegs
+        }
+    }
+
+    /// The first-pass position of segment `seg`.
+    pub(super) fn pos_of(self, seg: u32) -> u32 {
+        if self.first == 0 {
+            seg
+        } else {
+            (seg + self.nsegs - self.first) % self.nsegs
+        }
+    }
+}
+
 /// What ended a receive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ended {

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Core, CtrlOp, Ended, Event, MsgError, Place, RecvOpts};
+use super::{Core, CtrlOp, Ended, Event, MsgError, PassOrder, Place, RecvOpts};
 use crate::mem::BufId;
 use crate::reduce::combine_into;
 use crate::wire::{flags, Ctrl, DataHeader, MAX_BITMAP, NACK_GAP};
@@ -75,7 +75,7 @@ pub(super) struct RecvMsg {
     /// One past the highest first-pass position received (the segment order of a rotated
     /// message: `rot` first).
     highest: u32,
-    rot: u32,
+    order: PassOrder,
     meta: Vec<u64>,
     since_ack: u32,
     /// Segments below this were looked at for gaps (first pass only), and how many missing
@@ -145,11 +145,7 @@ impl RecvMsg {
             count: 0,
             ce: 0,
             highest: 0,
-            rot: if opts.rotate && !opts.up_to {
-                super::rotation(msg, nsegs)
-            } else {
-                0
-            },
+            order: PassOrder::new(opts.rotate && !opts.up_to, msg, nsegs),
             meta: if opts.keep_meta {
                 vec![0; nsegs as usize]
             } else {
@@ -168,24 +164,6 @@ impl RecvMsg {
             tolerated,
             tolerated_count: 0,
             opts,
-        }
-    }
-
-    /// The segment the sender sends at first-pass position `pos`.
-    fn seg_at(&self, pos: u32) -> u32 {
-        if self.rot == 0 {
-            pos
-        } else {
-            (pos + self.rot) % self.nsegs
-        }
-    }
-
-    /// The first-pass position of segment `seg`.
-    fn pos_of(&self, seg: u32) -> u32 {
-        if self.rot == 0 {
-            seg
-        } else {
-            (seg + self.nsegs - self.rot) % self.nsegs
         }
     }
 
@@ -337,7 +315,7 @@ impl RecvMsg {
         let mut named: Vec<u32> = Vec::new();
         let mut pos = self.gap_checked;
         while pos < limit {
-            let seg = self.seg_at(pos);
+            let seg = self.order.seg_at(pos);
             if !self.has(seg) {
                 let absorbed = if self.ranges.is_empty() {
                     self.gap_tolerated < may_lose
@@ -529,7 +507,7 @@ impl Core {
             r.tolerated[seg as usize / 64] &= !(1 << (seg % 64));
             r.tolerated_count -= 1;
         }
-        r.highest = r.highest.max(r.pos_of(seg) + 1);
+        r.highest = r.highest.max(r.order.pos_of(seg) + 1);
         if tos & 3 == 3 {
             r.ce += 1;
         }

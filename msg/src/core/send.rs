@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use super::{Bundle, Core, CtrlOp, Event, SendOpts, TxBatch};
+use super::{Bundle, Core, CtrlOp, Event, PassOrder, SendOpts, TxBatch};
 use crate::mem::BufId;
 use crate::wire::{self, flags, Ctrl, DataHeader};
 
@@ -18,8 +18,8 @@ pub(super) struct SendMsg {
     opts: SendOpts,
     /// Next position of the first pass (segment `seg_at(next)`).
     next: u32,
-    /// The first pass's first segment (0 unless the message is rotated).
-    rot: u32,
+    /// The first pass's order (in order unless the message is rotated).
+    order: PassOrder,
     pass: u8,
     /// Segments to resend in this pass, and which are queued or sent in it.
     resend: VecDeque<u32>,
@@ -56,11 +56,7 @@ impl SendMsg {
         nsegs: u32,
         opts: SendOpts,
     ) -> SendMsg {
-        let rot = if opts.rotate {
-            super::rotation(msg, nsegs)
-        } else {
-            0
-        };
+        let order = PassOrder::new(opts.rotate, msg, nsegs);
         SendMsg {
             buf,
             start,
@@ -68,7 +64,7 @@ impl SendMsg {
             nsegs,
             opts,
             next: 0,
-            rot,
+            order,
             pass: 0,
             resend: VecDeque::new(),
             queued: Vec::new(),
@@ -103,24 +99,6 @@ impl SendMsg {
     pub(super) fn clear_stall_timer(&mut self) {
         if self.pass == 0 && !self.finished_pass {
             self.timer = None;
-        }
-    }
-
-    /// The segment sent at position `pos` of the first pass.
-    fn seg_at(&self, pos: u32) -> u32 {
-        if self.rot == 0 {
-            pos
-        } else {
-            (pos + self.rot) % self.nsegs
-        }
-    }
-
-    /// The first-pass position of segment `seg`.
-    fn pos_of(&self, seg: u32) -> u32 {
-        if self.rot == 0 {
-            seg
-        } else {
-            (seg + self.nsegs - self.rot) % self.nsegs
         }
     }
 
@@ -183,7 +161,7 @@ impl Core {
                         let next = if retransmit {
                             s.resend.front().copied()
                         } else if room > 0 && s.next < s.nsegs {
-                            Some(s.seg_at(s.next))
+                            Some(s.order.seg_at(s.next))
                         } else {
                             None
                         };
@@ -353,11 +331,11 @@ impl Core {
                         continue;
                     }
                     let seg = c.a.saturating_add(bit);
-                    if seg < s.nsegs && s.pos_of(seg) < s.next && !s.is_queued(seg) {
+                    if seg < s.nsegs && s.order.pos_of(seg) < s.next && !s.is_queued(seg) {
                         s.set_queued(seg);
                         s.resend.push_back(seg);
                         self.stats.gap_resent += 1;
-                        if s.probe.is_some_and(|(p, _)| p == s.pos_of(seg)) {
+                        if s.probe.is_some_and(|(p, _)| p == s.order.pos_of(seg)) {
                             s.probe = None;
                         }
                     }
@@ -440,7 +418,7 @@ impl Core {
                     // window: on a loaded host most stalls are a receiver not yet scheduled,
                     // and congestion shows as CE marks and gaps, which do.
                     if s.pass == 0 && !s.finished_pass && s.next > s.highest {
-                        let tail = s.seg_at(s.next - 1);
+                        let tail = s.order.seg_at(s.next - 1);
                         if !s.resend.contains(&tail) {
                             s.set_queued(tail);
                             s.resend.push_back(tail);

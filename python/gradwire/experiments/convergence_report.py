@@ -65,14 +65,23 @@ def excluded_runs(results: list[dict]) -> list[dict]:
     ]
 
 
-def worst_rank_accuracy(r: dict) -> tuple[int, float] | None:
-    """(rank, final accuracy) of the run's lowest-accuracy rank, or None without figures."""
+def _worst_rank(r: dict, key: str, worst) -> tuple[int, float] | None:
     pairs = [
         (k, a)
-        for k, a in zip(r.get("ranks_reported") or [], r.get("rank_final_accuracy") or [])
+        for k, a in zip(r.get("ranks_reported") or [], r.get(key) or [])
         if isinstance(a, (int, float)) and not math.isnan(a)
     ]
-    return min(pairs, key=lambda p: p[1]) if pairs else None
+    return worst(pairs, key=lambda p: p[1]) if pairs else None
+
+
+def worst_rank_accuracy(r: dict) -> tuple[int, float] | None:
+    """(rank, final accuracy) of the run's lowest-accuracy rank, or None without figures."""
+    return _worst_rank(r, "rank_final_accuracy", min)
+
+
+def worst_rank_loss(r: dict) -> tuple[int, float] | None:
+    """(rank, final held-out loss) of the run's highest-loss rank, or None without figures."""
+    return _worst_rank(r, "rank_final_loss", max)
 
 
 def _judged(target: str, runs: list[dict], value_key: str, value, passes: bool) -> dict:
@@ -90,45 +99,30 @@ def _judged(target: str, runs: list[dict], value_key: str, value, passes: bool) 
     }
 
 
-def worst_rank_loss(r: dict) -> tuple[int, float] | None:
-    """(rank, final held-out loss) of the run's highest-loss rank, or None without figures."""
-    pairs = [
-        (k, v)
-        for k, v in zip(r.get("ranks_reported") or [], r.get("rank_final_loss") or [])
-        if isinstance(v, (int, float)) and not math.isnan(v)
-    ]
-    return max(pairs, key=lambda p: p[1]) if pairs else None
+# Per workload: the per-rank figure, the baseline's worst rank, how a difference is
+# expressed (percentage points of accuracy, or percent of the loss), and the target's words.
+QUALITY = {
+    "digits": ("rank_final_accuracy", worst_rank_accuracy, lambda x, b: 100 * (x - b), "value_pp",
+               "accuracy", "final accuracy of every rank within 1 pp of gloo at 0%"),
+    "charlm": ("rank_final_loss", worst_rank_loss, lambda x, b: 100 * (x - b) / b, "value_pct",
+               "loss", "final validation loss of every rank within 1% of gloo at 0%"),
+}
 
 
 def _quality_target(v: str, lossy: dict, gloo0: dict, workload: str) -> dict:
     """Every rank of `lossy` against the baseline's worst rank: the rank farthest from it
     decides (Gloo's ranks hold identical models; gradwire's might not)."""
-    if workload == "charlm":
-        base = worst_rank_loss(gloo0)
-        vals = [x for x in (lossy.get("rank_final_loss") or []) if isinstance(x, (int, float))]
-        d, worst = None, None
-        if base is not None and vals and base[1] > 0:
-            worst = max(vals, key=lambda x: abs(x - base[1]))
-            d = 100 * (worst - base[1]) / base[1]
-        t = _judged(
-            f"{v} at 2% link loss: final validation loss of every rank within 1% of gloo at 0%",
-            [lossy, gloo0], "value_pct", d, d is not None and abs(d) <= 1.0,
-        )
-        t["worst_rank_loss"] = worst
-        t["baseline_loss"] = base[1] if base else None
-        return t
-    base = worst_rank_accuracy(gloo0)
-    accs = [a for a in (lossy.get("rank_final_accuracy") or []) if isinstance(a, (int, float))]
+    key, worst_of, diff, value_key, what, words = QUALITY[workload]
+    base = worst_of(gloo0)
+    vals = [x for x in (lossy.get(key) or []) if isinstance(x, (int, float))]
     d, worst = None, None
-    if base is not None and accs:
-        worst = max(accs, key=lambda a: abs(a - base[1]))
-        d = 100 * (worst - base[1])
-    t = _judged(
-        f"{v} at 2% link loss: final accuracy of every rank within 1 pp of gloo at 0%",
-        [lossy, gloo0], "value_pp", d, d is not None and abs(d) <= 1.0,
-    )
-    t["worst_rank_accuracy"] = worst
-    t["baseline_accuracy"] = base[1] if base else None
+    if base is not None and vals and base[1] > 0:
+        worst = max(vals, key=lambda x: abs(x - base[1]))
+        d = diff(worst, base[1])
+    t = _judged(f"{v} at 2% link loss: {words}", [lossy, gloo0], value_key, d,
+                d is not None and abs(d) <= 1.0)
+    t[f"worst_rank_{what}"] = worst
+    t[f"baseline_{what}"] = base[1] if base else None
     return t
 
 
