@@ -359,7 +359,7 @@ def test_send_recv_with_each_kind_of_priority() -> None:
 # datagram sent after the last case, which the raw socket queues after every packet the
 # receiver took. Prints, per case, the packets' (offset, pass, dscp, ecn) and the tags the
 # priority callable returned for each offset, as JSON.
-_DSCP_SCRIPT = r"""
+_SNIFF_PRELUDE = r"""
 import json, socket, struct, subprocess, sys, threading
 import numpy as np, gradwire
 
@@ -368,6 +368,9 @@ subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 sniff = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
 sniff.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE: nothing dropped
 sniff.settimeout(60)  # bounded: no end marker within a minute fails the script
+"""
+
+_DSCP_SCRIPT = _SNIFF_PRELUDE + r"""
 seen = []  # (tensor id, offset, pass, dscp, ecn)
 
 def sniffer():
@@ -469,16 +472,8 @@ def test_default_tagging_puts_the_layers_dscp_on_the_data_packets() -> None:
 # Two ranks all-reduce, in a namespace of their own, a tensor whose first half is large and
 # second half tiny, under a loss bound; a raw socket records each data segment's (offset,
 # meta, ecn). Prints {tagging: [[offset, meta, ecn], ...]} as JSON.
-_REDUCE_TAGS_SCRIPT = r"""
-import json, socket, struct, subprocess, sys, threading
-import numpy as np, gradwire
-
-END = b"gradwire sniff: end of the test's packets"
-subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-sniff = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
-sniff.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)
-sniff.settimeout(60)
-seen = []
+_REDUCE_TAGS_SCRIPT = _SNIFF_PRELUDE + r"""
+seen = []  # (offset, total, ecn) of each data segment
 
 def sniffer():
     while True:
@@ -486,8 +481,11 @@ def sniffer():
         ihl = (pkt[0] & 0x0F) * 4
         tos, udp = pkt[1], pkt[ihl:]
         payload = udp[8:]
-        if struct.unpack("!H", udp[2:4])[0] == 9 and payload == END:
-            return
+        if struct.unpack("!H", udp[2:4])[0] == 9:
+            if payload == END:
+                return
+            seen.append(None)  # the marker between the two all-reduces
+            continue
         if len(payload) < 40 or payload[0] != 1 or payload[1] != 3:
             continue  # control frames, set-up
         while payload:
@@ -506,21 +504,18 @@ table = [e.address for e in eps]
 ts = [threading.Thread(target=lambda r=r: sessions.__setitem__(r, eps[r].connect(table))) for r in range(2)]
 [t.start() for t in ts]; [t.join(30) for t in ts]
 n = 40_000
-out = {}
 for tagging in ("magnitude", "layer"):
-    start = len(seen)
     arrays = [np.concatenate([np.full(n // 2, 100.0 + r), np.full(n // 2, 1e-3)]).astype(np.float32) for r in range(2)]
     ts = [threading.Thread(target=lambda r=r: sessions[r].all_reduce(arrays[r], tagging=tagging)) for r in range(2)]
     [t.start() for t in ts]; [t.join(30) for t in ts]
     assert abs(float(arrays[0][0]) - 201.0) < 1e-3 and abs(float(arrays[0][-1]) - 2e-3) < 1e-6, arrays[0][[0, -1]]
-    out[tagging] = None
+    # A marker after each all-reduce: the raw socket queues it after all of its packets.
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-        u.sendto(END if tagging == "layer" else b"mark", ("127.0.0.1", 9))
-    out[tagging] = start
+        u.sendto(END if tagging == "layer" else b"next", ("127.0.0.1", 9))
 reader.join(90)
 assert not reader.is_alive(), "the sniffer never saw the end marker"
-bounds = [out["magnitude"], out["layer"], len(seen)]
-print(json.dumps({"magnitude": seen[bounds[0]:bounds[1]], "layer": seen[bounds[1]:]}))
+split = seen.index(None)
+print(json.dumps({"magnitude": seen[:split], "layer": seen[split + 1:]}))
 """
 
 
