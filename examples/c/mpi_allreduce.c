@@ -7,7 +7,7 @@
  *   mpicc -O2 mpi_allreduce.c $(pkg-config --cflags --libs gradwire-static) -o mpi_allreduce
  * Run (one host; as root Open MPI also wants --allow-run-as-root):
  *   mpirun -np 4 ./mpi_allreduce [--ip ADDR] [--mtu BYTES] [--min BYTES] [--max BYTES]
- *                                [--iters N]
+ *                                [--iters N] [--algo auto|ring|direct]
  * --ip (or GW_LOCAL_IP) is this rank's address for gradwire's socket (default 127.0.0.1, which
  * serves a one-host job; across hosts give each rank its own address, e.g. through a
  * wrapper that reads it from the interface MPI uses). --mtu is the network's MTU (default
@@ -108,6 +108,7 @@ int main(int argc, char **argv) {
 
     const char *ip = getenv("GW_LOCAL_IP");
     long min = 64 << 10, max = 16 << 20, iters = 10, mtu = 0;
+    gw_algo algo = GW_ALGO_AUTO;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--ip") && i + 1 < argc)
             ip = argv[++i];
@@ -119,10 +120,23 @@ int main(int argc, char **argv) {
             max = parse_size(argv[++i], "--max");
         else if (!strcmp(argv[i], "--iters") && i + 1 < argc)
             iters = parse_size(argv[++i], "--iters");
+        else if (!strcmp(argv[i], "--algo") && i + 1 < argc) {
+            const char *a = argv[++i];
+            if (!strcmp(a, "auto"))
+                algo = GW_ALGO_AUTO;
+            else if (!strcmp(a, "ring"))
+                algo = GW_ALGO_RING;
+            else if (!strcmp(a, "direct"))
+                algo = GW_ALGO_DIRECT;
+            else {
+                fprintf(stderr, "--algo %s: give auto, ring or direct\n", a);
+                return 2;
+            }
+        }
         else {
             if (rank == 0)
                 fprintf(stderr, "usage: %s [--ip ADDR] [--mtu BYTES] [--min BYTES] [--max BYTES] "
-                                "[--iters N]\n",
+                                "[--iters N] [--algo auto|ring|direct]\n",
                         argv[0]);
             MPI_Finalize();
             return 2;
@@ -139,6 +153,8 @@ int main(int argc, char **argv) {
     cfg.mtu = (uint32_t)mtu;
     gw_session *s = NULL;
     check(gw_session_init(&cfg, mpi_allgather, &comm, &s), "gw_session_init");
+    gw_op_options opts = gw_op_options_default();
+    opts.algorithm = algo;
 
     size_t cap = (size_t)max / sizeof(float);
     float *buf = malloc(cap * sizeof(float));
@@ -161,7 +177,7 @@ int main(int argc, char **argv) {
                 if (lib == 0) {
                     MPI_Allreduce(MPI_IN_PLACE, buf, (int)n, MPI_FLOAT, MPI_SUM, comm);
                 } else {
-                    check(gw_all_reduce(s, buf, n, GW_DTYPE_F32, GW_OP_SUM, NULL, NULL),
+                    check(gw_all_reduce(s, buf, n, GW_DTYPE_F32, GW_OP_SUM, &opts, NULL),
                           "gw_all_reduce");
                 }
                 double dt = MPI_Wtime() - t0, slowest = 0.0;

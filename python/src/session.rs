@@ -848,6 +848,7 @@ impl Session {
             ("gap_nacks", c.gap_nacks),
             ("gap_resent", c.gap_resent),
             ("grants", c.grants),
+            ("tail_copies", c.tail_copies),
             ("unknown_source", s.unknown_source),
             ("injected_drops", s.injected_drops),
             ("unreachable_reports", s.unreachable_reports),

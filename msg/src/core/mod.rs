@@ -458,6 +458,8 @@ pub struct Stats {
     pub gap_resent: u64,
     /// GRANT frames sent (incast scheduling).
     pub grants: u64,
+    /// Second copies of a pass's LAST segment (messages of 4 segments or more).
+    pub tail_copies: u64,
 }
 
 impl std::ops::AddAssign<&Stats> for Stats {
@@ -478,6 +480,7 @@ impl std::ops::AddAssign<&Stats> for Stats {
         self.gap_nacks += o.gap_nacks;
         self.gap_resent += o.gap_resent;
         self.grants += o.grants;
+        self.tail_copies += o.tail_copies;
     }
 }
 

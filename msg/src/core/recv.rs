@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::send::TAIL_COPY_MIN_SEGS;
 use super::{Core, CtrlOp, Ended, Event, MsgError, PassOrder, Place, RecvOpts};
 use crate::mem::BufId;
 use crate::reduce::combine_into;
@@ -388,9 +389,12 @@ impl Core {
             self.note_arrival(now, i, tos & 3 == 3);
         }
         let p = &mut self.peers[i];
-        if p.recvs.contains_key(&h.msg) {
+        if let Some(r) = p.recvs.get(&h.msg) {
+            // The second copy of a LAST this pass already had (TAIL_COPY_MIN_SEGS) asks
+            // nothing new: the pass was answered (twice).
+            let answered = r.pass_end.is_some_and(|q| q >= h.pass);
             self.place(now, now, i, h.msg, h, payload, tos);
-            if h.flags & flags::LAST != 0 {
+            if h.flags & flags::LAST != 0 && !answered {
                 self.end_of_pass(now, i, h.msg, h.pass);
             }
             return;
@@ -583,11 +587,15 @@ impl Core {
             nack
         };
         if let Some((first, map, bits)) = nack {
+            let twice = r.nsegs >= TAIL_COPY_MIN_SEGS;
             let mut c = self.ctrl_to(i, CtrlOp::Nack, msg, pass);
             c.a = first;
             c.b = bits;
             self.stats.nacks += 1;
             self.ctrl_frame(i, c, &map);
+            if twice {
+                self.ctrl_frame(i, c, &map);
+            }
         }
     }
 
@@ -604,6 +612,9 @@ impl Core {
         c.b = r.ce;
         c.c = missing;
         self.ctrl_frame(i, c, &[]);
+        if r.nsegs >= TAIL_COPY_MIN_SEGS {
+            self.ctrl_frame(i, c, &[]);
+        }
         self.events.push_back(Event::Received {
             peer: i as u16,
             msg,

@@ -8,6 +8,13 @@ use super::{Bundle, Core, CtrlOp, Event, PassOrder, SendOpts, TxBatch};
 use crate::mem::BufId;
 use crate::wire::{self, flags, Ctrl, DataHeader};
 
+/// Messages of at least this many segments send each pass's LAST segment twice, and their
+/// receiver answers the pass twice (DONE or NACK): a lost LAST, NACK or DONE otherwise costs
+/// a retransmission timeout, and the timeout covers the queue a window fills at a slow link
+/// (tens of milliseconds at 100 Mbit/s), where one more segment and one more control frame
+/// cost microseconds. Smaller messages (barrier tokens, small transfers) are not doubled.
+pub(super) const TAIL_COPY_MIN_SEGS: u32 = 4;
+
 /// A message being sent.
 #[derive(Debug)]
 pub(super) struct SendMsg {
@@ -42,6 +49,10 @@ pub(super) struct SendMsg {
     probe: Option<(u32, Instant)>,
     /// Data segments sent for this message so far (every pass, probes included).
     segments_out: u32,
+    /// The LAST segment to send once more, right behind itself, and the pass that got its
+    /// copy (see [`TAIL_COPY_MIN_SEGS`]).
+    tail_copy: Option<u32>,
+    copied_pass: Option<u8>,
     pub(super) timer: Option<Instant>,
     heard: Instant,
 }
@@ -76,6 +87,8 @@ impl SendMsg {
             polls: 0,
             probe: None,
             segments_out: 0,
+            tail_copy: None,
+            copied_pass: None,
             timer: None,
             heard: now,
         }
@@ -92,7 +105,9 @@ impl SendMsg {
 
     /// Whether the message has segments it may send with `room` in the window.
     pub(super) fn can_send(&self, room: u32) -> bool {
-        !self.resend.is_empty() || (self.pass == 0 && self.next < self.nsegs && room > 0)
+        self.tail_copy.is_some()
+            || !self.resend.is_empty()
+            || (self.pass == 0 && self.next < self.nsegs && room > 0)
     }
 
     /// More room came (a grant grew): a first pass that waited for it need not ask.
@@ -154,11 +169,13 @@ impl Core {
             for (&msg, s) in p.sends.iter_mut() {
                 while out.bundles.len() < max_bundles && s.can_send(room) {
                     let first = out.headers.len();
-                    let retransmit = !s.resend.is_empty();
+                    let retransmit = !s.resend.is_empty() || s.tail_copy.is_some();
                     let mut last_seg_len = None;
                     let mut bundle_tos = None;
                     while out.headers.len() - first < max_bundle && last_seg_len.is_none() {
-                        let next = if retransmit {
+                        let next = if let Some(seg) = s.tail_copy {
+                            Some(seg)
+                        } else if retransmit {
                             s.resend.front().copied()
                         } else if room > 0 && s.next < s.nsegs {
                             Some(s.order.seg_at(s.next))
@@ -180,7 +197,11 @@ impl Core {
                             break;
                         }
                         bundle_tos = Some(tos);
-                        let is_last = if retransmit {
+                        let copy = s.tail_copy == Some(seg);
+                        let is_last = if copy {
+                            s.tail_copy = None;
+                            true
+                        } else if retransmit {
                             s.resend.pop_front();
                             // Resends within the first pass (gap NACKs) go ahead of its new
                             // segments, the last of which ends it.
@@ -221,7 +242,9 @@ impl Core {
                             .push((s.buf, s.start + off..s.start + off + len));
                         self.stats.payload_bytes_sent += len as u64;
                         s.segments_out = s.segments_out.saturating_add(1);
-                        if retransmit {
+                        if copy {
+                            self.stats.tail_copies += 1;
+                        } else if retransmit {
                             self.stats.data_resent += 1;
                         } else {
                             self.stats.data_sent += 1;
@@ -235,6 +258,13 @@ impl Core {
                             s.last_tx = Some(now);
                             s.polls = 0;
                             s.timer = Some(now + rto);
+                            if !copy
+                                && s.nsegs >= TAIL_COPY_MIN_SEGS
+                                && s.copied_pass != Some(s.pass)
+                            {
+                                s.tail_copy = Some(seg);
+                                s.copied_pass = Some(s.pass);
+                            }
                         }
                     }
                     let n = out.headers.len() - first;
@@ -321,9 +351,13 @@ impl Core {
                 });
             }
             CtrlOp::Nack if c.c == wire::NACK_GAP => {
-                // Lost within the first pass: resend ahead of the pass's new segments. Once
-                // the pass ended, its NACK names whatever is still missing instead.
-                if c.pass != 0 || s.pass != 0 || s.finished_pass {
+                // Lost within the first pass: resend ahead of the pass's new segments, or at
+                // once when every segment of the pass has gone out (a window queued at a slow
+                // link leaves the sender long before it arrives: waiting for the pass's NACK
+                // would cost the whole queue and a round trip). The last resend carries LAST,
+                // so the receiver answers for the pass again. A gap NACK of a later pass is
+                // stale: that pass's NACK names what is still missing.
+                if c.pass != 0 || s.pass != 0 {
                     return;
                 }
                 for bit in 0..c.b.min(bitmap.len() as u32 * 8) {

@@ -516,11 +516,14 @@ fn segments_tagged_differently_go_in_separate_bundles_with_their_own_tos() {
     let mut tx = TxBatch::default();
     core.poll_transmit(now, &mut tx, 16);
     let got: Vec<(u8, usize)> = tx.bundles.iter().map(|b| (b.tos, b.segs.len())).collect();
-    assert_eq!(got, vec![(0x0a, 2), (0xb8, 2), (0x0a, 1)]);
+    // Then the LAST segment's second copy (TAIL_COPY_MIN_SEGS), tagged as itself.
+    assert_eq!(got, vec![(0x0a, 2), (0xb8, 2), (0x0a, 1), (0x0a, 1)]);
     for (s, hb) in tx.headers.iter().enumerate() {
         let (h, _) = DataHeader::parse(&[&hb[..], &vec![0u8; 64][..]].concat()).expect("header");
         let important = h.flags & wire::flags::IMPORTANT != 0;
-        assert_eq!(important, tags[s] & 3 != 0, "segment {s}");
+        let seg = (h.offset / 64) as usize;
+        assert_eq!(seg, s.min(4), "segment {s}");
+        assert_eq!(important, tags[seg] & 3 != 0, "segment {s}");
     }
     let bad = SendOpts {
         tos_per_segment: vec![0; 3],
@@ -1149,6 +1152,7 @@ fn counters_add_field_by_field() {
         gap_nacks: 13,
         gap_resent: 14,
         grants: 15,
+        tail_copies: 16,
     };
     let mut sum = one.clone();
     sum += &one;
@@ -1168,6 +1172,7 @@ fn counters_add_field_by_field() {
         gap_nacks: 26,
         gap_resent: 28,
         grants: 30,
+        tail_copies: 32,
     };
     assert_eq!(sum, twice);
 }
@@ -1392,4 +1397,76 @@ fn rotations_of_successive_messages_spread_over_the_message() {
     assert!(tenths.len() >= 9, "{tenths:?}");
     assert!((0..1000).all(|m| rotation(m, 7) < 7));
     assert_eq!(rotation(12345, 1), 0);
+}
+
+#[test]
+fn a_gap_nack_after_the_last_segment_went_out_is_answered_at_once() {
+    // The whole first pass leaves at once (a window larger than the message), segment 20 and
+    // the LAST segment are lost: the gap NACK for 20 reaches the sender after its pass has
+    // gone out. It resends 20 at once, flagged LAST, so the receiver names 199 without
+    // waiting for a POLL.
+    let mut net = Net::with(2, drop_first_tx(|seg| seg == 20 || seg == 199), |c| {
+        c.init_cwnd = 256;
+        c.max_cwnd = 256;
+        c.grants = false;
+        c.gap_reorder = 16;
+    });
+    let data = pattern(64 * 200, 11);
+    let dst = one_message(&mut net, &data, RecvOpts::default());
+    net.run(Duration::from_secs(1));
+    assert_eq!(net.cores[1].buffer(dst), Some(&data[..]));
+    let r = received(&net, 1);
+    assert_eq!((r.len(), r[0].ended, r[0].missing), (1, Ended::Complete, 0));
+    let (s0, s1) = (net.cores[0].stats(), net.cores[1].stats());
+    assert_eq!((s1.gap_nacks, s0.gap_resent), (1, 1), "{s0:?} {s1:?}");
+    assert_eq!(s0.polls, 0, "nothing waited for a timer: {s0:?} {s1:?}");
+    assert_eq!(s0.data_resent, 2, "20 and 199, each once");
+}
+
+#[test]
+fn a_lost_last_segment_or_a_lost_done_costs_no_timeout() {
+    // The LAST segment goes twice and the pass is answered twice: losing one of either
+    // leaves the other, so nobody waits for a POLL.
+    let data = pattern(64 * 50, 12);
+    let done_dropped = std::rc::Rc::new(std::cell::Cell::new(false));
+    let seen = done_dropped.clone();
+    let drop: Drop = Box::new(move |_, d| {
+        if let Ok((h, _)) = wire::DataHeader::parse(d) {
+            return h.flags & wire::flags::RETRANSMIT == 0 && h.offset / 64 == 49;
+        }
+        if let Ok((c, _)) = Ctrl::parse(d) {
+            if c.op == CtrlOp::Done && !seen.get() {
+                seen.set(true);
+                return true;
+            }
+        }
+        false
+    });
+    let mut net = Net::new(2, drop);
+    let dst = one_message(&mut net, &data, RecvOpts::default());
+    net.run(Duration::from_secs(1));
+    assert_eq!(net.cores[1].buffer(dst), Some(&data[..]));
+    assert!(done_dropped.get(), "the first DONE was dropped");
+    let (s0, s1) = (net.cores[0].stats(), net.cores[1].stats());
+    assert_eq!(
+        (s0.tail_copies, s0.data_resent, s0.polls),
+        (1, 0, 0),
+        "{s0:?}"
+    );
+    assert_eq!(s1.nacks, 0, "{s1:?}");
+    assert_eq!(sent(&net, 0), 1, "the sender heard the second DONE");
+    // A message of fewer segments is not doubled: one copy and one DONE less.
+    let run = |segs: usize| {
+        let mut net = Net::new(2, Box::new(|_, _| false));
+        one_message(&mut net, &pattern(64 * segs, 1), RecvOpts::default());
+        net.run(Duration::from_secs(1));
+        (
+            net.cores[0].stats().tail_copies,
+            net.cores[1].stats().ctrl_sent,
+        )
+    };
+    let ((c3, ctrl3), (c4, ctrl4)) = (run(3), run(4));
+    assert_eq!((c3, c4), (0, 1));
+    // The second DONE, and the one the LAST's copy gets when it finds the message done.
+    assert_eq!(ctrl4, ctrl3 + 2);
 }
