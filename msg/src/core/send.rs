@@ -186,8 +186,10 @@ impl Core {
                             break;
                         };
                         // A bundle has one TOS byte: a segment tagged otherwise starts the next.
+                        // The LAST's copy goes as the LAST went.
+                        let copy = s.tail_copy == Some(seg);
                         let mut tos = s.tos_of(seg);
-                        if retransmit && retransmit_ect && tos & 3 == 0 {
+                        if retransmit && !copy && retransmit_ect && tos & 3 == 0 {
                             // What the bound still needs is important: marked above a
                             // switch's threshold, not dropped again (DLCP; the window and
                             // the grants react to the marks).
@@ -197,7 +199,6 @@ impl Core {
                             break;
                         }
                         bundle_tos = Some(tos);
-                        let copy = s.tail_copy == Some(seg);
                         let is_last = if copy {
                             s.tail_copy = None;
                             true
