@@ -51,7 +51,7 @@ pub(super) struct SendMsg {
     segments_out: u32,
     /// The LAST segment to send once more, right behind itself, and the pass that got its
     /// copy (see [`TAIL_COPY_MIN_SEGS`]).
-    tail_copy: Option<u32>,
+    tail_copy: Option<(u32, u8)>,
     copied_pass: Option<u8>,
     pub(super) timer: Option<Instant>,
     heard: Instant,
@@ -173,7 +173,7 @@ impl Core {
                     let mut last_seg_len = None;
                     let mut bundle_tos = None;
                     while out.headers.len() - first < max_bundle && last_seg_len.is_none() {
-                        let next = if let Some(seg) = s.tail_copy {
+                        let next = if let Some((seg, _)) = s.tail_copy {
                             Some(seg)
                         } else if retransmit {
                             s.resend.front().copied()
@@ -187,9 +187,11 @@ impl Core {
                         };
                         // A bundle has one TOS byte: a segment tagged otherwise starts the next.
                         // The LAST's copy goes as the LAST went.
-                        let copy = s.tail_copy == Some(seg);
+                        let copy = s.tail_copy.is_some_and(|(c, _)| c == seg);
                         let mut tos = s.tos_of(seg);
-                        if retransmit && !copy && retransmit_ect && tos & 3 == 0 {
+                        if let Some((_, t)) = s.tail_copy.filter(|_| copy) {
+                            tos = t;
+                        } else if retransmit && retransmit_ect && tos & 3 == 0 {
                             // What the bound still needs is important: marked above a
                             // switch's threshold, not dropped again (DLCP; the window and
                             // the grants react to the marks).
@@ -263,7 +265,7 @@ impl Core {
                                 && s.nsegs >= TAIL_COPY_MIN_SEGS
                                 && s.copied_pass != Some(s.pass)
                             {
-                                s.tail_copy = Some(seg);
+                                s.tail_copy = Some((seg, tos));
                                 s.copied_pass = Some(s.pass);
                             }
                         }

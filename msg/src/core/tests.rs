@@ -1111,7 +1111,7 @@ fn retransmissions_go_ecn_capable_unless_configured_not_to() {
             .expect("send");
         net.run(Duration::from_secs(2));
         assert_eq!(received(&net, 1).len(), 1);
-        let data_tos: Vec<(u8, bool)> = net
+        let data_tos: Vec<(u8, bool, u64, u8)> = net
             .trace
             .take()
             .unwrap_or_default()
@@ -1121,17 +1121,23 @@ fn retransmissions_go_ecn_capable_unless_configured_not_to() {
                 let (h, _) = DataHeader::parse(&d).expect("header");
                 // The LAST segment's copy (segment 7 again) goes as the LAST went.
                 let copy = h.offset == 7 * 64 && h.flags & wire::flags::RETRANSMIT != 0;
-                (tos, h.flags & wire::flags::RETRANSMIT != 0 && !copy)
+                (
+                    tos,
+                    h.flags & wire::flags::RETRANSMIT != 0 && !copy,
+                    h.offset / 64,
+                    h.pass,
+                )
             })
             .collect();
-        assert!(data_tos.iter().any(|&(_, r)| r), "nothing was resent");
-        for (tos, resent) in data_tos {
+        assert!(data_tos.iter().any(|&(_, r, _, _)| r), "nothing was resent");
+        let dbg = data_tos.clone();
+        for (tos, resent, _, _) in data_tos {
             let want = if resent && ect {
                 (10 << 2) | 0b10
             } else {
                 10 << 2
             };
-            assert_eq!(tos, want, "resent {resent}, retransmit_ect {ect}");
+            assert_eq!(tos, want, "resent {resent}, retransmit_ect {ect}: {dbg:?}");
         }
     }
 }
