@@ -368,34 +368,44 @@ subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 sniff = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_UDP)
 sniff.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE: nothing dropped
 sniff.settimeout(60)  # bounded: no end marker within a minute fails the script
+
+
+def packets():
+    # (tos, port, payload) of every UDP packet on the namespace's loopback.
+    while True:
+        pkt = sniff.recv(65536)
+        ihl = (pkt[0] & 0x0F) * 4
+        udp = pkt[ihl:]
+        yield pkt[1], struct.unpack("!H", udp[2:4])[0], udp[8:]
+
+
+def segments(payload):
+    # The message-layer data segments of a GSO bundle (whole on loopback), as (offset,
+    # total, meta, pass), empty messages (barrier tokens) left out.
+    while payload:
+        n = 40 + struct.unpack("!H", payload[28:30])[0]
+        seg, payload = payload[:n], payload[n:]
+        offset, = struct.unpack("!Q", seg[16:24])
+        total, = struct.unpack("!I", seg[24:28])
+        meta, = struct.unpack("!Q", seg[32:40])
+        if total:
+            yield offset, total, meta, seg[3]
 """
 
 _DSCP_SCRIPT = _SNIFF_PRELUDE + r"""
 seen = []  # (tensor id, offset, pass, dscp, ecn)
 
 def sniffer():
-    while True:
-        pkt = sniff.recv(65536)
-        ihl = (pkt[0] & 0x0F) * 4
-        tos, udp = pkt[1], pkt[ihl:]
-        payload = udp[8:]
-        if struct.unpack("!H", udp[2:4])[0] == 9 and payload == END:
+    for tos, port, payload in packets():
+        if port == 9 and payload == END:
             return
         assert len(payload) >= 8 and payload[0] == 1, f"not a gradwire packet: {len(payload)} bytes"
         if payload[1] == 5:
             continue  # a message-layer control frame (control DSCP, not checked here)
         if payload[1] == 3:
-            # Message-layer segments, a GSO bundle whole on loopback: the point-to-point
-            # tensor id rides in each segment's meta word (bytes 32..40).
-            while payload:
-                n = 40 + struct.unpack("!H", payload[28:30])[0]
-                seg, payload = payload[:n], payload[n:]
-                offset, = struct.unpack("!Q", seg[16:24])
-                total, = struct.unpack("!I", seg[24:28])
-                meta, = struct.unpack("!Q", seg[32:40])
-                if total == 0:
-                    continue  # a barrier's empty message (the session's set-up)
-                seen.append(((7 << 27) | meta, offset, seg[3], tos >> 2, tos & 3))
+            # The point-to-point tensor id rides in each segment's meta word.
+            for offset, _, meta, pass_ in segments(payload):
+                seen.append(((7 << 27) | meta, offset, pass_, tos >> 2, tos & 3))
             continue
         tensor, = struct.unpack("!I", payload[8:12])
         offset, = struct.unpack("!Q", payload[16:24])
@@ -476,25 +486,16 @@ _REDUCE_TAGS_SCRIPT = _SNIFF_PRELUDE + r"""
 seen = []  # (offset, total, ecn) of each data segment
 
 def sniffer():
-    while True:
-        pkt = sniff.recv(65536)
-        ihl = (pkt[0] & 0x0F) * 4
-        tos, udp = pkt[1], pkt[ihl:]
-        payload = udp[8:]
-        if struct.unpack("!H", udp[2:4])[0] == 9:
+    for tos, port, payload in packets():
+        if port == 9:
             if payload == END:
                 return
             seen.append(None)  # the marker between the two all-reduces
             continue
         if len(payload) < 40 or payload[0] != 1 or payload[1] != 3:
             continue  # control frames, set-up
-        while payload:
-            n = 40 + struct.unpack("!H", payload[28:30])[0]
-            seg, payload = payload[:n], payload[n:]
-            offset, = struct.unpack("!Q", seg[16:24])
-            total, = struct.unpack("!I", seg[24:28])
-            if total:
-                seen.append((offset, total, tos & 3))
+        for offset, total, _, _ in segments(payload):
+            seen.append((offset, total, tos & 3))
 
 reader = threading.Thread(target=sniffer, daemon=True)
 reader.start()

@@ -108,34 +108,59 @@ fn every_algorithm_sums_and_averages_exactly_for_every_world_and_size() {
     }
 }
 
+/// What one rank of [`lossy_sum`] ended with.
+struct Lossy {
+    vals: Vec<f32>,
+    sets: Vec<Vec<usize>>,
+    complete: usize,
+    blocks: usize,
+    per_block: usize,
+    stats: gradwire_msg::endpoint::EndpointStats,
+}
+
+/// Sums each rank's `input` of `n` elements over `world` ranks on loopback under `o`, with
+/// `loss` of the data packets dropped at the receivers (seed `seed`).
+fn lossy_sum(world: usize, n: usize, loss: f64, seed: u64, o: GroupReduceOptions) -> Vec<Lossy> {
+    with_groups(
+        world,
+        move |c| {
+            c.endpoint.inject_loss = loss;
+            c.endpoint.seed = seed;
+        },
+        move |g| {
+            let mut b = f32s(&input(g.rank(), n));
+            let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+            let r = g.all_reduce(t, &o).expect("all-reduce");
+            let c = r
+                .contributors
+                .expect("a lossy reduction reports contributors");
+            Lossy {
+                sets: (0..c.blocks()).map(|b| c.ranks(b)).collect(),
+                complete: r.complete_blocks,
+                blocks: r.blocks,
+                per_block: g.block_bytes() / 4,
+                stats: g.stats(),
+                vals: vals(&b),
+            }
+        },
+    )
+}
+
 #[test]
 fn under_loss_every_rank_ends_with_the_same_values_and_sets() {
     for algo in [AllReduceAlgo::Ring, AllReduceAlgo::Direct] {
         let world = 4;
         let n = 200_000;
-        let out = with_groups(
-            world,
-            |c| {
-                c.endpoint.inject_loss = 0.05;
-                c.endpoint.seed = 11;
-            },
-            move |g| {
-                let mut b = f32s(&input(g.rank(), n));
-                let o = GroupReduceOptions {
-                    op: ReduceOp::Sum,
-                    loss_bound: 0.1,
-                    algorithm: algo,
-                    ..GroupReduceOptions::default()
-                };
-                let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
-                let r = g.all_reduce(t, &o).expect("all-reduce");
-                let c = r
-                    .contributors
-                    .expect("a lossy reduction reports contributors");
-                let sets: Vec<Vec<usize>> = (0..c.blocks()).map(|b| c.ranks(b)).collect();
-                (vals(&b), sets, r.complete_blocks, r.blocks, g.stats())
-            },
-        );
+        let o = GroupReduceOptions {
+            op: ReduceOp::Sum,
+            loss_bound: 0.1,
+            algorithm: algo,
+            ..GroupReduceOptions::default()
+        };
+        let out: Vec<_> = lossy_sum(world, n, 0.05, 11, o)
+            .into_iter()
+            .map(|l| (l.vals, l.sets, l.complete, l.blocks, l.stats))
+            .collect();
         let want = expected_sum(world, n);
         for (rank, (v, sets, complete, blocks, stats)) in out.iter().enumerate() {
             assert_eq!(
@@ -878,30 +903,20 @@ fn under_loss_every_range_delivers_its_bound_however_small() {
     let n = at;
     for algo in [AllReduceAlgo::Ring, AllReduceAlgo::Direct] {
         let world = 4;
-        let given = ranges.clone();
-        let out = with_groups(
-            world,
-            |c| {
-                c.endpoint.inject_loss = 0.08;
-                c.endpoint.seed = 5;
-            },
-            move |g| {
-                let mut b = f32s(&input(g.rank(), n));
-                let o = GroupReduceOptions {
-                    op: ReduceOp::Sum,
-                    loss_bound: 0.1,
-                    algorithm: algo,
-                    ranges: given.clone(),
-                    ..GroupReduceOptions::default()
-                };
-                let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
-                let r = g.all_reduce(t, &o).expect("all-reduce");
-                let c = r.contributors.expect("contributors");
-                let per_block = g.block_bytes() / 4;
-                let counts: Vec<usize> = (0..c.blocks()).map(|b| c.ranks(b).len()).collect();
-                (counts, per_block, r.complete_blocks, r.blocks)
-            },
-        );
+        let o = GroupReduceOptions {
+            op: ReduceOp::Sum,
+            loss_bound: 0.1,
+            algorithm: algo,
+            ranges: ranges.clone(),
+            ..GroupReduceOptions::default()
+        };
+        let out: Vec<_> = lossy_sum(world, n, 0.08, 5, o)
+            .into_iter()
+            .map(|l| {
+                let counts: Vec<usize> = l.sets.iter().map(Vec::len).collect();
+                (counts, l.per_block, l.complete, l.blocks)
+            })
+            .collect();
         let (counts, per_block, complete, blocks) = &out[0];
         assert!(complete < blocks, "{algo:?}: 8 % loss left no block short");
         let delivered = |r: &std::ops::Range<usize>| {
