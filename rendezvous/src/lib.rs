@@ -24,7 +24,8 @@
 //! anything is allocated from them, a connection that has not sent a complete `Join`
 //! within [`JOIN_WAIT`] is dropped, at most [`MAX_PENDING`] connections wait for their
 //! `Join` at a time, and the whole exchange ends at [`RendezvousConfig::timeout`] with the
-//! list of ranks that never joined. Rank 0 holds one connection per joined rank until the
+//! list of ranks that never joined; the table then goes out to every rank within
+//! [`SEND_WAIT`] in all, however slowly a rank reads. Rank 0 holds one connection per joined rank until the
 //! table goes out, so a job of `n` ranks needs `n` file descriptors there (`ulimit -n`).
 //!
 //! The listener is bound with `std`'s `TcpListener::bind`, which sets `SO_REUSEADDR` on
@@ -52,8 +53,10 @@ pub const DEFAULT_MAX_PAYLOAD: usize = 64 * 1024;
 pub const JOIN_WAIT: Duration = Duration::from_secs(5);
 /// Most connections rank 0 reads `Join`s from at once; more wait in the listen backlog.
 pub const MAX_PENDING: usize = 256;
-/// How long rank 0 may take to write the table to one rank.
-const SEND_WAIT: Duration = Duration::from_secs(5);
+/// How long rank 0 may take to write the table to every rank, all together: a rank that
+/// reads it slower is left to fail on its own side (a client draining a few kilobytes every
+/// few seconds would otherwise hold rank 0 for as long as it likes).
+pub const SEND_WAIT: Duration = Duration::from_secs(5);
 /// Rank 0's pause when nothing happened in a round of its accept/read loop.
 const IDLE: Duration = Duration::from_millis(2);
 
@@ -534,18 +537,57 @@ fn serve(
     };
     let frame = wire::encode_table(&table)
         .map_err(|e| RendezvousError::Invalid(format!("cannot encode the table: {e}")))?;
-    for (rank, peer, mut s) in joined {
-        let sent = s
-            .set_nonblocking(false)
-            .and_then(|()| s.set_write_timeout(Some(SEND_WAIT)))
-            .and_then(|()| s.write_all(&frame));
-        if let Err(e) = sent {
-            // Its process will report its own failure; the table is complete here.
-            log::warn!("rendezvous: could not send the table to rank {rank} at {peer}: {e}");
-        }
-    }
+    send_table(joined, &frame);
     log::info!("rendezvous: all {world} ranks of job {job} joined");
     Ok(table.payloads)
+}
+
+/// Writes `frame` to every joined rank at once (the sockets are nonblocking), within
+/// [`SEND_WAIT`] in all. A rank whose connection fails, or that has not taken the whole
+/// table by then, is dropped with a warning: its process reports its own failure, and the
+/// table is complete here.
+fn send_table(joined: Vec<(usize, SocketAddr, TcpStream)>, frame: &[u8]) {
+    let until = Instant::now() + SEND_WAIT;
+    let mut left: Vec<(usize, SocketAddr, TcpStream, usize)> =
+        joined.into_iter().map(|(r, p, s)| (r, p, s, 0)).collect();
+    while !left.is_empty() {
+        let mut progress = false;
+        left.retain_mut(|(rank, peer, s, off)| match s.write(&frame[*off..]) {
+            Ok(n) => {
+                *off += n;
+                progress |= n > 0;
+                *off < frame.len()
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) =>
+            {
+                true
+            }
+            Err(e) => {
+                log::warn!("rendezvous: could not send the table to rank {rank} at {peer}: {e}");
+                false
+            }
+        });
+        if left.is_empty() {
+            break;
+        }
+        if Instant::now() >= until {
+            for (rank, peer, _, off) in &left {
+                log::warn!(
+                    "rendezvous: rank {rank} at {peer} took {off} of the table's {} bytes in \
+                     {SEND_WAIT:?}; dropping it",
+                    frame.len()
+                );
+            }
+            break;
+        }
+        if !progress {
+            std::thread::sleep(IDLE);
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1728,6 +1770,63 @@ mod tests {
         // Rank 0 is done: the connections that never joined are closed.
         assert_closed(&mut silent);
         assert_closed(&mut half);
+    }
+
+    #[test]
+    fn a_rank_that_reads_the_table_slowly_does_not_hold_rank_0() {
+        // Rank 1 joins with a 16 MiB payload, so the table does not fit in the sockets'
+        // buffers, then drains 64 KiB every 200 ms: enough for every write to progress
+        // within a per-write timeout, 50 s for the whole table. Rank 0 gives up on it after
+        // SEND_WAIT in all and returns the complete table.
+        let master = own_master(8);
+        let big = RendezvousConfig {
+            timeout: Duration::from_secs(30),
+            max_payload: 16 << 20,
+        };
+        let started = Instant::now();
+        let r0 = spawn_rank(master, 42, 0, 2, payload_of(0), big.clone());
+        let mut slow = connect_raw(master);
+        let mut f = vec![0u8; 0];
+        let payload = vec![7u8; 16 << 20];
+        let join = wire::encode_join(&Join {
+            job: 42,
+            rank: 1,
+            world: 2,
+            payload: payload.clone(),
+        })
+        .unwrap();
+        slow.write_all(&join).unwrap();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let slow_down = done.clone();
+        let reader = thread::spawn(move || {
+            let mut chunk = vec![0u8; 64 * 1024];
+            let until = Instant::now() + Duration::from_secs(120);
+            while Instant::now() < until {
+                match slow.read(&mut chunk) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => f.extend_from_slice(&chunk[..n]),
+                }
+                // Slowly while rank 0 writes; then what is left, to see the end.
+                if !slow_down.load(std::sync::atomic::Ordering::Acquire) {
+                    thread::sleep(Duration::from_millis(200));
+                }
+            }
+            f.len()
+        });
+        let table = r0.join().unwrap().unwrap();
+        let took = started.elapsed();
+        done.store(true, std::sync::atomic::Ordering::Release);
+        assert_eq!(table, vec![payload_of(0), payload]);
+        assert!(
+            took < SEND_WAIT + Duration::from_secs(5),
+            "rank 0 took {took:?} with a slow reader"
+        );
+        // Rank 0 closed the connection: the reader ends with part of the table.
+        let got = reader.join().unwrap();
+        assert!(
+            got < (16 << 20),
+            "the slow reader got the whole table ({got} bytes)"
+        );
     }
 
     #[test]
