@@ -23,7 +23,9 @@
 //! (the same on every rank), the world by [`MAX_RANKS`], frames are length-checked before
 //! anything is allocated from them, a connection that has not sent a complete `Join`
 //! within [`JOIN_WAIT`] is dropped, at most [`MAX_PENDING`] connections wait for their
-//! `Join` at a time, and the whole exchange ends at [`RendezvousConfig::timeout`] with the
+//! `Join` at a time (when all are taken, the one silent longest, for at least
+//! [`EVICT_IDLE`], makes room for a new one, so idle connections cannot keep a rank out),
+//! and the whole exchange ends at [`RendezvousConfig::timeout`] with the
 //! list of ranks that never joined; the table then goes out to every rank within
 //! [`SEND_WAIT`] in all, however slowly a rank reads. Rank 0 holds one connection per joined rank until the
 //! table goes out, so a job of `n` ranks needs `n` file descriptors there (`ulimit -n`).
@@ -51,8 +53,11 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 pub const DEFAULT_MAX_PAYLOAD: usize = 64 * 1024;
 /// How long rank 0 waits for a new connection's complete `Join` before dropping it.
 pub const JOIN_WAIT: Duration = Duration::from_secs(5);
-/// Most connections rank 0 reads `Join`s from at once; more wait in the listen backlog.
+/// Most connections rank 0 reads `Join`s from at once; more wait in the listen backlog,
+/// or take the place of one that has sent nothing for [`EVICT_IDLE`].
 pub const MAX_PENDING: usize = 256;
+/// A pending connection silent this long gives its slot to a new one when all are taken.
+pub const EVICT_IDLE: Duration = Duration::from_millis(200);
 /// How long rank 0 may take to write the table to every rank, all together: a rank that
 /// reads it slower is left to fail on its own side (a client draining a few kilobytes every
 /// few seconds would otherwise hold rank 0 for as long as it likes).
@@ -317,6 +322,8 @@ struct Pending {
     stream: TcpStream,
     peer: SocketAddr,
     since: Instant,
+    /// When its last bytes arrived (or it was accepted).
+    heard: Instant,
     buf: Vec<u8>,
     /// Bytes of the frame, once the header says.
     need: Option<usize>,
@@ -345,7 +352,10 @@ impl Pending {
             let want = (target - self.buf.len()).min(chunk.len());
             match self.stream.read(&mut chunk[..want]) {
                 Ok(0) => return Read1::Gone(None),
-                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Ok(n) => {
+                    self.buf.extend_from_slice(&chunk[..n]);
+                    self.heard = Instant::now();
+                }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Read1::More,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Read1::Gone(Some(e)),
@@ -435,7 +445,26 @@ fn serve(
         }
         let mut busy = false;
 
-        while pending.len() < MAX_PENDING {
+        loop {
+            // Slots full: the connection silent the longest (for at least EVICT_IDLE) makes
+            // room, so a flood of idle connections cannot keep a real rank waiting for
+            // JOIN_WAIT; a real join arrives at once and is read within a round.
+            if pending.len() >= MAX_PENDING {
+                let stalest = pending
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, p)| p.heard)
+                    .filter(|(_, p)| p.heard.elapsed() >= EVICT_IDLE)
+                    .map(|(i, _)| i);
+                let Some(i) = stalest else { break };
+                let p = pending.swap_remove(i);
+                log::warn!(
+                    "rendezvous: dropping connection from {}: silent for {:?} while {MAX_PENDING} \
+                     connections wait",
+                    p.peer,
+                    p.heard.elapsed()
+                );
+            }
             match listener.accept() {
                 Ok((stream, peer)) => {
                     busy = true;
@@ -445,10 +474,12 @@ fn serve(
                         continue;
                     }
                     let _ = stream.set_nodelay(true);
+                    let now = Instant::now();
                     pending.push(Pending {
                         stream,
                         peer,
-                        since: Instant::now(),
+                        since: now,
+                        heard: now,
                         buf: Vec::new(),
                         need: None,
                     });
@@ -1770,6 +1801,28 @@ mod tests {
         // Rank 0 is done: the connections that never joined are closed.
         assert_closed(&mut silent);
         assert_closed(&mut half);
+    }
+
+    #[test]
+    fn idle_connections_filling_every_slot_do_not_keep_a_rank_out() {
+        // MAX_PENDING connections that never send a byte take every slot; a real rank
+        // joining after them gets in once they have been silent for EVICT_IDLE, not after
+        // they time out at JOIN_WAIT.
+        let master = own_master(9);
+        let r0 = spawn_rank(master, 42, 0, 2, payload_of(0), cfg(30));
+        let idle: Vec<TcpStream> = (0..MAX_PENDING).map(|_| connect_raw(master)).collect();
+        thread::sleep(EVICT_IDLE + Duration::from_millis(100));
+        let started = Instant::now();
+        let r1 = spawn_rank(master, 42, 1, 2, payload_of(1), cfg(30));
+        let expect: Vec<Vec<u8>> = (0..2).map(payload_of).collect();
+        assert_eq!(r1.join().unwrap().unwrap(), expect);
+        let took = started.elapsed();
+        assert_eq!(r0.join().unwrap().unwrap(), expect);
+        assert!(
+            took < JOIN_WAIT / 2,
+            "rank 1 took {took:?} behind idle connections"
+        );
+        drop(idle);
     }
 
     #[test]
