@@ -17,7 +17,9 @@
 //! inject data. In a plain job, whoever joins first as rank k takes rank k's place (the real
 //! rank k is refused as a duplicate): use a secret where that matters.
 //! Rank 0 refuses joins for another job id or world size, out-of-range and duplicate ranks
-//! (the right rank can still join afterwards).
+//! (the right rank can still join afterwards). A refusal names only what the joiner sent,
+//! never rank 0's job id or world size, so probing the port tells a stranger nothing of the
+//! job; rank 0's log has both sides.
 //!
 //! Everything is bounded in size and time: payloads by [`RendezvousConfig::max_payload`]
 //! (the same on every rank), the world by [`MAX_RANKS`], frames are length-checked before
@@ -265,29 +267,44 @@ impl Roster {
         }
     }
 
-    /// Takes a join, or says why not (the reason goes back in a `Refuse`).
-    fn admit(&mut self, j: Join) -> Result<usize, String> {
+    /// Takes a join, or says why not: the first string goes back in a `Refuse`, the second
+    /// to rank 0's log. A refusal names only what the joiner sent, never rank 0's job id or
+    /// world size: a stranger who probes the port learns nothing of the job (rank 0's log
+    /// has both sides, for whoever runs the job).
+    fn admit(&mut self, j: Join) -> Result<usize, (String, String)> {
         let world = self.payloads.len();
         if j.job != self.job {
-            return Err(format!(
-                "job id {} does not match rank 0's job {}: check the job id of every rank",
-                j.job, self.job
+            return Err((
+                format!(
+                    "job id {} is not the job this rendezvous serves: check the job id of every \
+                     rank",
+                    j.job
+                ),
+                format!("job id {} where this is job {}", j.job, self.job),
             ));
         }
         if j.world as usize != world {
-            return Err(format!(
+            let why = format!(
                 "world size {} does not match rank 0's world size {world}",
                 j.world
+            );
+            return Err((
+                format!(
+                    "world size {} is not this job's: check the world size of every rank",
+                    j.world
+                ),
+                why,
             ));
         }
         let rank = j.rank as usize;
+        let both = |why: String| Err((why.clone(), why));
         match self.payloads.get_mut(rank) {
-            None => Err(format!("rank {rank} is out of range 1..{world}")),
-            Some(_) if rank == 0 => Err(
+            None => both(format!("rank {rank} is out of range 1..{world}")),
+            Some(_) if rank == 0 => both(
                 "rank 0 is the rendezvous master itself: two processes were given rank 0"
                     .to_owned(),
             ),
-            Some(Some(_)) => Err(format!(
+            Some(Some(_)) => both(format!(
                 "rank {rank} has already joined: two processes were given rank {rank}"
             )),
             Some(slot) => {
@@ -545,8 +562,8 @@ fn serve(
                             log::debug!("rendezvous: rank {rank} joined from {}", p.peer);
                             joined.push((rank, p.peer, p.stream));
                         }
-                        Err(reason) => {
-                            log::warn!("rendezvous: refusing {}: {reason}", p.peer);
+                        Err((reason, detail)) => {
+                            log::warn!("rendezvous: refusing {}: {detail}", p.peer);
                             send_refuse(&mut p.stream, p.peer, &reason);
                         }
                     }
@@ -1573,13 +1590,16 @@ mod tests {
         let mut r = Roster::new(5, 4, b"zero");
         assert_eq!(r.missing(), vec![1, 2, 3]);
         assert_eq!(r.admit(join_of(5, 2, 4, b"two")), Ok(2));
-        let e = r.admit(join_of(5, 2, 4, b"again")).unwrap_err();
+        let (e, _) = r.admit(join_of(5, 2, 4, b"again")).unwrap_err();
         assert!(e.contains("rank 2 has already joined"), "{e}");
-        let e = r.admit(join_of(6, 1, 4, b"")).unwrap_err();
-        assert!(e.contains("job id 6") && e.contains("job 5"), "{e}");
-        let e = r.admit(join_of(5, 1, 3, b"")).unwrap_err();
-        assert!(e.contains("world size 3"), "{e}");
-        let e = r.admit(join_of(5, 0, 4, b"")).unwrap_err();
+        // The refusal names only what the joiner sent; rank 0's log has its side too.
+        let (e, log) = r.admit(join_of(6, 1, 4, b"")).unwrap_err();
+        assert!(e.contains("job id 6") && !e.contains('5'), "{e}");
+        assert!(log.contains("job id 6") && log.contains("job 5"), "{log}");
+        let (e, log) = r.admit(join_of(5, 1, 3, b"")).unwrap_err();
+        assert!(e.contains("world size 3") && !e.contains('4'), "{e}");
+        assert!(log.contains("world size 4"), "{log}");
+        let (e, _) = r.admit(join_of(5, 0, 4, b"")).unwrap_err();
         assert!(e.contains("rank 0"), "{e}");
         assert_eq!(r.missing(), vec![1, 3]);
         assert!(!r.complete());
@@ -1685,8 +1705,9 @@ mod tests {
         let r1 = spawn_rank(master, 42, 1, 3, payload_of(1), cfg(30));
         match exchange(master, 99, 2, 3, b"impostor", &cfg(30)) {
             Err(RendezvousError::Refused { reason }) => {
+                // Its own job id, not the one it probed for.
                 assert!(
-                    reason.contains("job id 99") && reason.contains("42"),
+                    reason.contains("job id 99") && !reason.contains("42"),
                     "{reason}"
                 )
             }
@@ -1694,7 +1715,8 @@ mod tests {
         }
         match exchange(master, 42, 2, 5, b"impostor", &cfg(30)) {
             Err(e @ RendezvousError::Refused { .. }) => {
-                assert!(e.to_string().contains("world size 5"), "{e}")
+                let e = e.to_string();
+                assert!(e.contains("world size 5") && !e.contains('3'), "{e}")
             }
             other => panic!("{other:?}"),
         }
