@@ -8,7 +8,7 @@
 //! crate), so all nodes of a round run one policy; a new version takes effect from the next
 //! round that no node has started.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,7 +20,6 @@ use gradwire_netstorm::consistency::SchedulerState;
 use gradwire_netstorm::graph::Overlay;
 use gradwire_netstorm::wire::{frame_len, Kind, Message, TopologyRequest, HEADER_LEN};
 
-use crate::control::write_frame;
 use crate::error::WanError;
 use crate::plan::{formulate, Planner};
 use crate::policy::parents;
@@ -326,28 +325,55 @@ pub fn spawn_with_frame_timeout(
     })
 }
 
+/// Most node connections served at once, per node of the job (a node keeps one; a few more
+/// cover reconnections); further connections are closed at once.
+pub const CONNECTIONS_PER_NODE: usize = 4;
+
 fn serve(
     listener: TcpListener,
     state: Arc<Mutex<State>>,
     stop: Arc<AtomicBool>,
     frame_timeout: Duration,
 ) -> Result<SchedulerReport, WanError> {
-    let mut conns = Vec::new();
+    let cap = {
+        let st = state
+            .lock()
+            .map_err(|_| WanError::Internal("scheduler state poisoned".into()))?;
+        CONNECTIONS_PER_NODE * st.cfg.world.max(1)
+    };
+    let mut conns: Vec<std::thread::JoinHandle<()>> = Vec::new();
     while !stop.load(Ordering::Acquire) {
+        // Finished connections leave the list: it holds the live ones only.
+        conns.retain(|c| !c.is_finished());
         match listener.accept() {
+            Ok((s, peer)) if conns.len() >= cap => {
+                log::warn!(
+                    "scheduler: refused a connection from {peer}: {cap} node connections are \
+                     open already"
+                );
+                drop(s);
+            }
             Ok((s, _)) => {
                 let state = Arc::clone(&state);
                 let stop = Arc::clone(&stop);
-                conns.push(
-                    std::thread::Builder::new()
-                        .name("netstorm-node-conn".into())
-                        .spawn(move || connection(s, &state, &stop, frame_timeout))?,
-                );
+                match std::thread::Builder::new()
+                    .name("netstorm-node-conn".into())
+                    .spawn(move || connection(s, &state, &stop, frame_timeout))
+                {
+                    Ok(c) => conns.push(c),
+                    // Out of threads for now: this connection is closed, the next is tried.
+                    Err(e) => log::warn!("scheduler: could not serve a connection: {e}"),
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            Err(e) => return Err(e.into()),
+            // E.g. out of file descriptors: keep serving the connections there are, and try
+            // again shortly.
+            Err(e) => {
+                log::warn!("scheduler: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
         }
     }
     for c in conns {
@@ -402,6 +428,51 @@ fn read_by(
                 ))
             }
             Ok(n) => got += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Write `m` within `frame_timeout` in all, looking at `stop` every [`IDLE_POLL`]: a node
+/// that does not read its answers cannot hold a connection thread, nor [`SchedulerHandle::stop`].
+fn write_by(
+    s: &mut TcpStream,
+    m: &Message,
+    frame_timeout: Duration,
+    stop: &AtomicBool,
+) -> std::io::Result<()> {
+    let bytes = m.to_vec().map_err(ended)?;
+    let now = Instant::now();
+    let deadline = now
+        .checked_add(frame_timeout)
+        .unwrap_or(now + Duration::from_secs(365 * 24 * 3600));
+    let mut sent = 0;
+    while sent < bytes.len() {
+        if stop.load(Ordering::Acquire) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Interrupted,
+                "the scheduler is stopping",
+            ));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ended(format!(
+                "an answer not taken within {frame_timeout:?} ({sent} of {} bytes)",
+                bytes.len()
+            )));
+        }
+        s.set_write_timeout(Some(left.min(IDLE_POLL)))?;
+        match s.write(&bytes[sent..]) {
+            Ok(0) => return Err(std::io::Error::new(std::io::ErrorKind::WriteZero, "closed")),
+            Ok(n) => sent += n,
             Err(e)
                 if matches!(
                     e.kind(),
@@ -517,7 +588,8 @@ fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool, frame_t
         };
         drop(st);
         if let Some(m) = reply {
-            if write_frame(&mut s, &m).is_err() {
+            if let Err(e) = write_by(&mut s, &m, frame_timeout, stop) {
+                log::warn!("scheduler: dropped node {claims}'s connection: {e}");
                 return;
             }
         }

@@ -205,3 +205,57 @@ fn a_frame_only_the_scheduler_sends_is_refused_at_its_header() {
     assert_closed(&mut c, "a node sent a PolicyUpdate header");
     s.stop().unwrap();
 }
+
+#[test]
+fn a_node_that_never_reads_its_answers_holds_neither_a_thread_nor_stop() {
+    // The node sends requests as fast as it can and never reads: the answers fill both
+    // sockets' buffers and the scheduler's write blocks. It gives up on the connection
+    // within the frame timeout, and stop() returns.
+    let s = scheduler_with_frame_timeout(Duration::from_secs(2));
+    let c = connect(&s);
+    c.set_nonblocking(true).unwrap();
+    let one = trp(0);
+    let burst: Vec<u8> = one.iter().copied().cycle().take(one.len() * 4096).collect();
+    let mut c = c;
+    let until = std::time::Instant::now() + Duration::from_secs(4);
+    let mut written = 0usize;
+    while std::time::Instant::now() < until {
+        match c.write(&burst) {
+            Ok(n) => written += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(_) => break, // dropped by the scheduler: what the test wants
+        }
+    }
+    assert!(
+        written > one.len() * 10_000,
+        "only {written} bytes of requests went out"
+    );
+    // A new node is still served meanwhile.
+    assert_serves(&s, 1);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(s.stop().map(|_| ()));
+    });
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(r) => r.unwrap(),
+        Err(_) => panic!("stop() did not return within 10 s with a node that never reads"),
+    }
+    drop(c);
+}
+
+#[test]
+fn connections_beyond_the_cap_are_closed_and_finished_ones_free_their_place() {
+    let s = scheduler();
+    let cap = scheduler::CONNECTIONS_PER_NODE * 3;
+    let idle: Vec<TcpStream> = (0..cap).map(|_| connect(&s)).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut extra = connect(&s);
+    assert_closed(&mut extra, "a connection beyond the cap");
+    // Closing the idle ones frees their places: a node is served again.
+    drop(idle);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_serves(&s, 2);
+    s.stop().unwrap();
+}
