@@ -93,6 +93,22 @@ pub enum ConsistencyError {
         /// The last round it asked for.
         last: u32,
     },
+    /// A node asked for a round more than one past the slowest node's last request: no
+    /// correct node can be there (a round needs every node), and believing it would refuse
+    /// the node's real requests for every round before it.
+    #[error(
+        "node {node} asked for the policy of round {round}, but the slowest node asked for \
+         round {slowest:?} last: at most the round after it can be asked for"
+    )]
+    RoundAhead {
+        /// The node.
+        node: u16,
+        /// The round asked for.
+        round: u32,
+        /// The slowest node's last round (`None`: some node has asked nothing yet, so only
+        /// round 0 can be asked for).
+        slowest: Option<u32>,
+    },
     /// A node asked again for a round every node has its policy for.
     #[error("node {node} asked again for round {round}, which every node has the policy of")]
     RoundClosed {
@@ -355,6 +371,17 @@ impl SchedulerState {
             });
         }
         let bit = 1u64 << node;
+        // Round k + 1 is asked for only once every node has asked for round k: a round runs
+        // on every node. Anything further ahead is refused and changes nothing.
+        let slowest = self.last_round.iter().copied().min().flatten();
+        let limit = slowest.map_or(0, |r| r.saturating_add(1));
+        if req.round > limit {
+            return Err(ConsistencyError::RoundAhead {
+                node: req.node,
+                round: req.round,
+                slowest,
+            });
+        }
         match self.last_round[node] {
             Some(last) if req.round < last => {
                 return Err(ConsistencyError::RoundWentBack {
@@ -915,6 +942,38 @@ mod tests {
             version,
             round,
         }
+    }
+
+    #[test]
+    fn a_request_rounds_ahead_of_the_slowest_node_is_refused_and_changes_nothing() {
+        // A stranger speaking for node 1 asks for round u32::MAX: believed, it would make
+        // every real request of node 1 "go back". Refused, node 1 still gets round 0.
+        let mut s = SchedulerState::new(chain([1, 2], vec![]));
+        assert_eq!(
+            s.on_request(&trp(1, NO_VERSION, u32::MAX)),
+            Err(ConsistencyError::RoundAhead {
+                node: 1,
+                round: u32::MAX,
+                slowest: None
+            })
+        );
+        // Until every node has asked, only round 0 can be asked for.
+        assert!(matches!(
+            s.on_request(&trp(0, NO_VERSION, 1)),
+            Err(ConsistencyError::RoundAhead { .. })
+        ));
+        for n in 0..3 {
+            assert_eq!(s.on_request(&trp(n, NO_VERSION, 0)).unwrap().version(), 1);
+        }
+        // Every node asked for round 0: round 1 may be asked for, round 2 not yet.
+        assert!(matches!(
+            s.on_request(&trp(2, 1, 2)),
+            Err(ConsistencyError::RoundAhead {
+                slowest: Some(0),
+                ..
+            })
+        ));
+        assert_eq!(s.on_request(&trp(2, 1, 1)).unwrap().version(), 1);
     }
 
     #[test]

@@ -259,3 +259,22 @@ fn connections_beyond_the_cap_are_closed_and_finished_ones_free_their_place() {
     assert_serves(&s, 2);
     s.stop().unwrap();
 }
+
+#[test]
+fn a_request_for_a_round_far_ahead_is_dropped_and_the_real_node_still_served() {
+    // A stranger speaking for node 0 asks for round u32::MAX: the scheduler drops it, and
+    // node 0's real request for round 0 is answered.
+    let s = scheduler();
+    let mut c = connect(&s);
+    let far = Message::TopologyRequest(TopologyRequest {
+        node: 0,
+        version: NO_VERSION,
+        round: u32::MAX,
+    })
+    .to_vec()
+    .unwrap();
+    c.write_all(&far).unwrap();
+    assert_closed(&mut c, "a request for round u32::MAX");
+    assert_serves(&s, 0);
+    s.stop().unwrap();
+}
