@@ -442,6 +442,12 @@ impl SchedulerState {
 pub trait Payload: Clone {
     /// Adds `other` into `self`.
     fn accumulate(&mut self, other: &Self);
+
+    /// Whether `other` can be added into `self` (e.g. the same number of elements): a chunk
+    /// that cannot is refused, never added in part.
+    fn same_shape(&self, _other: &Self) -> bool {
+        true
+    }
 }
 
 /// What a node state machine asks the runtime to do.
@@ -820,6 +826,9 @@ impl<P: Payload> NodeState<P> {
                 let Some(acc) = w.acc.as_mut() else {
                     return Err(unexpected("the chunk was already pushed up"));
                 };
+                if !acc.same_shape(&payload) {
+                    return Err(unexpected("a chunk of another length than this node's own"));
+                }
                 acc.accumulate(&payload);
                 w.waiting &= !bit;
                 self.advance(root, chunk, out);
@@ -1173,6 +1182,42 @@ mod tests {
         n2.contribute(vec![(0, 3, 1)]).unwrap();
         let out = n2.on_chunk(0, header.clone(), 4).unwrap();
         assert_eq!(sends(&out), vec![(0, Phase::Push, false, 5)]);
+    }
+
+    /// A payload with a length, as the runtime's chunks of elements.
+    #[derive(Debug, Clone, PartialEq)]
+    struct Elems(Vec<u64>);
+
+    impl Payload for Elems {
+        fn accumulate(&mut self, other: &Self) {
+            for (a, b) in self.0.iter_mut().zip(&other.0) {
+                *a += b;
+            }
+        }
+        fn same_shape(&self, other: &Self) -> bool {
+            self.0.len() == other.0.len()
+        }
+    }
+
+    #[test]
+    fn a_pushed_chunk_of_another_length_is_refused_not_added_in_part() {
+        // 1 -> 2 -> 0: node 2 sums its child 1's chunk 3 into its own.
+        let p = chain([1, 2], vec![]);
+        let mut n2 = NodeState::<Elems>::new(2, 0);
+        n2.begin_round(0).unwrap();
+        n2.on_reply(update(1, 0, &p)).unwrap();
+        n2.contribute(vec![(0, 3, Elems(vec![1, 2, 3]))]).unwrap();
+        let h = ChunkHeader::primary(1, 0, 0, 3, Phase::Push);
+        assert!(matches!(
+            n2.on_chunk(1, h.clone(), Elems(vec![10, 20])),
+            Err(ConsistencyError::Unexpected { from: 1, .. })
+        ));
+        // The right length still goes through, once.
+        let out = n2.on_chunk(1, h, Elems(vec![10, 20, 30])).unwrap();
+        assert!(out.iter().any(|o| matches!(
+            o,
+            Output::Send { to: 0, payload, .. } if payload == &Elems(vec![11, 22, 33])
+        )));
     }
 
     #[test]

@@ -66,6 +66,11 @@ impl Payload for Values {
             *a += b;
         }
     }
+
+    /// A partial sum of another length would be added in part: refused instead.
+    fn same_shape(&self, other: &Self) -> bool {
+        self.0.len() == other.0.len()
+    }
 }
 
 /// A running node: its channels and its scheduler connection.
@@ -246,9 +251,24 @@ impl Node {
         // The roots hold sums; every node divides the same sum the same way.
         let n = world as f32;
         let mut out = Vec::with_capacity(input.len());
-        for r in results {
+        for (c, (r, (range, root))) in results.into_iter().zip(&plan).enumerate() {
             let r =
                 r.ok_or_else(|| WanError::Internal("a finished round without a result".into()))?;
+            if r.len() != range.len() {
+                // The result came down the chunk's tree: its parent here sent it.
+                let from = policy
+                    .tree(*root)
+                    .and_then(|t| t.parent_of(self.cfg.rank as u16))
+                    .map_or(usize::from(*root), usize::from);
+                return Err(self.peer_err(
+                    from,
+                    format!(
+                        "the result of chunk {c} has {} elements where the chunk has {}",
+                        r.len(),
+                        range.len()
+                    ),
+                ));
+            }
             out.extend(r.iter().map(|v| v / n));
         }
         Ok(out)
