@@ -4,6 +4,8 @@
 
 use std::time::Instant;
 
+use gradwire::flow::tos_per_segment;
+use gradwire::tagging::DlcpTagger;
 use gradwire_msg::core::{Place, RecvOpts, RecvReport};
 use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{OpCx, OpError, Step};
@@ -33,8 +35,9 @@ pub(crate) struct Reduction {
     started: Option<Instant>,
     /// When the current reduce-scatter step could start.
     step_started: Option<Instant>,
-    /// The magnitude threshold of DLCP's tagging, when the lossy steps are tagged.
-    threshold: Option<f32>,
+    /// DLCP's tagger of the lossy steps (the layer's DSCP, ECT above the tensor's magnitude
+    /// threshold), when they are tagged.
+    tagger: Option<DlcpTagger>,
 }
 
 impl Reduction {
@@ -53,7 +56,7 @@ impl Reduction {
             steps: Vec::new(),
             started: None,
             step_started: None,
-            threshold: None,
+            tagger: None,
         }
     }
 
@@ -73,11 +76,16 @@ impl Reduction {
         let parts = if per_rank { self.world } else { 1 };
         self.chunks = Chunks::new(region.len(), cx.seg_payload(), parts);
         if self.spec.tagging == super::Tagging::Magnitude && self.spec.lossy() && self.world > 1 {
-            self.threshold = gradwire::tagging::magnitude_threshold_of(
+            let threshold = gradwire::tagging::magnitude_threshold_of(
                 region.as_slice(),
                 self.spec.dtype,
                 &gradwire::tagging::MagnitudeConfig::default(),
             );
+            // No threshold (raw bytes): every segment important, as untagged.
+            self.tagger = threshold.map(|t| DlcpTagger {
+                dscp: self.spec.tos >> 2,
+                threshold: Some(t),
+            });
         }
         let buf = cx.register(region);
         self.buf = Some(buf);
@@ -142,24 +150,19 @@ impl Reduction {
         }
     }
 
-    /// The TOS byte of each segment of a lossy step's send of `bytes`: the spec's, not-ECT
-    /// where DLCP's magnitude tagging finds the segment unimportant (empty: untagged).
+    /// The TOS byte of each segment of a lossy step's send of `bytes`: DLCP's tag, the one
+    /// the point-to-point send gives (empty: untagged, the spec's TOS).
     pub(crate) fn tags(&self, bytes: &[u8], seg_payload: usize) -> Vec<u8> {
-        let Some(t) = self.threshold else {
-            return Vec::new();
-        };
-        bytes
-            .chunks(seg_payload.max(1))
-            .map(|s| {
-                let m = gradwire::tagging::mean_abs(s, self.spec.dtype);
-                // NaN is important: it must not be dropped silently.
-                if m.is_nan() || m >= t {
-                    self.spec.tos
-                } else {
-                    self.spec.tos & !0b11
-                }
-            })
-            .collect()
+        match &self.tagger {
+            None => Vec::new(),
+            Some(t) => tos_per_segment(
+                bytes,
+                seg_payload,
+                self.spec.layer,
+                self.spec.dtype,
+                &t.priority_fn(),
+            ),
+        }
     }
 
     /// A receive of finished values: reliable (every rank must end with the same values),
