@@ -395,17 +395,28 @@ fn ended(e: impl std::fmt::Display) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())
 }
 
-/// Fill `buf` by `deadline` (`frame_timeout` after the frame's first byte), looking at `stop`
-/// every [`IDLE_POLL`].
-fn read_by(
-    s: &mut TcpStream,
-    buf: &mut [u8],
+/// `frame_timeout` from now (a timeout too long for the clock is no timeout: a year stands in
+/// for it).
+fn deadline_in(frame_timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(frame_timeout)
+        .unwrap_or(now + Duration::from_secs(365 * 24 * 3600))
+}
+
+/// Moves `len` bytes by `deadline`, looking at `stop` every [`IDLE_POLL`]: `step(done,
+/// timeout)` reads or writes what is left from byte `done` with the socket's timeout set to
+/// `timeout`, and returns how many it moved (0: the stream ended, an error of kind
+/// `closed`); `overdue(done)` is the error when the deadline passes.
+fn move_by(
+    len: usize,
     deadline: Instant,
-    frame_timeout: Duration,
     stop: &AtomicBool,
+    closed: std::io::ErrorKind,
+    mut step: impl FnMut(usize, Duration) -> std::io::Result<usize>,
+    overdue: impl Fn(usize) -> std::io::Error,
 ) -> std::io::Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
+    let mut done = 0;
+    while done < len {
         if stop.load(Ordering::Acquire) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::Interrupted,
@@ -414,20 +425,11 @@ fn read_by(
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(ended(format!(
-                "a frame not complete within {frame_timeout:?} ({got} of {} bytes)",
-                buf.len()
-            )));
+            return Err(overdue(done));
         }
-        s.set_read_timeout(Some(left.min(IDLE_POLL)))?;
-        match s.read(&mut buf[got..]) {
-            Ok(0) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::UnexpectedEof,
-                    "closed",
-                ))
-            }
-            Ok(n) => got += n,
+        match step(done, left.min(IDLE_POLL)) {
+            Ok(0) => return Err(std::io::Error::new(closed, "closed")),
+            Ok(n) => done += n,
             Err(e)
                 if matches!(
                     e.kind(),
@@ -441,6 +443,33 @@ fn read_by(
     Ok(())
 }
 
+/// Fill `buf` by `deadline` (`frame_timeout` after the frame's first byte), looking at `stop`
+/// every [`IDLE_POLL`].
+fn read_by(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    frame_timeout: Duration,
+    stop: &AtomicBool,
+) -> std::io::Result<()> {
+    let len = buf.len();
+    move_by(
+        len,
+        deadline,
+        stop,
+        std::io::ErrorKind::UnexpectedEof,
+        |got, timeout| {
+            s.set_read_timeout(Some(timeout))?;
+            s.read(&mut buf[got..])
+        },
+        |got| {
+            ended(format!(
+                "a frame not complete within {frame_timeout:?} ({got} of {len} bytes)"
+            ))
+        },
+    )
+}
+
 /// Write `m` within `frame_timeout` in all, looking at `stop` every [`IDLE_POLL`]: a node
 /// that does not read its answers cannot hold a connection thread, nor [`SchedulerHandle::stop`].
 fn write_by(
@@ -450,40 +479,22 @@ fn write_by(
     stop: &AtomicBool,
 ) -> std::io::Result<()> {
     let bytes = m.to_vec().map_err(ended)?;
-    let now = Instant::now();
-    let deadline = now
-        .checked_add(frame_timeout)
-        .unwrap_or(now + Duration::from_secs(365 * 24 * 3600));
-    let mut sent = 0;
-    while sent < bytes.len() {
-        if stop.load(Ordering::Acquire) {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::Interrupted,
-                "the scheduler is stopping",
-            ));
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(ended(format!(
+    move_by(
+        bytes.len(),
+        deadline_in(frame_timeout),
+        stop,
+        std::io::ErrorKind::WriteZero,
+        |sent, timeout| {
+            s.set_write_timeout(Some(timeout))?;
+            s.write(&bytes[sent..])
+        },
+        |sent| {
+            ended(format!(
                 "an answer not taken within {frame_timeout:?} ({sent} of {} bytes)",
                 bytes.len()
-            )));
-        }
-        s.set_write_timeout(Some(left.min(IDLE_POLL)))?;
-        match s.write(&bytes[sent..]) {
-            Ok(0) => return Err(std::io::Error::new(std::io::ErrorKind::WriteZero, "closed")),
-            Ok(n) => sent += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock
-                        | std::io::ErrorKind::TimedOut
-                        | std::io::ErrorKind::Interrupted
-                ) => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+            ))
+        },
+    )
 }
 
 /// Wait up to [`IDLE_POLL`] for a frame to start (`Ok(None)`: none did), then read all of it
@@ -514,11 +525,7 @@ fn next_frame(
         }
         Err(e) => return Err(e),
     }
-    let now = Instant::now();
-    // A timeout too long for the clock is no timeout: a year stands in for it.
-    let deadline = now
-        .checked_add(frame_timeout)
-        .unwrap_or(now + Duration::from_secs(365 * 24 * 3600));
+    let deadline = deadline_in(frame_timeout);
     let mut buf = vec![0u8; HEADER_LEN];
     read_by(s, &mut buf, deadline, frame_timeout, stop)?;
     let (kind, total) = frame_len(&buf).map_err(ended)?;
