@@ -153,6 +153,17 @@ fn received(net: &Net, rank: usize) -> Vec<RecvReport> {
         .collect()
 }
 
+/// Every failure `rank` saw, sends and receives, in order.
+fn failures(net: &Net, rank: usize) -> Vec<MsgError> {
+    net.events[rank]
+        .iter()
+        .filter_map(|e| match e {
+            Event::Failed { error, .. } => Some(error.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 fn sent(net: &Net, rank: usize) -> usize {
     net.events[rank]
         .iter()
@@ -475,13 +486,7 @@ fn a_live_peer_that_never_receives_fails_the_send_as_alive_not_dead() {
         .expect("send");
     // Rank 1 keeps the data and answers every POLL, but never posts the receive.
     net.run(Duration::from_secs(5));
-    let failed: Vec<_> = net.events[0]
-        .iter()
-        .filter_map(|e| match e {
-            Event::Failed { error, .. } => Some(error.clone()),
-            _ => None,
-        })
-        .collect();
+    let failed = failures(&net, 0);
     assert_eq!(failed.len(), 1, "{failed:?}");
     match &failed[0] {
         MsgError::PeerSilent {
@@ -1213,13 +1218,7 @@ fn a_closing_core_still_confirms_what_it_finished_and_refuses_anything_else() {
         .post_send(now, 1, 1, src, 0..64 * 4, SendOpts::default())
         .expect("post send");
     net.run(Duration::from_millis(50));
-    let failed: Vec<_> = net.events[0]
-        .iter()
-        .filter_map(|e| match e {
-            Event::Failed { error, .. } => Some(error.clone()),
-            _ => None,
-        })
-        .collect();
+    let failed = failures(&net, 0);
     assert_eq!(
         failed,
         vec![MsgError::Aborted {
