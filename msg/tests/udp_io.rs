@@ -628,3 +628,58 @@ fn a_destination_whose_socket_closed_is_reported_unreachable() {
         );
     }
 }
+
+/// A datagram queued behind an ICMP error is received by the same call that reports the
+/// error: the endpoint fails a peer only after taking in what it sent before it closed (its
+/// last DONE must not be lost to the error that its exit causes).
+#[test]
+fn data_queued_behind_an_icmp_error_is_received_in_the_same_call() {
+    for lo in [lo4(), lo6()] {
+        let mut io = bind(lo, true, true);
+        let gone = bind(lo, true, true).local_addr();
+        let mut live = bind(lo, true, true);
+        let bytes = [9u8; 64];
+        let iov = [IoSlice::new(&bytes)];
+        let t = Transmit {
+            dst: gone,
+            tos: 0,
+            segment_size: bytes.len(),
+            iov: &iov,
+        };
+        assert_eq!(io.send(&[t]).expect("send"), 1);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !io
+            .wait(Some(Duration::from_millis(50)), false)
+            .expect("wait")
+            .errors
+        {
+            assert!(Instant::now() < deadline, "{lo}: no ICMP error arrived");
+        }
+        let t = Transmit {
+            dst: io.local_addr(),
+            tos: 0,
+            segment_size: bytes.len(),
+            iov: &iov,
+        };
+        assert_eq!(live.send(&[t]).expect("send"), 1);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !io
+            .wait(Some(Duration::from_millis(50)), false)
+            .expect("wait")
+            .readable
+        {
+            assert!(
+                Instant::now() < deadline,
+                "{lo}: the datagram did not arrive"
+            );
+        }
+        let mut got = 0;
+        let n = io.recv(&mut |_, d| got += d.len()).expect("recv");
+        assert_eq!(
+            (n, got),
+            (1, bytes.len()),
+            "{lo}: the error hid the datagram"
+        );
+        assert_eq!(io.take_unreachable(), vec![gone], "{lo}");
+    }
+}

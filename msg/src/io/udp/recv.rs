@@ -26,8 +26,10 @@ impl UdpIo {
                     self.stats.recv_empty += 1;
                     return Ok(0);
                 }
-                // An ICMP error for one of our datagrams, reported once on the next call: read
-                // the error queue (which destination) and carry on receiving.
+                // An ICMP error for one of our datagrams, reported once (before any queued
+                // data) on the next call: read the error queue (which destination) and carry
+                // on receiving. Returning here would leave a closing peer's last datagrams
+                // queued while the endpoint fails it for the error.
                 Err(
                     Errno::ECONNREFUSED
                     | Errno::EHOSTUNREACH
@@ -35,7 +37,7 @@ impl UdpIo {
                     | Errno::EHOSTDOWN,
                 ) if self.recverr => {
                     self.drain_errors();
-                    return Ok(0);
+                    continue;
                 }
                 Err(e) => {
                     return Err(IoError::Recv {
