@@ -201,6 +201,27 @@ impl PsNode {
         })
     }
 
+    /// Tests: this node sends `out` to `peer` whatever its role allows.
+    #[cfg(test)]
+    pub(super) fn forge(&self, peer: usize, out: crate::ps::core::Out) {
+        if let Some(tx) = &self.agg_tx {
+            let _ = tx.send(AggIn::Forge { peer, out });
+        }
+    }
+
+    /// Tests: this node fails, blaming `rank`, and tells its neighbours so.
+    #[cfg(test)]
+    pub(super) fn forge_failure(&self, rank: usize, reason: &str) {
+        self.shared.fail(
+            self.rank,
+            PsError::Peer {
+                rank,
+                reason: reason.into(),
+            },
+            None,
+        );
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank
@@ -242,6 +263,10 @@ impl PsNode {
     }
 
     fn send_own(&self, grads: Option<Tensor>) -> Result<(), PsError> {
+        self.shared
+            .counters
+            .own_clocks
+            .fetch_max(self.c_worker + 1, Ordering::SeqCst);
         let sent = self.agg_tx.as_ref().is_some_and(|tx| {
             tx.send(AggIn::Own {
                 clock: self.c_worker,
@@ -501,6 +526,7 @@ impl PsNode {
             heartbeats_sent: c.heartbeats_sent.load(Ordering::Relaxed),
             bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
             dropped_clocks: c.dropped_clocks.load(Ordering::Relaxed),
+            claims_refused: c.claims_refused.load(Ordering::Relaxed),
             updates: st.updates.iter().cloned().collect(),
             dead: st.dead.clone(),
             tree_version: st.tree_version,

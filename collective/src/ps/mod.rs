@@ -105,6 +105,20 @@
 //! returned version is exactly that version. With `p = 0` nothing is lost and no set or
 //! block clock is sent.
 //!
+//! **Who may say what.** Roles come from the original tree, which every rank holds. A
+//! rank takes weights versions and tree updates only from its ancestors in it (the server
+//! and its aggregators, who hold its weights anyway and are the only ranks a repair makes
+//! its parent); a version from anyone else, or one newer than the worker's own clocks (the
+//! server cannot have applied it), fails the node with an error naming the sender. A
+//! failure report is taken from an ancestor, or from a rank about a rank in its own subtree
+//! (the news travels up from the failed rank and then down); other tree updates and
+//! failure reports are refused, logged and counted ([`PsStats::claims_refused`]), and
+//! nodes pass the news on only to ranks that take it from them. Sums come only from
+//! children, naming only workers of their subtree. A failed node leaves without a Bye, so
+//! its peers see the link end rather than a clean finish. What an ancestor sends is
+//! believed: an aggregator can still change the weights it passes down (verifying them
+//! needs the server's signature, not done yet).
+//!
 //! **Limits.** One server (one tree), and no replacement for it. Only the root declares
 //! deaths, so a failure must break a link with the root: without the spare links (links of
 //! [`crate::link::tree_edges`] only) a failure deeper in the tree is not repaired and the
@@ -134,6 +148,8 @@ mod api;
 mod core;
 mod io;
 mod repair;
+#[cfg(test)]
+mod roles_tests;
 mod state;
 mod types;
 mod wire;

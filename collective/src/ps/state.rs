@@ -52,6 +52,10 @@ pub(super) struct Counters {
     pub(super) heartbeats_sent: AtomicU64,
     pub(super) bytes_sent: AtomicU64,
     pub(super) dropped_clocks: AtomicU64,
+    pub(super) claims_refused: AtomicU64,
+    /// 1 + the newest clock this worker handed the aggregator (its own push or an empty
+    /// clock): no honest version is newer.
+    pub(super) own_clocks: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -105,6 +109,12 @@ impl Shared {
         }
     }
 
+    /// Whether this node failed (it then leaves without a Bye: its peers must see the link
+    /// end, not a clean finish that owes them nothing).
+    pub(super) fn has_failed(&self) -> bool {
+        self.lock().failed.is_some()
+    }
+
     pub(super) fn forced(&self) -> bool {
         self.force.load(Ordering::SeqCst)
     }
@@ -142,6 +152,9 @@ pub(super) struct Ctx {
     /// Per rank: a one-block set of the workers in its subtree of `tree0` (a repair only
     /// moves nodes up, so a subtree never gains workers outside it).
     pub(super) subtree0: Vec<Contributors>,
+    /// This rank's ancestors in `tree0`, the root included: its parent and every node a
+    /// repair can make its parent. Only they send it versions and tree updates.
+    pub(super) ancestors0: Vec<usize>,
     pub(super) workers: usize,
     pub(super) dtype: DType,
     pub(super) layout: BlockLayout,
@@ -195,6 +208,8 @@ impl Ctx {
             s
         };
         let subtree0: Vec<Contributors> = (0..world).map(subtree_of).collect();
+        let ancestors0: Vec<usize> =
+            std::iter::successors(tree.parent(rank), |&a| tree.parent(a)).collect();
         let hop = hop_bound(cfg.loss_bound, tree.height());
         let heartbeat = cfg.heartbeat;
         let server = tree.parent(rank).is_none();
@@ -235,6 +250,7 @@ impl Ctx {
             tree0: tree,
             peers,
             subtree0,
+            ancestors0,
             dtype,
             layout,
             bb: block_elems * dtype.elem_size(),
@@ -260,6 +276,28 @@ impl Ctx {
 
     pub(super) fn blocks(&self) -> usize {
         self.layout.blocks()
+    }
+
+    /// Whether `peer` may send this rank weights versions and tree updates: the server and
+    /// this rank's aggregators (its ancestors), who hold its weights anyway.
+    pub(super) fn above(&self, peer: usize) -> bool {
+        self.ancestors0.contains(&peer)
+    }
+
+    /// Whether `peer` is below `rank` in the original tree (in its subtree, or itself).
+    pub(super) fn below(&self, rank: usize, peer: usize) -> bool {
+        peer == rank
+            || self
+                .subtree0
+                .get(rank)
+                .is_some_and(|s| peer < s.world() && s.contains(0, peer))
+    }
+
+    /// Whether `peer` may report that rank `origin` failed: one above this rank, or one
+    /// that speaks for its own subtree (the news travels up from the failed rank, then down
+    /// from the ancestors; a leaf cannot blame a rank elsewhere in the tree).
+    pub(super) fn may_report(&self, peer: usize, origin: usize) -> bool {
+        self.above(peer) || self.below(peer, origin)
     }
 }
 

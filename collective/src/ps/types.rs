@@ -127,6 +127,10 @@ pub struct PsStats {
     pub bytes_sent: u64,
     /// Clocks still incomplete when the node stopped (some push never came).
     pub dropped_clocks: u64,
+    /// Tree updates and failure reports refused because their sender has no standing to
+    /// make them (only the server and this rank's aggregators declare deaths; a rank speaks
+    /// for failures in its own subtree); each is logged with the sender.
+    pub claims_refused: u64,
     /// The server's last updates (see [`PsConfig::keep_updates`]).
     #[serde(skip)]
     pub updates: Vec<UpdateRecord>,

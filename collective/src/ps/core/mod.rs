@@ -97,6 +97,12 @@ pub(super) enum AggIn {
         peer: usize,
         busy: bool,
     },
+    /// Tests: send `out` to `peer` whatever this node's role (an attacker's message).
+    #[cfg(test)]
+    Forge {
+        peer: usize,
+        out: Out,
+    },
 }
 
 /// The loss bound of each hop of a tree of `height` hops, so that the whole path stays within
@@ -267,6 +273,8 @@ impl<'a> Agg<'a> {
         match msg {
             AggIn::Stop => self.stop = true,
             AggIn::Sent(_) | AggIn::Heard { .. } => {}
+            #[cfg(test)]
+            AggIn::Forge { peer, out } => self.send(peer, out),
             AggIn::Own { clock, grads } => self.on_own(clock, grads),
             AggIn::Child {
                 peer,
@@ -279,10 +287,16 @@ impl<'a> Agg<'a> {
                 let mut all = self.dead.clone();
                 all.extend(dead);
                 if all.len() > self.dead.len() {
-                    // Pass the news on (flooding: the root may not reach everyone directly).
+                    // Pass the news down (the root may not reach everyone directly); only
+                    // ranks below this one take it from here.
                     let list: Arc<Vec<usize>> = Arc::new(all.iter().copied().collect());
+                    let me = self.ctx.rank;
                     for q in self.links.clone() {
-                        if !all.contains(&q) && !self.bye_sent.contains(&q) {
+                        if q != me
+                            && self.ctx.below(me, q)
+                            && !all.contains(&q)
+                            && !self.bye_sent.contains(&q)
+                        {
                             self.send(q, Out::Tree(list.clone()));
                         }
                     }

@@ -68,6 +68,46 @@ impl Inbox {
         }
     }
 
+    /// A weights version of `clock` may come only from above (the server or one of this
+    /// rank's aggregators), and never ahead of this worker's own clocks: the server applies
+    /// clock `c` (making version `c + 1`) only with this worker's push of `c` in it.
+    fn check_version(&self, clock: u64) -> Result<(), OpError> {
+        let ctx = &self.ctx;
+        let peer = self.rank();
+        if !ctx.above(peer) {
+            return Err(self.refuse(format!(
+                "sent a weights version (clock {clock}), which only the server (rank {}) and \
+                 this rank's aggregators {:?} may send",
+                ctx.root, ctx.ancestors0
+            )));
+        }
+        let own = ctx.shared.counters.own_clocks.load(Ordering::SeqCst);
+        if clock > own {
+            return Err(self.refuse(format!(
+                "sent weights version {clock}, ahead of this worker's {own} clock(s): the \
+                 server cannot have applied it"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A tree update or failure report from a peer without standing to make it: logged and
+    /// counted, nothing else (the genuine news reaches every rank from above or from the
+    /// failed rank's own subtree).
+    fn refuse_claim(&self, what: &str) {
+        let ctx = &self.ctx;
+        ctx.shared
+            .counters
+            .claims_refused
+            .fetch_add(1, Ordering::Relaxed);
+        log::warn!(
+            "parameter server rank {}: refused rank {}'s claim {what}: only the server, this \
+             rank's aggregators, or a rank for its own subtree may make it",
+            ctx.rank,
+            self.peer
+        );
+    }
+
     fn tell(&self, m: AggIn) {
         // The aggregator may have left already: then only the Bye matters, and the node's
         // thread reads it.
@@ -124,8 +164,12 @@ impl Inbox {
                 }
                 let reason = String::from_utf8_lossy(body).into_owned();
                 let rank = usize::try_from(h.clock).unwrap_or(usize::MAX);
-                ctx.shared
-                    .fail(ctx.rank, PsError::Peer { rank, reason }, Some(peer));
+                if ctx.may_report(peer, rank) {
+                    ctx.shared
+                        .fail(ctx.rank, PsError::Peer { rank, reason }, Some(peer));
+                } else {
+                    self.refuse_claim(&format!("that rank {rank} failed ({reason:?})"));
+                }
             }
             Kind::Tree => {
                 let n = h.len as usize;
@@ -148,7 +192,11 @@ impl Inbox {
                         }
                     }
                 }
-                self.tell(AggIn::Tree(dead));
+                if ctx.above(peer) {
+                    self.tell(AggIn::Tree(dead));
+                } else {
+                    self.refuse_claim(&format!("that rank(s) {dead:?} are dead"));
+                }
             }
             Kind::Adopt => self.tell(AggIn::Adopt {
                 peer,
@@ -162,6 +210,9 @@ impl Inbox {
                 sum: None,
             }),
             Kind::Push | Kind::Weights => {
+                if h.kind == Kind::Weights {
+                    self.check_version(h.clock)?;
+                }
                 let side = h.flags & F_SIDE != 0;
                 if h.kind == Kind::Push && !side && !ctx.reliable {
                     return Err(self.refuse(format!(

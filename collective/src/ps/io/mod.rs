@@ -238,6 +238,11 @@ impl Net {
         let Some(note) = self.ctx.shared.note_for(peer) else {
             return;
         };
+        // Only where the peer takes it from this rank (it is below, or the failed rank is).
+        let me = self.ctx.rank;
+        if !(self.ctx.below(me, peer) || self.ctx.below(me, note.origin)) {
+            return;
+        }
         self.told_fail.insert(peer);
         let mut reason = note.reason;
         if reason.is_empty() {
@@ -336,8 +341,10 @@ impl Net {
         let ctx = self.ctx.clone();
         if !ctx.shared.forced() {
             self.tick();
-            for p in self.open.clone() {
-                self.bye(p);
+            if !ctx.shared.has_failed() {
+                for p in self.open.clone() {
+                    self.bye(p);
+                }
             }
         }
         let mut all_ended: Option<Instant> = None;
@@ -383,7 +390,7 @@ fn aggregate(ctx: &Ctx, rx: &Receiver<AggIn>, net: &mut Net) {
         if ctx.shared.forced() || agg.broken {
             break;
         }
-        if agg.may_leave() {
+        if agg.may_leave() && !ctx.shared.has_failed() {
             agg.leave();
             net.flush(&mut agg);
             break;

@@ -1,0 +1,216 @@
+//! Roles: a member that says what only another role may say (a weights version from a leaf,
+//! a tree update or a failure it has no standing to declare) changes nothing at the others.
+//! Seven ranks on a BINARY tree (root 0; 1 and 2 under it; 3, 4 under 1; 5, 6 under 2), the
+//! links of `fault_tolerant_edges` in memory; leaf 3 attacks.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use gradwire::tensor::{DType, Tensor};
+
+use crate::link::{Links, MemLinkConfig};
+use crate::ps::core::{Out, VersionMsg};
+use crate::ps::{fault_tolerant_edges, PsConfig, PsNode, PsStats};
+use crate::tree::{Strategy, Tree};
+
+const JOB: u32 = 25;
+const ELEMS: usize = 64;
+const CLOCKS: u64 = 4;
+const ATTACKER: usize = 3;
+/// A value no honest rank ever computes.
+const FORGED: f32 = 42.0;
+
+fn tree() -> Tree {
+    let members: Vec<usize> = (0..7).collect();
+    Tree::build(Strategy::BINARY, 0, &members, &[0; 7]).unwrap()
+}
+
+fn cfg() -> PsConfig {
+    PsConfig {
+        learning_rate: 0.5,
+        op_timeout: Duration::from_secs(8),
+        ..PsConfig::default()
+    }
+}
+
+/// What a rank saw.
+#[derive(Debug)]
+struct Seen {
+    rank: usize,
+    /// The newest weights clock any pull returned, and whether any pulled value was the
+    /// forged one.
+    max_clock: u64,
+    forged_seen: bool,
+    /// The first error of the run (pull, push, wait or shutdown), as text.
+    error: Option<String>,
+    stats: Option<PsStats>,
+}
+
+/// Runs `CLOCKS` synchronous clocks on every rank; `attacker` calls `attack` on its node
+/// after its first pull, then goes on as an honest worker as far as it can.
+fn run(attacker: usize, attack: &(dyn Fn(&PsNode) + Sync)) -> Vec<Seen> {
+    let t = tree();
+    let links = Links::in_memory(7, &fault_tolerant_edges(&t), &MemLinkConfig::default()).unwrap();
+    let model = Tensor::from_f32(&vec![1.0; ELEMS]);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = links
+            .into_iter()
+            .map(|l| {
+                let (t, model) = (t.clone(), &model);
+                s.spawn(move || {
+                    let mut node = PsNode::start(l, t, JOB, model, cfg()).unwrap();
+                    let rank = node.rank();
+                    let mut seen = Seen {
+                        rank,
+                        max_clock: 0,
+                        forged_seen: false,
+                        error: None,
+                        stats: None,
+                    };
+                    let mut step = |node: &mut PsNode, c: u64| -> Result<(), String> {
+                        if node.is_server() {
+                            return node
+                                .wait_clock(c + 1, Duration::from_secs(8))
+                                .map(|_| ())
+                                .map_err(|e| e.to_string());
+                        }
+                        let mut w = Tensor::zeros(DType::F32, ELEMS);
+                        let rep = node.pull(&mut w, None).map_err(|e| e.to_string())?;
+                        seen.max_clock = seen.max_clock.max(rep.weights_clock);
+                        seen.forged_seen |= w.as_f32().unwrap().contains(&FORGED);
+                        if rank == attacker && c == 0 {
+                            attack(node);
+                        }
+                        let g = vec![0.01 * (rank as f32 + 1.0); ELEMS];
+                        node.push(&Tensor::from_f32(&g))
+                            .map_err(|e| e.to_string())?;
+                        node.clock();
+                        Ok(())
+                    };
+                    for c in 0..CLOCKS {
+                        if let Err(e) = step(&mut node, c) {
+                            seen.error = Some(e);
+                            break;
+                        }
+                    }
+                    match node.shutdown() {
+                        Ok(st) => seen.stats = Some(st),
+                        Err(e) => {
+                            seen.error.get_or_insert(e.to_string());
+                        }
+                    }
+                    seen
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn forged_version() -> Out {
+    Out::Weights(Arc::new(VersionMsg {
+        clock: 1_000,
+        weights: Tensor::from_f32(&vec![FORGED; ELEMS]),
+        block_clocks: None,
+    }))
+}
+
+#[test]
+fn a_leaf_cannot_replace_the_servers_model() {
+    let seen = run(ATTACKER, &|node| {
+        node.forge(0, forged_version()); // to the server
+        node.forge(1, forged_version()); // to its own aggregator
+    });
+    for s in &seen {
+        assert!(
+            !s.forged_seen,
+            "rank {} pulled the forged weights: {s:?}",
+            s.rank
+        );
+        assert!(
+            s.max_clock <= CLOCKS,
+            "rank {} saw clock {}: {s:?}",
+            s.rank,
+            s.max_clock
+        );
+    }
+    // The ranks it spoke to refuse loudly, naming it.
+    for r in [0, 1] {
+        let e = seen[r].error.as_deref().unwrap_or("");
+        assert!(
+            e.contains(&format!("rank {ATTACKER}")) && e.contains("weights"),
+            "rank {r}: {:?}",
+            seen[r]
+        );
+    }
+}
+
+#[test]
+fn a_leaf_cannot_declare_the_others_dead() {
+    let seen = run(ATTACKER, &|node| {
+        let others = Arc::new(vec![1, 2, 4, 5, 6]);
+        node.forge(0, Out::Tree(others.clone()));
+        node.forge(1, Out::Tree(others));
+    });
+    for s in &seen {
+        assert!(s.error.is_none(), "rank {}: {s:?}", s.rank);
+        let st = s.stats.as_ref().unwrap();
+        assert!(st.dead.is_empty(), "rank {}: {st:?}", s.rank);
+        // Synchronous: the last pull returns the version of clock CLOCKS - 1; the server
+        // ends at CLOCKS.
+        let want = if s.rank == 0 {
+            (0, CLOCKS)
+        } else {
+            (CLOCKS - 1, st.model_clock)
+        };
+        assert_eq!((s.max_clock, st.model_clock), want, "rank {}", s.rank);
+    }
+    let refused: u64 = seen
+        .iter()
+        .map(|s| s.stats.as_ref().unwrap().claims_refused)
+        .sum();
+    assert!(refused >= 2, "{refused}");
+}
+
+#[test]
+fn a_leaf_cannot_blame_an_innocent_rank() {
+    let seen = run(ATTACKER, &|node| {
+        node.forge_failure(5, "forged: rank 5 broke");
+        // Long enough for the node's next tick to tell every neighbour.
+        std::thread::sleep(Duration::from_millis(300));
+    });
+    for s in seen.iter().filter(|s| s.rank != ATTACKER) {
+        let e = s.error.as_deref().unwrap_or("");
+        assert!(!e.contains("forged"), "rank {} believed it: {s:?}", s.rank);
+    }
+    // The attacker left; the root routed around it and the others finished.
+    let root = seen[0].stats.as_ref().expect("the root finished");
+    assert_eq!(root.dead, vec![ATTACKER], "{root:?}");
+    assert_eq!(root.model_clock, CLOCKS);
+}
+
+#[test]
+fn an_aggregator_cannot_send_a_version_from_the_future() {
+    // Rank 1 aggregates for 3 and 4 and passes versions down: it may, but no honest version
+    // is newer than a worker's own clocks.
+    let seen = run(1, &|node| {
+        node.forge(3, forged_version());
+        node.forge(4, forged_version());
+    });
+    for s in &seen {
+        assert!(
+            !s.forged_seen && s.max_clock <= CLOCKS,
+            "rank {}: {s:?}",
+            s.rank
+        );
+    }
+    // A version queued behind one in flight is superseded by the next (genuine) one, so a
+    // child may never get the forged one; one that does refuses it, naming rank 1.
+    let refused = [3, 4].into_iter().filter(|&r| {
+        let e = seen[r].error.as_deref().unwrap_or("");
+        e.contains("rank 1") && e.contains("ahead")
+    });
+    assert!(refused.count() >= 1, "{seen:#?}");
+}
