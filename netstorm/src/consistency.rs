@@ -17,7 +17,9 @@
 //! - **Source-routed auxiliary chunks (§VII-B).** A chunk with IS_AUX travels along the PATH
 //!   its source chose: every node on the path forwards it at once, whatever its own policy,
 //!   round or state (forward-only), and the last node consumes it as if it had come from
-//!   `path[0]` directly. An outdated path still delivers.
+//!   `path[0]` directly, but only as a push on a path the round's policy gives from
+//!   `path[0]` to it (so a node cannot pass its own chunk off as another's by writing a
+//!   path). A path of another policy version fails the round's version check anyway.
 //! - **Aggregate-forward per root.** For each chunk, a node waits for the chunk from each of
 //!   its children in the chunk's root's tree, adds its own, and sends the sum to its parent
 //!   (PUSH). The root then has the total and multicasts it down the same tree (PULL); every
@@ -813,6 +815,17 @@ impl<P: Payload> NodeState<P> {
             chunk,
             why,
         };
+        // An auxiliary chunk names its source by its path's first node: take it only on a
+        // path the round's policy gives from that source to this node (none when the policy
+        // has no auxiliary paths there), and only as a push. A node cannot pass its chunk off
+        // as another node's push, or a result, by writing a path of its own.
+        if header.is_aux
+            && (phase != Phase::Push || !policy.aux_paths(from, me).contains(&header.path))
+        {
+            return Err(unexpected(
+                "an auxiliary path the round's policy does not give from its source to this node",
+            ));
+        }
         let w = self.work.get_mut(&(root, chunk)).ok_or(unknown)?;
         match phase {
             Phase::Push => {
@@ -1181,6 +1194,44 @@ mod tests {
         n2.on_reply(update(1, 0, &p)).unwrap();
         n2.contribute(vec![(0, 3, 1)]).unwrap();
         let out = n2.on_chunk(0, header.clone(), 4).unwrap();
+        assert_eq!(sends(&out), vec![(0, Phase::Push, false, 5)]);
+    }
+
+    #[test]
+    fn an_auxiliary_chunk_is_taken_only_on_a_path_the_policy_gives() {
+        // 1 -> 2 -> 0. Node 0 delivers a chunk to 2 on the path [1, 0, 2], naming node 1 as
+        // its source: with the policy's auxiliary paths off, or as a result, it is node 0's
+        // own invention.
+        let h = ChunkHeader::primary(1, 0, 0, 3, Phase::Push)
+            .via(&[1, 0, 2])
+            .unwrap();
+        let (_, at_2) = h.forwarded().unwrap();
+        let aux = vec![AuxPaths {
+            from: 1,
+            to: 2,
+            paths: vec![vec![1, 0, 2]],
+        }];
+        let node2 = |aux: Vec<AuxPaths>| {
+            let mut n = NodeState::<u64>::new(2, 0);
+            n.begin_round(0).unwrap();
+            n.on_reply(update(1, 0, &chain([1, 2], aux))).unwrap();
+            n.contribute(vec![(0, 3, 1)]).unwrap();
+            n
+        };
+        let refused = |r: Result<Vec<Output<u64>>, ConsistencyError>| matches!(r, Err(ConsistencyError::Unexpected { from: 1, why, .. }) if why.contains("auxiliary path"));
+        assert!(refused(node2(vec![]).on_chunk(0, at_2.clone(), 4)));
+        let mut pull = at_2.clone();
+        pull.phase = Phase::Pull;
+        assert!(refused(node2(aux.clone()).on_chunk(0, pull, 4)));
+        // Another path than the policy's, e.g. one the policy gives a different edge.
+        let other = vec![AuxPaths {
+            from: 2,
+            to: 0,
+            paths: vec![vec![2, 1, 0]],
+        }];
+        assert!(refused(node2(other).on_chunk(0, at_2.clone(), 4)));
+        // On the policy's path it is node 1's push.
+        let out = node2(aux).on_chunk(0, at_2, 4).unwrap();
         assert_eq!(sends(&out), vec![(0, Phase::Push, false, 5)]);
     }
 
