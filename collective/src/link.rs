@@ -18,7 +18,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use gradwire::auth::{JobKey, JobSecret};
-use gradwire::ctrl_channel::{CtrlChannel, MemCtrl, TcpCtrl};
+use gradwire::ctrl_channel::{fresh_link_token, CtrlChannel, MemCtrl, TcpCtrl};
 use gradwire::ctrl_listener::{CtrlListener, ListenerConfig};
 use gradwire::datapath::fault::{FaultConfig, FaultInjector};
 use gradwire::datapath::loopback::Loopback;
@@ -232,7 +232,15 @@ struct Endpoint {
     /// The message layer's UDP port (on `ip`), if the rank runs one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     msg_port: Option<u16>,
+    /// Plain jobs: `(from rank, token)` of each incoming link; rank `from` sends it in its
+    /// `Hello`, so another process at its address cannot take the link (authenticated
+    /// jobs prove the secret instead).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    tokens: Vec<(usize, [u8; LINK_TOKEN_LEN])>,
 }
+
+/// Bytes of a plain link's token (a handshake nonce).
+pub const LINK_TOKEN_LEN: usize = 32;
 
 impl Links {
     fn empty(rank: usize, world: usize) -> Links {
@@ -457,10 +465,22 @@ impl Links {
         let incoming: Vec<usize> = edges.iter().filter(|e| e.1 == rank).map(|e| e.0).collect();
         let outgoing: Vec<usize> = edges.iter().filter(|e| e.0 == rank).map(|e| e.1).collect();
         let mut listeners = Vec::new();
+        let mut tokens = Vec::new();
         for &p in &incoming {
+            let link_token = match secret {
+                Some(_) => None,
+                None => {
+                    let t = fresh_link_token().map_err(|e| {
+                        CollectiveError::Setup(format!("link token for rank {p}: {e}"))
+                    })?;
+                    tokens.push((p, t));
+                    Some(t)
+                }
+            };
             let lcfg = ListenerConfig {
                 key: secret.map(JobKey::new),
                 dscp: cfg.control_dscp,
+                link_token,
                 ..ListenerConfig::default()
             };
             let l = CtrlListener::bind(SocketAddr::new(ip, 0), lcfg).map_err(|e| {
@@ -492,6 +512,7 @@ impl Links {
                 .map(|(p, l, _)| (*p, l.local_addr().port()))
                 .collect(),
             msg_port: cfg.msg_port,
+            tokens,
         };
         let endpoint = serde_json::to_vec(&me)
             .map_err(|e| CollectiveError::Setup(format!("endpoint encoding: {e}")))?;
@@ -601,10 +622,18 @@ pub fn parse_endpoint_table(
                 "rank {r}'s endpoint names message-layer port 0"
             )));
         }
+        if e.tokens.len() > e.listeners.len() {
+            return Err(CollectiveError::Setup(format!(
+                "rank {r}'s endpoint lists {} link tokens for {} listeners",
+                e.tokens.len(),
+                e.listeners.len()
+            )));
+        }
         endpoints.push(EndpointInfo {
             ip: e.ip,
             listeners: e.listeners,
             msg: e.msg_port.map(|p| SocketAddr::new(e.ip, p)),
+            tokens: e.tokens,
         });
     }
     Ok(endpoints)
@@ -619,6 +648,9 @@ pub struct EndpointInfo {
     pub listeners: Vec<(usize, u16)>,
     /// Its message-layer socket, if it published one.
     pub msg: Option<SocketAddr>,
+    /// Plain jobs: `(from rank, token)` its listeners want in the `Hello` of each incoming
+    /// link.
+    pub tokens: Vec<(usize, [u8; LINK_TOKEN_LEN])>,
 }
 
 impl PendingLinks {
@@ -663,12 +695,18 @@ impl PendingLinks {
                     ),
                 })?;
             let addr = SocketAddr::new(endpoints[q].ip, port);
-            let ctrl = TcpCtrl::connect_from(
+            let token = endpoints[q]
+                .tokens
+                .iter()
+                .find(|(from, _)| *from == rank)
+                .map(|(_, t)| *t);
+            let ctrl = TcpCtrl::connect_link(
                 Some(self.ip),
                 addr,
                 left(),
                 self.cfg.control_dscp,
                 self.key.as_ref(),
+                token,
             )
             .map_err(|e| CollectiveError::Link {
                 peer: q,
@@ -738,6 +776,7 @@ mod tests {
             ip: "198.18.0.1".parse().unwrap(),
             listeners: listeners.to_vec(),
             msg_port: None,
+            tokens: listeners.iter().map(|&(from, _)| (from, [from as u8; 32])).collect(),
         })
         .unwrap()
     }
@@ -747,6 +786,7 @@ mod tests {
         let good = vec![entry(4, 0, &[(1, 9000)]), entry(4, 1, &[(0, 9001)])];
         let t = parse_endpoint_table(&good, 4, 2).unwrap();
         assert_eq!(t[1].listeners, vec![(0, 9001)]);
+        assert_eq!(t[1].tokens, vec![(0, [0; 32])]);
         let setup = |table: &[Vec<u8>], job, world| {
             let e = parse_endpoint_table(table, job, world).unwrap_err();
             assert!(matches!(e, CollectiveError::Setup(_)), "{e}");
@@ -761,6 +801,11 @@ mod tests {
         assert!(setup(&big, 4, 2).contains("limit"));
         let many = vec![entry(4, 0, &[(1, 1), (1, 2), (1, 3)]), good[1].clone()];
         assert!(setup(&many, 4, 2).contains("listeners"));
+        // More tokens than listeners: not an endpoint gradwire wrote.
+        let mut e: serde_json::Value = serde_json::from_slice(&good[0]).unwrap();
+        e["tokens"] = serde_json::json!([[1, vec![1u8; 32]], [1, vec![2u8; 32]]]);
+        let tokens = vec![serde_json::to_vec(&e).unwrap(), good[1].clone()];
+        assert!(setup(&tokens, 4, 2).contains("link tokens"));
     }
 
     proptest::proptest! {

@@ -208,6 +208,17 @@ pub(crate) fn random_bytes<const N: usize>() -> Result<[u8; N], ring::error::Uns
     Ok(b)
 }
 
+/// A fresh random link token for [`TcpCtrl::connect_link`] and
+/// [`ListenerConfig::link_token`](crate::ctrl_listener::ListenerConfig::link_token): as
+/// unpredictable as a handshake nonce, because it is what tells a job's rank apart from
+/// another process at its address.
+pub fn fresh_link_token() -> Result<[u8; NONCE_LEN], ChannelError> {
+    random_bytes().map_err(|_| ChannelError::Io {
+        peer: "the OS random source".into(),
+        source: std::io::Error::other("no random bytes for a link token"),
+    })
+}
+
 /// A fresh handshake nonce.
 fn handshake_nonce() -> Result<[u8; NONCE_LEN], HandshakeFailure> {
     random_bytes().map_err(|_| HandshakeFailure::Random)
@@ -250,6 +261,20 @@ impl TcpCtrl {
         dscp: Option<u8>,
         key: Option<&JobKey>,
     ) -> Result<TcpCtrl, ChannelError> {
+        TcpCtrl::connect_link(local, addr, timeout, dscp, key, None)
+    }
+
+    /// [`TcpCtrl::connect_from`] to a link's listener that published `token`: a plain
+    /// `Hello` carries it as its nonce (see [`ListenerConfig::link_token`](crate::ctrl_listener::ListenerConfig::link_token));
+    /// an authenticated one does not need it.
+    pub fn connect_link(
+        local: Option<IpAddr>,
+        addr: SocketAddr,
+        timeout: Duration,
+        dscp: Option<u8>,
+        key: Option<&JobKey>,
+        token: Option<[u8; NONCE_LEN]>,
+    ) -> Result<TcpCtrl, ChannelError> {
         let deadline = Instant::now() + timeout;
         let io = |source| ChannelError::Io {
             peer: addr.to_string(),
@@ -269,7 +294,7 @@ impl TcpCtrl {
                 sock.into()
             }
         };
-        TcpCtrl::client_until(stream, dscp, key, deadline, timeout)
+        TcpCtrl::client_until(stream, dscp, key, token, deadline, timeout)
     }
 
     /// The client side of the handshake on a stream that is already connected (e.g. with
@@ -280,18 +305,19 @@ impl TcpCtrl {
         key: Option<&JobKey>,
         timeout: Duration,
     ) -> Result<TcpCtrl, ChannelError> {
-        TcpCtrl::client_until(stream, dscp, key, Instant::now() + timeout, timeout)
+        TcpCtrl::client_until(stream, dscp, key, None, Instant::now() + timeout, timeout)
     }
 
     fn client_until(
         stream: TcpStream,
         dscp: Option<u8>,
         key: Option<&JobKey>,
+        token: Option<[u8; NONCE_LEN]>,
         deadline: Instant,
         timeout: Duration,
     ) -> Result<TcpCtrl, ChannelError> {
         let peer = prepare(&stream, dscp)?;
-        Handshaking::client(stream, peer, key)
+        Handshaking::client(stream, peer, key, token)
             .and_then(|hs| hs.run_until(deadline, timeout))
             .map_err(|f| f.into_channel_error(peer))
     }
@@ -309,7 +335,7 @@ impl TcpCtrl {
     ) -> Result<TcpCtrl, ChannelError> {
         let deadline = Instant::now() + timeout;
         let peer = prepare(&stream, dscp)?;
-        Handshaking::server(stream, peer, key)
+        Handshaking::server(stream, peer, key, None)
             .and_then(|hs| hs.run_until(deadline, timeout))
             .map_err(|f| f.into_channel_error(peer))
     }
@@ -516,6 +542,7 @@ impl std::fmt::Display for HandshakeFailure {
                 }
                 Refusal::Downgrade => "refused: the receiver offered no authentication",
                 Refusal::BadPublicKey => "refused: invalid ephemeral X25519 public key",
+                Refusal::LinkToken => "refused: the Hello lacks this link's token",
             }),
             HandshakeFailure::PeerRefused(reason) => write!(f, "refused by the peer: {reason}"),
             HandshakeFailure::Encode(e) => write!(f, "cannot encode a handshake message: {e}"),
@@ -586,24 +613,38 @@ pub(crate) struct Handshaking<'k> {
 
 impl<'k> Handshaking<'k> {
     /// The client side on a prepared stream; sends the `Hello`.
+    /// The client side on a prepared stream; sends the `Hello`, whose nonce is the link's
+    /// `token` when a plain client has one (an authenticated one always draws a fresh nonce:
+    /// it goes into the transcript).
     pub(crate) fn client(
         stream: TcpStream,
         peer: SocketAddr,
         key: Option<&'k JobKey>,
+        token: Option<[u8; NONCE_LEN]>,
     ) -> Result<Handshaking<'k>, HandshakeFailure> {
-        let (hs, hello) = ClientHandshake::new(key, handshake_nonce()?, random_ephemeral()?);
+        let nonce = match (key, token) {
+            (None, Some(t)) => t,
+            _ => handshake_nonce()?,
+        };
+        let (hs, hello) = ClientHandshake::new(key, nonce, random_ephemeral()?);
         let mut h = Handshaking::with_side(stream, peer, Side::Client(hs));
         h.write_frame(&hello)?;
         Ok(h)
     }
 
     /// The server side on a prepared stream; waits for the `Hello`.
+    /// The server side on a prepared stream; waits for the `Hello` (a plain one must carry
+    /// `token` when there is one).
     pub(crate) fn server(
         stream: TcpStream,
         peer: SocketAddr,
         key: Option<&'k JobKey>,
+        token: Option<[u8; NONCE_LEN]>,
     ) -> Result<Handshaking<'k>, HandshakeFailure> {
-        let hs = ServerHandshake::new(key, handshake_nonce()?, random_ephemeral()?);
+        let mut hs = ServerHandshake::new(key, handshake_nonce()?, random_ephemeral()?);
+        if let Some(t) = token {
+            hs = hs.with_link_token(t);
+        }
         Ok(Handshaking::with_side(stream, peer, Side::Server(hs)))
     }
 

@@ -42,7 +42,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{RecvTimeoutError, TrySendError};
-use gradwire_proto::auth::JobKey;
+use gradwire_proto::auth::{JobKey, NONCE_LEN};
 use log::warn;
 use nix::poll::{ppoll, PollFd, PollFlags};
 use nix::sys::eventfd::{EfdFlags, EventFd};
@@ -73,6 +73,11 @@ pub struct ListenerConfig {
     pub max_ready: usize,
     /// DSCP of the accepted connections (None leaves the TOS alone).
     pub dscp: Option<u8>,
+    /// Plain listeners of one link: the token its client must send as its `Hello`'s nonce
+    /// ([`gradwire_proto::handshake::ServerHandshake::with_link_token`]), handed to it out
+    /// of band (a job's endpoint table). A connection without it is refused before it
+    /// counts as established, so it never waits in the ready queue. Ignored with a `key`.
+    pub link_token: Option<[u8; NONCE_LEN]>,
 }
 
 impl Default for ListenerConfig {
@@ -83,6 +88,7 @@ impl Default for ListenerConfig {
             max_pending: 64,
             max_ready: 16,
             dscp: Some(crate::ctrl_channel::DEFAULT_CONTROL_DSCP),
+            link_token: None,
         }
     }
 }
@@ -197,6 +203,7 @@ impl CtrlListener {
             handshake_timeout: cfg.handshake_timeout,
             max_pending: cfg.max_pending.max(1),
             dscp: cfg.dscp,
+            link_token: cfg.link_token,
         };
         let key = cfg.key;
         let thread = std::thread::Builder::new()
@@ -295,6 +302,7 @@ struct Acceptor {
     handshake_timeout: Duration,
     max_pending: usize,
     dscp: Option<u8>,
+    link_token: Option<[u8; NONCE_LEN]>,
 }
 
 impl Acceptor {
@@ -350,7 +358,8 @@ impl Acceptor {
         key: Option<&'k JobKey>,
         pending: &mut VecDeque<Pending<'k>>,
     ) {
-        let hs = prepare(&stream, self.dscp).and_then(|()| Handshaking::server(stream, peer, key));
+        let hs = prepare(&stream, self.dscp)
+            .and_then(|()| Handshaking::server(stream, peer, key, self.link_token));
         let hs = match hs {
             Ok(hs) => hs,
             Err(f) => return self.drop_conn(peer, &f),

@@ -56,6 +56,9 @@ pub enum Refusal {
     Downgrade,
     /// The peer's ephemeral X25519 public key is unusable (a low-order point).
     BadPublicKey,
+    /// Plain server that published a link token: the client's `Hello` does not carry it
+    /// (a process that is not the job's rank for this link, or a scan).
+    LinkToken,
 }
 
 impl Refusal {
@@ -86,6 +89,11 @@ impl Refusal {
             Refusal::BadPublicKey => {
                 "the peer's ephemeral X25519 public key is invalid (a low-order point): not a \
                  gradwire peer, or a broken one"
+            }
+            Refusal::LinkToken => {
+                "this link's listener takes only the rank named in the job's endpoint table: \
+                 the Hello does not carry the link's token (is this process that rank, with \
+                 the table of this run?)"
             }
         }
     }
@@ -303,6 +311,8 @@ enum ServerState {
 pub struct ServerHandshake<'k> {
     key: Option<&'k JobKey>,
     nonce: [u8; NONCE_LEN],
+    /// Plain only: the nonce a client's `Hello` must carry ([`ServerHandshake::with_link_token`]).
+    token: Option<[u8; NONCE_LEN]>,
     state: ServerState,
 }
 
@@ -318,15 +328,38 @@ impl<'k> ServerHandshake<'k> {
         ServerHandshake {
             key,
             nonce,
+            token: None,
             state: ServerState::AwaitHello(ephemeral),
         }
+    }
+
+    /// A plain server for one link whose two ends share `token` through the job's endpoint
+    /// table: a plain `Hello` must carry it as its nonce, or it is refused
+    /// ([`Refusal::LinkToken`]) before the connection counts as established. Without a job
+    /// secret this is what tells the job's rank from another process at its address. An
+    /// authenticated server ignores it (the proofs decide).
+    pub fn with_link_token(mut self, token: [u8; NONCE_LEN]) -> ServerHandshake<'k> {
+        self.token = Some(token);
+        self
     }
 
     /// The client's next message.
     pub fn on_msg(&mut self, msg: CtrlMsg) -> Result<Step, HandshakeError> {
         let state = std::mem::replace(&mut self.state, ServerState::Finished);
         match (state, self.key, msg) {
-            (ServerState::AwaitHello(_), None, CtrlMsg::Hello { auth: false, .. }) => {
+            (
+                ServerState::AwaitHello(_),
+                None,
+                CtrlMsg::Hello {
+                    auth: false, nonce, ..
+                },
+            ) => {
+                if let Some(t) = &self.token {
+                    // Constant time: a wrong guess says nothing about how close it was.
+                    if !bool::from(subtle::ConstantTimeEq::ct_eq(&t[..], &nonce[..])) {
+                        return Err(HandshakeError::Refused(Refusal::LinkToken));
+                    }
+                }
                 Ok(Step::Established {
                     send: Some(CtrlMsg::Welcome {
                         auth: false,
@@ -471,6 +504,42 @@ mod tests {
             client_public: pc,
             server_public: ps,
         }
+    }
+
+    #[test]
+    fn a_plain_link_token_admits_only_the_hello_that_carries_it() {
+        let hello = |nonce| CtrlMsg::Hello {
+            auth: false,
+            nonce,
+            public: ZERO,
+        };
+        let token = [0x5a; NONCE_LEN];
+        let mut near = token;
+        near[NONCE_LEN - 1] ^= 1;
+        for wrong in [NC, near, ZERO] {
+            let mut s = ServerHandshake::new(None, NS, eph()).with_link_token(token);
+            assert!(matches!(
+                s.on_msg(hello(wrong)),
+                Err(HandshakeError::Refused(Refusal::LinkToken))
+            ));
+        }
+        let mut s = ServerHandshake::new(None, NS, eph()).with_link_token(token);
+        assert!(matches!(
+            s.on_msg(hello(token)),
+            Ok(Step::Established { session: None, .. })
+        ));
+        // An authenticated server goes by the proofs: the token plays no part.
+        let key = key(1);
+        let mut s = ServerHandshake::new(Some(&key), NS, eph()).with_link_token(token);
+        let m = CtrlMsg::Hello {
+            auth: true,
+            nonce: NC,
+            public: *eph().public(),
+        };
+        assert!(matches!(
+            s.on_msg(m),
+            Ok(Step::Send(CtrlMsg::Challenge { .. }))
+        ));
     }
 
     #[test]
