@@ -33,6 +33,16 @@
 //! deliveries free slots ([`Channels::pump`]). A message the receiver has not posted
 //! acknowledges no progress, which the layer's sender would take for a lost window.
 //!
+//! **Budgets.** What a peer can make this node hold is bounded per peer by
+//! [`ChannelConfig::peer_budget`] (default [`DEFAULT_PEER_BUDGET`], raised to
+//! [`budget_for_model`] of the model the node synchronizes): the bytes of its chunks
+//! delivered on [`Channels::events`] and not yet taken by the node ([`Channels::taken`]),
+//! and the bytes of relays it asked for that wait beyond the depth for a slow next hop
+//! ([`Channels::relay`]). A peer past either fails: its channel ends with an
+//! [`Event::Failed`] naming it and the budget, or the relay is refused naming it. A correct
+//! peer is at most one round ahead (the consistency module's rounds), so it never comes
+//! near a budget of a few models.
+//!
 //! **Passive awareness.** The layer reports when a message's first and last segments
 //! arrived ([`RecvReport::first_at`], [`RecvReport::last_at`]); with the sender's send time
 //! in the header that is the [`ChunkSample`] of [`gradwire_netstorm::awareness`].
@@ -69,6 +79,17 @@ pub const MAX_CHUNK_BYTES: usize = 64 << 20;
 /// Receives kept posted per peer when nothing else is said: enough for a sender's chunks to
 /// be placed as they arrive rather than held by the layer.
 pub const DEFAULT_DEPTH: usize = 4;
+/// Bytes held for one peer when nothing else is said ([`ChannelConfig::peer_budget`]).
+pub const DEFAULT_PEER_BUDGET: usize = 256 << 20;
+
+/// The budget per peer for a model of `model_bytes` per round: the larger of
+/// [`DEFAULT_PEER_BUDGET`] and 4 models. A correct peer is at most one round ahead, and
+/// per round it sends this node at most about the model (pushes one way and results the
+/// other share the model's chunks between them; relays are pushes on another path), so
+/// two rounds with room to spare.
+pub fn budget_for_model(model_bytes: usize) -> usize {
+    DEFAULT_PEER_BUDGET.max(model_bytes.saturating_mul(4))
+}
 
 /// How the channels use the endpoint.
 #[derive(Debug, Clone)]
@@ -80,16 +101,21 @@ pub struct ChannelConfig {
     pub max_chunk_bytes: usize,
     /// Receives kept posted per peer (at least 1).
     pub depth: usize,
+    /// Most bytes held for one peer, bytes: of its chunks delivered and not yet taken, and
+    /// of the relays it asked for waiting beyond the depth (default
+    /// [`DEFAULT_PEER_BUDGET`]; never below one chunk's message, [`ChannelConfig::recv_len`]).
+    pub peer_budget: usize,
 }
 
 impl ChannelConfig {
     /// Chunks of at most `max_chunk_bytes` of values (clamped to [`MAX_CHUNK_BYTES`]) at
-    /// `dscp`, [`DEFAULT_DEPTH`] receives per peer.
+    /// `dscp`, [`DEFAULT_DEPTH`] receives per peer, [`DEFAULT_PEER_BUDGET`] per peer.
     pub fn new(dscp: u8, max_chunk_bytes: usize) -> ChannelConfig {
         ChannelConfig {
             dscp,
             max_chunk_bytes: max_chunk_bytes.min(MAX_CHUNK_BYTES),
             depth: DEFAULT_DEPTH,
+            peer_budget: DEFAULT_PEER_BUDGET,
         }
     }
 
@@ -162,8 +188,13 @@ pub struct Channels {
     /// Per peer: chunks queued here or being sent, and of those being sent.
     in_flight: Vec<Arc<AtomicUsize>>,
     sending: Vec<Arc<AtomicUsize>>,
-    /// Per peer: encoded chunks waiting for a message slot.
+    /// Per peer: encoded chunks waiting for a message slot, and their bytes.
     queued: Vec<VecDeque<Vec<u8>>>,
+    queued_bytes: Vec<usize>,
+    /// Per peer: bytes of its chunks delivered on the events and not yet taken.
+    held: Vec<Arc<AtomicUsize>>,
+    /// The budget per peer in force (the configured one, or raised since).
+    budget: Arc<AtomicUsize>,
 }
 
 impl Channels {
@@ -173,8 +204,20 @@ impl Channels {
         let epoch = Instant::now();
         let (events_tx, events) = crossbeam_channel::unbounded();
         let (me, world) = (ep.rank(), ep.world());
+        let held: Vec<_> = (0..world).map(|_| Arc::new(AtomicUsize::new(0))).collect();
+        let budget = Arc::new(AtomicUsize::new(cfg.peer_budget));
         for peer in (0..world).filter(|&p| p != me) {
-            let h = ep.submit(ChunkStream::new(peer, &cfg, epoch, events_tx.clone()));
+            let stream = ChunkStream {
+                peer,
+                depth: cfg.depth.max(1),
+                len: cfg.recv_len(),
+                epoch,
+                events: events_tx.clone(),
+                posted: VecDeque::new(),
+                held: Arc::clone(&held[usize::from(peer)]),
+                budget: Arc::clone(&budget),
+            };
+            let h = ep.submit(stream);
             let tx = events_tx.clone();
             h.on_complete(move |r| {
                 if let Err(e) = r {
@@ -186,6 +229,9 @@ impl Channels {
             in_flight: (0..world).map(|_| Arc::new(AtomicUsize::new(0))).collect(),
             sending: (0..world).map(|_| Arc::new(AtomicUsize::new(0))).collect(),
             queued: (0..world).map(|_| VecDeque::new()).collect(),
+            queued_bytes: vec![0; usize::from(world)],
+            held,
+            budget,
             ep,
             cfg,
             epoch,
@@ -227,6 +273,41 @@ impl Channels {
         self.ep.stats()
     }
 
+    /// The node took a chunk of `from` off the events: `bytes`, its `sample.bytes`, no
+    /// longer count against `from`'s budget. The node calls it for every
+    /// [`Event::Chunk`] it receives.
+    pub fn taken(&self, from: usize, bytes: u64) {
+        if let Some(h) = self.held.get(from) {
+            let n = usize::try_from(bytes).unwrap_or(usize::MAX);
+            // Never below zero, whatever the caller says.
+            let _ = h.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                Some(v.saturating_sub(n))
+            });
+        }
+    }
+
+    /// Bytes of `from`'s chunks delivered on the events and not yet [taken](Channels::taken).
+    pub fn held(&self, from: usize) -> usize {
+        self.held.get(from).map_or(0, |h| h.load(Ordering::Acquire))
+    }
+
+    /// Bytes of chunks for `to` waiting beyond the depth.
+    pub fn queued_bytes(&self, to: usize) -> usize {
+        self.queued_bytes.get(to).copied().unwrap_or(0)
+    }
+
+    /// The budget per peer in force ([`ChannelConfig::peer_budget`], or raised since).
+    pub fn budget(&self) -> usize {
+        self.budget.load(Ordering::Acquire)
+    }
+
+    /// Raises the budget per peer to `bytes` if it is below (it never goes down: chunks
+    /// held under a higher one stay valid). The node raises it to [`budget_for_model`] of
+    /// the model it synchronizes.
+    pub fn raise_budget(&self, bytes: usize) {
+        self.budget.fetch_max(bytes, Ordering::AcqRel);
+    }
+
     /// Sends a chunk to `to`; its delivery or failure comes as an [`Event`]. Refuses
     /// (without sending) metadata above [`MAX_META`], values above
     /// [`ChannelConfig::max_chunk_bytes`] and a peer that is not another node.
@@ -237,6 +318,43 @@ impl Channels {
     /// no progress it acknowledges, so the layer would count the sender's window as lost
     /// every RTO and halve it (measured on wan9: rounds of 80-100 s instead of 6-11 s).
     pub fn send(&mut self, to: usize, chunk: &Outgoing) -> Result<(), String> {
+        let bytes = self.encode(to, chunk)?;
+        self.enqueue(to, bytes);
+        Ok(())
+    }
+
+    /// Sends a chunk to `to` that node `asked_by` asked this node to relay (an auxiliary
+    /// path's next hop), as [`Channels::send`] does, unless the chunks waiting for `to`
+    /// beyond the depth would then pass the budget per peer: then the relay is refused
+    /// with an error naming `asked_by` (a correct node never asks for that much: the next
+    /// hop is too slow, or `asked_by` floods it through this node), and nothing is sent.
+    pub fn relay(&mut self, to: usize, chunk: &Outgoing, asked_by: usize) -> Result<(), String> {
+        let bytes = self.encode(to, chunk)?;
+        let (queued, budget) = (self.queued_bytes(to), self.budget());
+        if self.sending_now(to) >= self.cfg.depth.max(1)
+            && queued.saturating_add(bytes.len()) > budget
+        {
+            return Err(format!(
+                "node {asked_by} asked for a relay to node {to}, which has {queued} bytes \
+                 waiting here already: another {} would pass the {budget}-byte budget per \
+                 peer (the next hop is too slow, or node {asked_by} floods it; if correct runs \
+                 hit this, raise the budget: NodeConfig::peer_budget)",
+                bytes.len()
+            ));
+        }
+        self.enqueue(to, bytes);
+        Ok(())
+    }
+
+    /// Chunks to `to` that are messages now.
+    fn sending_now(&self, to: usize) -> usize {
+        self.sending
+            .get(to)
+            .map_or(0, |c| c.load(Ordering::Acquire))
+    }
+
+    /// `chunk` for `to` as its message, or why it cannot be sent.
+    fn encode(&self, to: usize, chunk: &Outgoing) -> Result<Vec<u8>, String> {
         u16::try_from(to)
             .ok()
             .filter(|&p| p != self.ep.rank() && p < self.ep.world())
@@ -248,11 +366,15 @@ impl Channels {
                 self.cfg.max_chunk_bytes
             ));
         }
-        let bytes = encode_chunk(&chunk.meta, &chunk.data, self.epoch.elapsed())?;
+        encode_chunk(&chunk.meta, &chunk.data, self.epoch.elapsed())
+    }
+
+    /// Queues `bytes` for `to` (a peer checked by [`Channels::encode`]) and sends what may go.
+    fn enqueue(&mut self, to: usize, bytes: Vec<u8>) {
         self.in_flight[to].fetch_add(1, Ordering::AcqRel);
+        self.queued_bytes[to] += bytes.len();
         self.queued[to].push_back(bytes);
         self.pump(to);
-        Ok(())
     }
 
     /// Sends what waits for `to` while fewer than [`ChannelConfig::depth`] of its chunks
@@ -270,6 +392,7 @@ impl Channels {
             let Some(bytes) = self.queued[to].pop_front() else {
                 return;
             };
+            self.queued_bytes[to] = self.queued_bytes[to].saturating_sub(bytes.len());
             self.submit(peer, bytes);
         }
     }
@@ -337,8 +460,10 @@ impl Channels {
                 return false;
             }
             // A failed send ends its count too; nothing else waits here.
-            if let Ok(Event::Sent { to }) = self.events.recv_timeout(Duration::from_millis(5)) {
-                self.pump(to);
+            match self.events.recv_timeout(Duration::from_millis(5)) {
+                Ok(Event::Sent { to }) => self.pump(to),
+                Ok(Event::Chunk(c)) => self.taken(c.from, c.sample.bytes),
+                _ => {}
             }
         }
     }
@@ -383,20 +508,13 @@ struct ChunkStream {
     epoch: Instant,
     events: Sender<Event>,
     posted: VecDeque<Posted>,
+    /// Bytes of this peer's chunks delivered and not yet taken by the node.
+    held: Arc<AtomicUsize>,
+    /// The budget per peer in force.
+    budget: Arc<AtomicUsize>,
 }
 
 impl ChunkStream {
-    fn new(peer: u16, cfg: &ChannelConfig, epoch: Instant, events: Sender<Event>) -> ChunkStream {
-        ChunkStream {
-            peer,
-            depth: cfg.depth.max(1),
-            len: cfg.recv_len(),
-            epoch,
-            events,
-            posted: VecDeque::new(),
-        }
-    }
-
     fn post(&mut self, cx: &mut OpCx<'_>, buf: BufId) -> Result<(), OpError> {
         let msg = cx.reserve_recvs(self.peer, 1)?;
         let opts = RecvOpts {
@@ -449,6 +567,18 @@ impl Op for ChunkStream {
             else {
                 break;
             };
+            // The budget first: a peer past it gets nothing more delivered (nor decoded).
+            let n = report.len as usize;
+            let budget = self.budget.load(Ordering::Acquire).max(self.len);
+            let held = self.held.load(Ordering::Acquire);
+            if held.saturating_add(n) > budget {
+                return Err(self.refuse(format!(
+                    "{held} bytes of its chunks wait here for the node to take them, and \
+                     another {n} would pass the {budget}-byte budget per peer: a correct peer \
+                     is at most one round ahead (if correct runs hit this, raise the budget: \
+                     NodeConfig::peer_budget, ChannelConfig::peer_budget)"
+                )));
+            }
             if report.missing != 0 {
                 return Err(self.refuse(format!(
                     "a chunk ended with {} of {} segments missing on a reliable channel",
@@ -477,6 +607,8 @@ impl Op for ChunkStream {
                 data,
                 sample,
             };
+            // Counted before it is on the events, so the node's `taken` never comes first.
+            self.held.fetch_add(n, Ordering::AcqRel);
             if self.events.send(Event::Chunk(Box::new(chunk))).is_err() {
                 // Nobody listens any more: the node has stopped.
                 return Ok(Some(()));

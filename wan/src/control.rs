@@ -5,7 +5,7 @@
 //! node's version is current.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use gradwire_netstorm::consistency::Reply;
@@ -33,51 +33,60 @@ pub fn read_frame(s: &mut TcpStream) -> std::io::Result<Message> {
     Message::parse(&buf).map_err(bad)
 }
 
-/// A node's end of the control connection.
+/// A node's end of the control connection. It connects right before its first frame, not
+/// when it is made: the scheduler closes a connection whose first frame has not come within
+/// [`HELLO_TIMEOUT`](crate::scheduler::HELLO_TIMEOUT), and a node may compute for longer than
+/// that before its first round.
 #[derive(Debug)]
 pub struct SchedulerClient {
-    stream: TcpStream,
+    stream: Option<TcpStream>,
     addr: SocketAddr,
-    /// The read timeout: the longest wait for an answer (the node's round timeout).
+    /// The local address the connection comes from (`None`: the routing table's choice).
+    from: Option<IpAddr>,
+    /// The read timeout: the longest wait for an answer (the node's round timeout), and for
+    /// the connection.
     timeout: Duration,
 }
 
 impl SchedulerClient {
-    /// Connect, retrying until `timeout` (the scheduler may still be starting).
-    pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<Self, WanError> {
-        let started = Instant::now();
-        let deadline = started + timeout;
-        let stream = loop {
-            match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-                Ok(s) => break s,
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(WanError::Scheduler {
-                        addr,
-                        error: format!(
-                            "no connection within {timeout:?}, the round timeout (last: {e}; \
-                             is the scheduler running?)"
-                        ),
-                        timed_out: Some(TimedOut {
-                            timeout,
-                            waited: started.elapsed(),
-                        }),
-                    })
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        };
-        let io = |e: std::io::Error| WanError::Scheduler {
+    /// A client of the scheduler at `addr`, connecting at its first frame (retrying until
+    /// `timeout`: the scheduler may still be starting).
+    pub fn new(addr: SocketAddr, timeout: Duration) -> Self {
+        SchedulerClient {
+            stream: None,
             addr,
-            error: e.to_string(),
-            timed_out: None,
-        };
-        stream.set_read_timeout(Some(timeout)).map_err(io)?;
-        stream.set_nodelay(true).map_err(io)?;
-        Ok(SchedulerClient {
-            stream,
-            addr,
+            from: None,
             timeout,
-        })
+        }
+    }
+
+    /// Connects from local address `ip` (port chosen by the kernel), the address the node
+    /// published: the scheduler accepts a node only from that address, and on a host with
+    /// several addresses (or a loopback alias such as 127.0.0.3, which the kernel would
+    /// leave for 127.0.0.1) the routing table may pick another. An unspecified `ip` leaves
+    /// the choice to the routing table.
+    pub fn from_ip(mut self, ip: IpAddr) -> Self {
+        self.from = Some(ip).filter(|ip| !ip.is_unspecified());
+        self
+    }
+
+    /// Connect now, retrying until `timeout` (the scheduler may still be starting); the first
+    /// frame must follow within the scheduler's first-frame timeout.
+    pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<Self, WanError> {
+        let mut c = Self::new(addr, timeout);
+        c.stream()?;
+        Ok(c)
+    }
+
+    /// The connection, made now if there is none yet.
+    fn stream(&mut self) -> Result<&mut TcpStream, WanError> {
+        let (addr, from, timeout) = (self.addr, self.from, self.timeout);
+        if self.stream.is_none() {
+            self.stream = Some(open(addr, from, timeout)?);
+        }
+        self.stream
+            .as_mut()
+            .ok_or_else(|| WanError::Internal("no scheduler connection".into()))
     }
 
     fn err(&self, error: String) -> WanError {
@@ -90,7 +99,7 @@ impl SchedulerClient {
 
     /// Send one message.
     pub fn send(&mut self, m: &Message) -> Result<(), WanError> {
-        write_frame(&mut self.stream, m).map_err(|e| self.err(format!("sending: {e}")))
+        write_frame(self.stream()?, m).map_err(|e| self.err(format!("sending: {e}")))
     }
 
     /// TRP: send the request and block for the answer (the read timeout bounds the wait).
@@ -98,7 +107,7 @@ impl SchedulerClient {
         let round = req.round;
         self.send(&Message::TopologyRequest(req))?;
         let asked = Instant::now();
-        let answer = read_frame(&mut self.stream).map_err(|e| {
+        let answer = read_frame(self.stream()?).map_err(|e| {
             let waited = asked.elapsed();
             // The read timeout is the round timeout: say so, not "os error 11".
             if matches!(
@@ -130,4 +139,58 @@ impl SchedulerClient {
             ))),
         }
     }
+}
+
+/// One connection attempt to `addr` from local address `from` (`None`: the routing table's
+/// choice), within `timeout`.
+fn connect_once(
+    addr: SocketAddr,
+    from: Option<IpAddr>,
+    timeout: Duration,
+) -> std::io::Result<TcpStream> {
+    let Some(ip) = from else {
+        return TcpStream::connect_timeout(&addr, timeout);
+    };
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.bind(&SocketAddr::new(ip, 0).into())?;
+    sock.connect_timeout(&addr.into(), timeout)?;
+    Ok(sock.into())
+}
+
+/// Connect to the scheduler at `addr` from `from`, retrying until `timeout` (it may still be
+/// starting).
+fn open(addr: SocketAddr, from: Option<IpAddr>, timeout: Duration) -> Result<TcpStream, WanError> {
+    let started = Instant::now();
+    let deadline = started + timeout;
+    let stream = loop {
+        match connect_once(addr, from, Duration::from_secs(1)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() >= deadline => {
+                return Err(WanError::Scheduler {
+                    addr,
+                    error: format!(
+                        "no connection within {timeout:?}, the round timeout (last: {e}; \
+                         is the scheduler running?)"
+                    ),
+                    timed_out: Some(TimedOut {
+                        timeout,
+                        waited: started.elapsed(),
+                    }),
+                })
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    };
+    let io = |e: std::io::Error| WanError::Scheduler {
+        addr,
+        error: e.to_string(),
+        timed_out: None,
+    };
+    stream.set_read_timeout(Some(timeout)).map_err(io)?;
+    stream.set_nodelay(true).map_err(io)?;
+    Ok(stream)
 }

@@ -36,6 +36,11 @@ pub struct NodeConfig {
     pub dscp: u8,
     /// Longest wait for a round (for the scheduler's answer or a peer's chunk).
     pub round_timeout: Duration,
+    /// Most bytes held for one peer ([`ChannelConfig::peer_budget`]): its chunks received
+    /// and not yet taken by this loop, and the relays it asked for that wait for a slow next
+    /// hop. [`channel::budget_for_model`] of the model's bytes fits every correct run; each
+    /// round raises it to that for the round's input anyway.
+    pub peer_budget: usize,
 }
 
 /// What a node measured.
@@ -88,7 +93,9 @@ pub struct Node {
 
 impl Node {
     /// A node over `endpoint` (started, with every node's address; its peer timeout is how
-    /// long a silent peer is waited for), talking to the scheduler at `scheduler`.
+    /// long a silent peer is waited for), talking to the scheduler at `scheduler` (connected
+    /// at the first round's topology request, from the endpoint's address, retrying for up
+    /// to the round timeout).
     pub fn start(
         endpoint: Endpoint,
         scheduler: SocketAddr,
@@ -115,12 +122,20 @@ impl Node {
                 endpoint.rank()
             )));
         }
+        let local = endpoint.local_addr().ip();
         // f32 chunks: a posted receive holds the largest chunk of this job's CHUNK_SIZE.
         let channels = Channels::start(
             endpoint,
-            ChannelConfig::new(cfg.dscp, cfg.netstorm.chunk_size.saturating_mul(4)),
+            ChannelConfig {
+                peer_budget: cfg.peer_budget,
+                ..ChannelConfig::new(cfg.dscp, cfg.netstorm.chunk_size.saturating_mul(4))
+            },
         );
-        let scheduler = SchedulerClient::connect(scheduler, cfg.round_timeout)?;
+        // Connected at the first frame: the scheduler closes a connection that stays silent
+        // past its first-frame timeout, and the first round may come later than that. From
+        // the endpoint's address, the one the node published: the scheduler takes a node's
+        // frames only from there.
+        let scheduler = SchedulerClient::new(scheduler, cfg.round_timeout).from_ip(local);
         let ns = &cfg.netstorm;
         let monitor = LinkMonitor::new(
             ns.probe_chunk_size,
@@ -162,6 +177,9 @@ impl Node {
     /// One synchronization round: returns the average of every node's `input`.
     pub fn synchronize(&mut self, input: &[f32]) -> Result<Vec<f32>, WanError> {
         let round = self.state.round();
+        // Chunks of a model this size are no flood (f32 values).
+        self.channels
+            .raise_budget(channel::budget_for_model(input.len().saturating_mul(4)));
         let proto =
             |e: gradwire_netstorm::consistency::ConsistencyError| WanError::Protocol(e.to_string());
         // Topology request before the PUSH (§VII-A): block for the round's policy.
@@ -191,7 +209,7 @@ impl Node {
             .map(|(c, (r, root))| (*root, c as u32, Values(input[r.clone()].to_vec())))
             .collect();
         let outs = self.state.contribute(own).map_err(proto)?;
-        let mut done = self.perform(outs, &aux, &mut results)?;
+        let mut done = self.perform(outs, &aux, &mut results, None)?;
         let deadline = started + self.cfg.round_timeout;
         while !done {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -226,6 +244,8 @@ impl Node {
                     return Err(self.peer_err_via(peer, error, culprit));
                 }
                 Event::Chunk(c) => {
+                    // Off the channels' books: the round's state holds it from here.
+                    self.channels.taken(c.from, c.sample.bytes);
                     self.measure(c.from, c.sample)?;
                     let header = ChunkHeader::parse(&c.meta)
                         .map_err(|e| self.peer_err(c.from, format!("invalid chunk header: {e}")))?;
@@ -240,7 +260,7 @@ impl Node {
                         .state
                         .on_chunk(from, header, Values(values))
                         .map_err(|e| self.peer_err(c.from, e))?;
-                    done = self.perform(outs, &aux, &mut results)?;
+                    done = self.perform(outs, &aux, &mut results, Some(c.from))?;
                 }
             }
         }
@@ -274,12 +294,14 @@ impl Node {
         Ok(out)
     }
 
-    /// Carry out the state machine's outputs; `true` once the round is done.
+    /// Carry out the state machine's outputs, those of a chunk from `from` (`None`: this
+    /// node's own); `true` once the round is done.
     fn perform(
         &mut self,
         outs: Vec<Output<Values>>,
         aux: &BTreeMap<(u16, u16), Vec<Vec<u16>>>,
         results: &mut [Option<Vec<f32>>],
+        from: Option<usize>,
     ) -> Result<bool, WanError> {
         let mut done = false;
         for o in outs {
@@ -290,6 +312,8 @@ impl Node {
                     payload,
                 } => {
                     let (to, header) = self.route(to, header, aux)?;
+                    // Another node's chunk on its auxiliary path: `from` asked for it.
+                    let relay_for = from.filter(|_| header.is_aux && header.hop != 1);
                     if header.is_aux {
                         if header.hop == 1 {
                             self.report.sent_aux += 1;
@@ -304,9 +328,19 @@ impl Node {
                         meta,
                         data: Tensor::from_f32(&payload.0),
                     };
-                    self.channels
-                        .send(usize::from(to), &out)
-                        .map_err(|e| WanError::Internal(format!("a chunk for node {to}: {e}")))?;
+                    match relay_for {
+                        Some(asked_by) => {
+                            if let Err(e) = self.channels.relay(usize::from(to), &out, asked_by) {
+                                // The link with the node that asked fails, as a channel's
+                                // failure does: every peer gives up naming it.
+                                self.channels.give_up(asked_by);
+                                return Err(self.peer_err(asked_by, e));
+                            }
+                        }
+                        None => self.channels.send(usize::from(to), &out).map_err(|e| {
+                            WanError::Internal(format!("a chunk for node {to}: {e}"))
+                        })?,
+                    }
                 }
                 Output::Result { chunk, payload, .. } => {
                     if let Some(slot) = results.get_mut(chunk as usize) {

@@ -7,9 +7,29 @@
 //! first request of round `r` got ([`SchedulerState`], model-checked in the scheduler
 //! crate), so all nodes of a round run one policy; a new version takes effect from the next
 //! round that no node has started.
+//!
+//! **Connections.** Every wait on a node connection is bounded: its first frame within
+//! [`HELLO_TIMEOUT`] of its accept, every frame within [`FRAME_TIMEOUT`] of its first byte,
+//! every answer taken within the frame timeout; between frames a node may idle for as long
+//! as it computes. At most [`CONNECTIONS_PER_NODE`] per node of the job are served at once;
+//! when all places are taken, a new connection takes the place of the one silent longest
+//! (for at least [`EVICT_IDLE`]) among those that have not spoken yet, so connections that
+//! never speak cannot lock a node out.
+//!
+//! **Who speaks for a node.** A connection's first frame names its node, and it speaks for
+//! that node only: a message for another drops it. When the scheduler knows the nodes'
+//! addresses ([`SchedulerConfig::node_ips`]; the site fills them from the rendezvous), a
+//! connection speaks for node `k` only from node `k`'s address, else it is dropped with a
+//! warning naming both. At most one connection speaks for a node: a newer one (from the
+//! right address) replaces the older, which is closed, since a node that reconnects after a
+//! network blip must get in. Without a job secret this binds by IP address only: anyone who
+//! can open a TCP connection from a node's address (on its host, or on the path) can speak
+//! for it, and can take its connection away. NetStorm jobs cannot use a job secret yet: the
+//! message layer they run on does not seal packets, and the scheduler's TCP frames carry
+//! none (docs/security.md).
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -18,7 +38,7 @@ use std::time::{Duration, Instant};
 use gradwire_netstorm::config::NetStormConfig;
 use gradwire_netstorm::consistency::SchedulerState;
 use gradwire_netstorm::graph::Overlay;
-use gradwire_netstorm::wire::{frame_len, Kind, Message, TopologyRequest, HEADER_LEN};
+use gradwire_netstorm::wire::{frame_len, Kind, Message, Policy, TopologyRequest, HEADER_LEN};
 
 use crate::error::WanError;
 use crate::plan::{formulate, Planner};
@@ -123,6 +143,48 @@ pub struct SchedulerConfig {
     /// each link's transfer delay, latency + bytes / throughput, as the paper's "transfer
     /// delay of the full tensor" (§IV-B), so on slow links bandwidth, not latency, decides.
     pub round_bytes: u64,
+    /// Each node's address (by node id), when known: a connection speaks for node `k` only
+    /// from `node_ips[k]` (IPv4-mapped IPv6 addresses count as their IPv4 address). `None`:
+    /// any address may claim any node (tests, and a scheduler started before the nodes'
+    /// addresses are known).
+    pub node_ips: Option<Vec<IpAddr>>,
+}
+
+impl SchedulerConfig {
+    /// What [`spawn`] checks before it serves: the overlay and the node addresses fit the
+    /// world, and the first policy can be formulated. For a caller that starts the scheduler
+    /// later (once the nodes' addresses are known) and wants a bad configuration to fail
+    /// early.
+    pub fn validate(&self) -> Result<(), WanError> {
+        self.first_policy(&mut Planner::default()).map(|_| ())
+    }
+
+    /// The checks of [`SchedulerConfig::validate`], and the first policy.
+    fn first_policy(&self, planner: &mut Planner) -> Result<Policy, WanError> {
+        if self.overlay.num_nodes() != self.world {
+            return Err(WanError::Config(format!(
+                "the overlay has {} sites for a {}-node job",
+                self.overlay.num_nodes(),
+                self.world
+            )));
+        }
+        if let Some(ips) = &self.node_ips {
+            if ips.len() != self.world {
+                return Err(WanError::Config(format!(
+                    "{} node addresses for a {}-node job: give one per node, by node id",
+                    ips.len(),
+                    self.world
+                )));
+            }
+        }
+        formulate(
+            self.strategy,
+            &self.overlay,
+            planner,
+            &self.netstorm,
+            self.round_bytes,
+        )
+    }
 }
 
 /// A policy the scheduler formulated.
@@ -266,34 +328,41 @@ impl Drop for SchedulerHandle {
 
 /// Start the scheduler on `listener`: the first policy is formulated from `cfg.overlay`.
 pub fn spawn(listener: TcpListener, cfg: SchedulerConfig) -> Result<SchedulerHandle, WanError> {
-    spawn_with_frame_timeout(listener, cfg, FRAME_TIMEOUT)
+    spawn_with(listener, cfg, ConnectionOptions::default())
 }
 
-/// [`spawn`], with a connection dropped when a frame that has started is not complete within
-/// `frame_timeout` (default [`FRAME_TIMEOUT`]; tests shorten it).
-pub fn spawn_with_frame_timeout(
+/// How the scheduler treats its node connections: the defaults are the constants; tests
+/// shorten them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionOptions {
+    /// A connection is dropped when a frame that has started is not complete within this
+    /// ([`FRAME_TIMEOUT`]).
+    pub frame_timeout: Duration,
+    /// A connection is dropped when its first frame is not complete within this of its
+    /// accept ([`HELLO_TIMEOUT`]).
+    pub hello_timeout: Duration,
+}
+
+impl Default for ConnectionOptions {
+    fn default() -> Self {
+        ConnectionOptions {
+            frame_timeout: FRAME_TIMEOUT,
+            hello_timeout: HELLO_TIMEOUT,
+        }
+    }
+}
+
+/// [`spawn`], with the connections' timeouts of `opts`.
+pub fn spawn_with(
     listener: TcpListener,
     cfg: SchedulerConfig,
-    frame_timeout: Duration,
+    opts: ConnectionOptions,
 ) -> Result<SchedulerHandle, WanError> {
     let addr = listener.local_addr()?;
     listener.set_nonblocking(true)?;
     let mut planner = Planner::default();
+    let first = cfg.first_policy(&mut planner)?;
     let overlay = cfg.overlay.clone();
-    if overlay.num_nodes() != cfg.world {
-        return Err(WanError::Config(format!(
-            "the overlay has {} sites for a {}-node job",
-            overlay.num_nodes(),
-            cfg.world
-        )));
-    }
-    let first = formulate(
-        cfg.strategy,
-        &overlay,
-        &mut planner,
-        &cfg.netstorm,
-        cfg.round_bytes,
-    )?;
     let started = Instant::now();
     let state = Arc::new(Mutex::new(State {
         report: SchedulerReport {
@@ -316,7 +385,7 @@ pub fn spawn_with_frame_timeout(
     let shared = Arc::clone(&state);
     let thread = std::thread::Builder::new()
         .name("netstorm-scheduler".into())
-        .spawn(move || serve(listener, shared, flag, frame_timeout))?;
+        .spawn(move || serve(listener, shared, flag, opts))?;
     Ok(SchedulerHandle {
         addr,
         state,
@@ -325,15 +394,137 @@ pub fn spawn_with_frame_timeout(
     })
 }
 
-/// Most node connections served at once, per node of the job (a node keeps one; a few more
-/// cover reconnections); further connections are closed at once.
+/// Most node connections served at once, per node of the job: a node keeps one (at most one
+/// speaks for each node), the rest is room for reconnections. When every place is taken, a
+/// new connection takes the place of the one silent longest (for at least [`EVICT_IDLE`])
+/// among those that have not spoken yet, so idle connections cannot keep a node out; only
+/// when none has been silent that long (every one of them sends, or has just come) is the
+/// new one closed.
 pub const CONNECTIONS_PER_NODE: usize = 4;
+/// How long a new connection has, from its accept, to complete its first frame. A node sends
+/// its topology request (or a link report) as soon as it has connected
+/// ([`SchedulerClient`](crate::control::SchedulerClient) connects right before its first
+/// frame), so a connection silent this long is no node's, and its place is freed.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Least silence of a connection that gives its place to a new one when all are taken:
+/// longer than a node takes from connecting to its first frame.
+pub const EVICT_IDLE: Duration = Duration::from_millis(200);
+
+/// A live connection, as the accept loop sees it.
+#[derive(Debug)]
+struct Live {
+    id: u64,
+    peer: SocketAddr,
+    /// The connection's socket: shutting it down ends the connection's thread at its next
+    /// read or write.
+    socket: TcpStream,
+    /// When it was accepted, or last started or finished a frame.
+    heard: Instant,
+    /// The node its first frame named.
+    node: Option<u16>,
+}
+
+/// The live connections, shared by the accept loop and the connection threads.
+type Registry = Arc<Mutex<Vec<Live>>>;
+
+/// A connection thread's place in the [`Registry`]: freed when the thread ends, however it
+/// ends.
+struct Place {
+    id: u64,
+    registry: Registry,
+}
+
+impl Place {
+    /// Whether the connection still has its place: not evicted, nor replaced by a newer
+    /// connection of its node (whose socket was shut down, but frames read before the shut
+    /// down may still be in hand).
+    fn held(&self) -> bool {
+        self.registry
+            .lock()
+            .is_ok_and(|r| r.iter().any(|l| l.id == self.id))
+    }
+
+    /// The connection was heard from now.
+    fn heard(&self) {
+        if let Ok(mut r) = self.registry.lock() {
+            if let Some(l) = r.iter_mut().find(|l| l.id == self.id) {
+                l.heard = Instant::now();
+            }
+        }
+    }
+
+    /// The connection now speaks for `node`: any other live connection of `node` is closed.
+    /// The newer wins, as a node that reconnects after a network blip must get in (its old
+    /// connection may look alive for minutes); the address check before this makes sure
+    /// the newer comes from the node's address, when the scheduler knows it.
+    fn bind(&self, node: u16, peer: SocketAddr) {
+        let Ok(mut r) = self.registry.lock() else {
+            return;
+        };
+        r.retain(|l| {
+            if l.id == self.id || l.node != Some(node) {
+                return true;
+            }
+            // Its thread sees the socket shut down at its next read or write and ends.
+            let _ = l.socket.shutdown(std::net::Shutdown::Both);
+            log::warn!(
+                "scheduler: node {node} connected again from {peer}: closed its older \
+                 connection from {}",
+                l.peer
+            );
+            false
+        });
+        if let Some(l) = r.iter_mut().find(|l| l.id == self.id) {
+            l.node = Some(node);
+        }
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        if let Ok(mut r) = self.registry.lock() {
+            r.retain(|l| l.id != self.id);
+        }
+    }
+}
+
+/// Room for one more connection when `cap` are live: the one silent longest, for at least
+/// [`EVICT_IDLE`], of those that have not spoken yet is closed; `false` when none has been
+/// silent that long. A connection that speaks for a node is never evicted: there is one per
+/// node at most ([`Place::bind`]), a quarter of the places, and its node may compute for
+/// minutes between frames.
+fn make_room(registry: &Mutex<Vec<Live>>, cap: usize) -> bool {
+    let Ok(mut r) = registry.lock() else {
+        return false;
+    };
+    if r.len() < cap {
+        return true;
+    }
+    let victim = r
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.node.is_none() && l.heard.elapsed() >= EVICT_IDLE)
+        .min_by_key(|(_, l)| l.heard)
+        .map(|(i, _)| i);
+    let Some(i) = victim else { return false };
+    let l = r.swap_remove(i);
+    // Its thread sees the socket shut down at its next read or write (within IDLE_POLL) and
+    // ends: threads exceed the cap by the evicted ones for that long at most.
+    let _ = l.socket.shutdown(std::net::Shutdown::Both);
+    log::warn!(
+        "scheduler: closed the connection from {}, silent for {:?} without a frame, to make \
+         room: {cap} node connections were open",
+        l.peer,
+        l.heard.elapsed()
+    );
+    true
+}
 
 fn serve(
     listener: TcpListener,
     state: Arc<Mutex<State>>,
     stop: Arc<AtomicBool>,
-    frame_timeout: Duration,
+    opts: ConnectionOptions,
 ) -> Result<SchedulerReport, WanError> {
     let cap = {
         let st = state
@@ -341,27 +532,53 @@ fn serve(
             .map_err(|_| WanError::Internal("scheduler state poisoned".into()))?;
         CONNECTIONS_PER_NODE * st.cfg.world.max(1)
     };
+    let registry: Registry = Arc::new(Mutex::new(Vec::new()));
+    let mut next_id = 0u64;
     let mut conns: Vec<std::thread::JoinHandle<()>> = Vec::new();
     while !stop.load(Ordering::Acquire) {
         // Finished connections leave the list: it holds the live ones only.
         conns.retain(|c| !c.is_finished());
         match listener.accept() {
-            Ok((s, peer)) if conns.len() >= cap => {
+            Ok((s, peer)) if !make_room(&registry, cap) => {
                 log::warn!(
                     "scheduler: refused a connection from {peer}: {cap} node connections are \
-                     open already"
+                     open already, none silent for {EVICT_IDLE:?} without a frame"
                 );
                 drop(s);
             }
-            Ok((s, _)) => {
+            Ok((s, peer)) => {
+                let socket = match s.try_clone() {
+                    Ok(c) => c,
+                    Err(e) => {
+                        log::warn!("scheduler: could not serve a connection from {peer}: {e}");
+                        continue;
+                    }
+                };
+                let id = next_id;
+                next_id += 1;
+                let accepted = Instant::now();
+                if let Ok(mut r) = registry.lock() {
+                    r.push(Live {
+                        id,
+                        peer,
+                        socket,
+                        heard: accepted,
+                        node: None,
+                    });
+                }
+                let place = Place {
+                    id,
+                    registry: Arc::clone(&registry),
+                };
                 let state = Arc::clone(&state);
                 let stop = Arc::clone(&stop);
                 match std::thread::Builder::new()
                     .name("netstorm-node-conn".into())
-                    .spawn(move || connection(s, &state, &stop, frame_timeout))
+                    .spawn(move || connection(s, peer, accepted, place, &state, &stop, opts))
                 {
                     Ok(c) => conns.push(c),
-                    // Out of threads for now: this connection is closed, the next is tried.
+                    // Out of threads for now: this connection is closed (its place freed
+                    // with the closure), the next is tried.
                     Err(e) => log::warn!("scheduler: could not serve a connection: {e}"),
                 }
             }
@@ -443,13 +660,13 @@ fn move_by(
     Ok(())
 }
 
-/// Fill `buf` by `deadline` (`frame_timeout` after the frame's first byte), looking at `stop`
-/// every [`IDLE_POLL`].
+/// Fill `buf` by `deadline`, looking at `stop` every [`IDLE_POLL`]; `limit` says which
+/// limit the deadline is, for the error when it passes.
 fn read_by(
     s: &mut TcpStream,
     buf: &mut [u8],
     deadline: Instant,
-    frame_timeout: Duration,
+    limit: &str,
     stop: &AtomicBool,
 ) -> std::io::Result<()> {
     let len = buf.len();
@@ -464,7 +681,7 @@ fn read_by(
         },
         |got| {
             ended(format!(
-                "a frame not complete within {frame_timeout:?} ({got} of {len} bytes)"
+                "a frame not complete {limit} ({got} of {len} bytes)"
             ))
         },
     )
@@ -498,13 +715,16 @@ fn write_by(
 }
 
 /// Wait up to [`IDLE_POLL`] for a frame to start (`Ok(None)`: none did), then read all of it
-/// within `frame_timeout` ([`FRAME_TIMEOUT`]), looking at `stop` meanwhile. A frame is never read in part and
+/// within `frame_timeout` ([`FRAME_TIMEOUT`]) and by `hello` (the first frame's deadline and
+/// the first-frame timeout), looking at `stop` meanwhile. A frame is never read in part and
 /// then abandoned, which would leave the stream in the middle of a frame; only the kinds a
 /// node sends are read past their header (the others would be up to a megabyte).
 fn next_frame(
     s: &mut TcpStream,
     stop: &AtomicBool,
     frame_timeout: Duration,
+    hello: Option<(Instant, Duration)>,
+    place: &Place,
 ) -> std::io::Result<Option<Message>> {
     s.set_read_timeout(Some(IDLE_POLL))?;
     match s.peek(&mut [0u8; 1]) {
@@ -525,9 +745,20 @@ fn next_frame(
         }
         Err(e) => return Err(e),
     }
-    let deadline = deadline_in(frame_timeout);
+    place.heard();
+    let frame_by = deadline_in(frame_timeout);
+    let (deadline, limit) = match hello {
+        Some((by, t)) if by < frame_by => (
+            by,
+            format!("within {t:?} of connecting, the first-frame timeout"),
+        ),
+        _ => (
+            frame_by,
+            format!("within {frame_timeout:?}, the frame timeout"),
+        ),
+    };
     let mut buf = vec![0u8; HEADER_LEN];
-    read_by(s, &mut buf, deadline, frame_timeout, stop)?;
+    read_by(s, &mut buf, deadline, &limit, stop)?;
     let (kind, total) = frame_len(&buf).map_err(ended)?;
     if !matches!(kind, Kind::LinkReport | Kind::TopologyRequest) {
         return Err(ended(format!(
@@ -535,31 +766,74 @@ fn next_frame(
         )));
     }
     buf.resize(total, 0);
-    read_by(s, &mut buf[HEADER_LEN..], deadline, frame_timeout, stop)?;
-    Message::parse(&buf).map(Some).map_err(ended)
+    read_by(s, &mut buf[HEADER_LEN..], deadline, &limit, stop)?;
+    let m = Message::parse(&buf).map_err(ended)?;
+    place.heard();
+    Ok(Some(m))
 }
 
-/// One node's connection: answer its requests, collect its reports, until it closes. The
-/// connection speaks for the node named by its first message and for no other: a message
-/// for another node (a report of a link into another node, another node's request) drops
-/// it, so one connection cannot steer the policy for the whole job.
-fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool, frame_timeout: Duration) {
+/// Whether a connection from `from` may speak for `node`: from the node's address when the
+/// scheduler knows it (IPv4-mapped IPv6 addresses count as their IPv4 address).
+fn from_its_address(cfg: &SchedulerConfig, node: u16, from: IpAddr) -> Result<(), String> {
+    let Some(ips) = &cfg.node_ips else {
+        return Ok(());
+    };
+    match ips.get(usize::from(node)).map(IpAddr::to_canonical) {
+        Some(ip) if ip == from.to_canonical() => Ok(()),
+        Some(ip) => Err(format!("it spoke for node {node}, whose address is {ip}")),
+        None => Err(format!(
+            "it spoke for node {node}, beyond the job's {} nodes",
+            ips.len()
+        )),
+    }
+}
+
+/// One node's connection, accepted from `peer` at `accepted`: answer its requests, collect
+/// its reports, until it closes. Its first frame must be complete within the first-frame
+/// timeout ([`HELLO_TIMEOUT`]); after that it may idle between frames for as long as its
+/// node computes. The connection speaks for the node named by its first message and for no
+/// other: a message for another node (a report of a link into another node, another node's
+/// request) drops it, so one connection cannot steer the policy for the whole job.
+fn connection(
+    mut s: TcpStream,
+    peer: SocketAddr,
+    accepted: Instant,
+    place: Place,
+    state: &Mutex<State>,
+    stop: &AtomicBool,
+    opts: ConnectionOptions,
+) {
     if s.set_nonblocking(false).is_err() {
         return;
     }
     let _ = s.set_nodelay(true);
+    let hello_by = accepted
+        .checked_add(opts.hello_timeout)
+        .unwrap_or_else(|| deadline_in(opts.hello_timeout));
     let mut node: Option<u16> = None;
     while !stop.load(Ordering::Acquire) {
-        let msg = match next_frame(&mut s, stop, frame_timeout) {
+        let hello = node.is_none().then_some((hello_by, opts.hello_timeout));
+        let msg = match next_frame(&mut s, stop, opts.frame_timeout, hello, &place) {
             Ok(Some(m)) => m,
+            Ok(None) if node.is_none() && Instant::now() >= hello_by => {
+                log::warn!(
+                    "scheduler: closed the connection from {peer}: no frame within {:?} of \
+                     connecting, the first-frame timeout",
+                    opts.hello_timeout
+                );
+                return;
+            }
             Ok(None) => continue,
             Err(e) => {
                 if e.kind() == std::io::ErrorKind::InvalidData {
-                    log::warn!("scheduler: dropped a connection that sent an invalid frame: {e}");
+                    log::warn!("scheduler: dropped the connection from {peer}: {e}");
                 }
                 return;
             }
         };
+        if !place.held() {
+            return;
+        }
         let claims = match &msg {
             // A node measures the links into itself.
             Message::LinkReport(r) => r.to,
@@ -569,10 +843,23 @@ fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool, frame_t
         };
         match node {
             Some(n) if n != claims => {
-                log::warn!("scheduler: dropped node {n}'s connection: it spoke for node {claims}");
+                log::warn!(
+                    "scheduler: dropped node {n}'s connection from {peer}: it spoke for node \
+                     {claims}"
+                );
                 return;
             }
-            _ => node = Some(claims),
+            Some(_) => {}
+            None => {
+                let Ok(st) = state.lock() else { return };
+                if let Err(why) = from_its_address(&st.cfg, claims, peer.ip()) {
+                    log::warn!("scheduler: dropped a connection from {}: {why}", peer.ip());
+                    return;
+                }
+                drop(st);
+                place.bind(claims, peer);
+                node = Some(claims);
+            }
         }
         let Ok(mut st) = state.lock() else { return };
         let reply = match msg {
@@ -587,7 +874,7 @@ fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool, frame_t
             Message::TopologyRequest(req) => match st.answer(&req) {
                 Ok(m) => Some(m),
                 Err(e) => {
-                    log::warn!("scheduler: node {}: {e}", req.node);
+                    log::warn!("scheduler: node {} from {peer}: {e}", req.node);
                     return;
                 }
             },
@@ -595,8 +882,8 @@ fn connection(mut s: TcpStream, state: &Mutex<State>, stop: &AtomicBool, frame_t
         };
         drop(st);
         if let Some(m) = reply {
-            if let Err(e) = write_by(&mut s, &m, frame_timeout, stop) {
-                log::warn!("scheduler: dropped node {claims}'s connection: {e}");
+            if let Err(e) = write_by(&mut s, &m, opts.frame_timeout, stop) {
+                log::warn!("scheduler: dropped node {claims}'s connection from {peer}: {e}");
                 return;
             }
         }

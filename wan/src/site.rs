@@ -2,7 +2,9 @@
 //! [`Workload`], its message-layer endpoint, whose address every other node learns by the
 //! rendezvous at rank 0's address (the master), the scheduler served on rank 0
 //! (`--serve-scheduler`, master port + 1, over the [`overlay`](crate::overlay) of the
-//! topology file) or reached elsewhere, N verified rounds
+//! topology file; its port bound before the rendezvous, served after it with every node's
+//! published address, from which alone a connection may speak for that node) or reached
+//! elsewhere, N verified rounds
 //! on the node loop ([`Node`]), then a final barrier (a second rendezvous at master port +
 //! 2) so that no node closes its endpoint while another still needs it.
 //!
@@ -344,10 +346,10 @@ pub fn endpoint_table(table: &[Vec<u8>]) -> Result<Vec<SocketAddr>, String> {
     Ok(out)
 }
 
-/// This node's endpoint, started with every node's address: bound at `spec.ip`, its
-/// address published through the rendezvous at `spec.master`. A peer silent for
-/// `spec.timeout` fails the links with it.
-fn connect(spec: &NodeSpec) -> Result<Endpoint, NodeError> {
+/// This node's endpoint, started with every node's address (returned too, by node id):
+/// bound at `spec.ip`, its address published through the rendezvous at `spec.master`. A
+/// peer silent for `spec.timeout` fails the links with it.
+fn connect(spec: &NodeSpec) -> Result<(Endpoint, Vec<SocketAddr>), NodeError> {
     let rank = spec.rank;
     let failed = |error: String, missing: Vec<usize>| NodeError::Connect {
         rank,
@@ -385,9 +387,10 @@ fn connect(spec: &NodeSpec) -> Result<Endpoint, NodeError> {
     )
     .map_err(|e| failed(e.to_string(), never_joined(&e)))?;
     let addrs = endpoint_table(&table).map_err(|e| failed(e, vec![]))?;
-    bound
-        .start(addrs)
-        .map_err(|e| failed(e.to_string(), vec![]))
+    let endpoint = bound
+        .start(addrs.clone())
+        .map_err(|e| failed(e.to_string(), vec![]))?;
+    Ok((endpoint, addrs))
 }
 
 /// The final barrier's address: master port + 2.
@@ -413,17 +416,34 @@ pub fn run_node(
     }
     let netstorm = spec.strategy.netstorm(&spec.netstorm);
     netstorm.validate().map_err(|e| invalid(format!("{e}")))?;
-    // The scheduler first: the other nodes connect to it once their links are up.
-    let served = match spec.scheduler {
-        SchedulerRole::Serve(addr) => Some(serve_scheduler(spec, &netstorm, addr)?),
+    // The scheduler's port first: the other nodes connect to it once their links are up.
+    let prepared = match spec.scheduler {
+        SchedulerRole::Serve(addr) => Some((addr, prepare_scheduler(spec, &netstorm, addr)?)),
         SchedulerRole::At(_) => None,
     };
-    let endpoint = connect(spec)?;
+    let (endpoint, addrs) = connect(spec)?;
+    // Served once every node's address is known: a connection speaks for a node only from
+    // that node's address. Nodes that connect meanwhile wait in the listen backlog.
+    let served = match prepared {
+        Some((addr, (listener, mut cfg))) => {
+            cfg.node_ips = Some(addrs.iter().map(SocketAddr::ip).collect());
+            Some(
+                scheduler::spawn(listener, cfg).map_err(|e| NodeError::SchedulerStart {
+                    rank,
+                    addr,
+                    error: e.to_string(),
+                })?,
+            )
+        }
+        None => None,
+    };
     let cfg = NodeConfig {
         rank,
         netstorm,
         dscp: gradwire_qos::priority_dscp(0),
         round_timeout: spec.timeout,
+        // The model's values and the control element, f32.
+        peer_budget: crate::channel::budget_for_model((spec.workload.elems + 1).saturating_mul(4)),
     };
     // The node that serves the scheduler, when it is the master's host (rank 0): a lost
     // scheduler connection then means that node failed, and the error says so.
@@ -525,12 +545,15 @@ pub fn unix_ms(t: SystemTime) -> f64 {
         .map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
-/// The scheduler for `spec`, on `addr`, over the overlay of `spec.topology`.
-fn serve_scheduler(
+/// The scheduler for `spec`, on `addr`, over the overlay of `spec.topology`: its listener,
+/// bound now (a busy port fails the node before the rendezvous), and its configuration,
+/// checked now; it is spawned once the rendezvous has given every node's address
+/// ([`SchedulerConfig::node_ips`]).
+fn prepare_scheduler(
     spec: &NodeSpec,
     netstorm: &NetStormConfig,
     addr: SocketAddr,
-) -> Result<scheduler::SchedulerHandle, NodeError> {
+) -> Result<(TcpListener, SchedulerConfig), NodeError> {
     let rank = spec.rank;
     let path = spec.topology.as_ref().ok_or_else(|| NodeError::Invalid {
         rank,
@@ -554,28 +577,28 @@ fn serve_scheduler(
         }));
     }
     let overlay = overlay_from_topology(&topo).map_err(site)?;
+    let cfg = SchedulerConfig {
+        world: spec.world,
+        strategy: spec.strategy,
+        netstorm: netstorm.clone(),
+        overlay,
+        // The whole model crosses every tree edge each round (aggregated on the way up,
+        // the total on the way down): the volume the transfer delays are costed with.
+        round_bytes: spec.workload.elems as u64 * 4,
+        // Known after the rendezvous.
+        node_ips: None,
+    };
+    cfg.validate().map_err(|e| NodeError::SchedulerStart {
+        rank,
+        addr,
+        error: e.to_string(),
+    })?;
     let listener = TcpListener::bind(addr).map_err(|e| NodeError::SchedulerStart {
         rank,
         addr,
         error: format!("{e}; give a free port (--scheduler-port)"),
     })?;
-    scheduler::spawn(
-        listener,
-        SchedulerConfig {
-            world: spec.world,
-            strategy: spec.strategy,
-            netstorm: netstorm.clone(),
-            overlay,
-            // The whole model crosses every tree edge each round (aggregated on the way up,
-            // the total on the way down): the volume the transfer delays are costed with.
-            round_bytes: spec.workload.elems as u64 * 4,
-        },
-    )
-    .map_err(|e| NodeError::SchedulerStart {
-        rank,
-        addr,
-        error: e.to_string(),
-    })
+    Ok((listener, cfg))
 }
 
 #[cfg(test)]

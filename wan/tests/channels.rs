@@ -173,3 +173,149 @@ fn chunks_beyond_the_receivers_depth_wait_and_go_in_order_as_slots_free() {
     let order = rx.join().unwrap();
     assert_eq!(order, (0..n as u8).collect::<Vec<_>>());
 }
+
+/// A peer's chunks held by node 0 (delivered, not yet taken) may not exceed this.
+const BUDGET: usize = 1 << 20;
+
+#[test]
+fn a_peer_that_sends_faster_than_the_node_takes_is_failed_at_its_budget() {
+    // Node 0 holds at most BUDGET bytes of node 1's chunks that it has not taken.
+    let mut eps = endpoints(2, 3, PEER_TIMEOUT);
+    let raw = eps.pop().unwrap();
+    let node = Channels::start(
+        eps.pop().unwrap(),
+        ChannelConfig {
+            peer_budget: BUDGET,
+            // Chunks of 128 KiB at most: the budget holds several.
+            ..ChannelConfig::new(10, 128 << 10)
+        },
+    );
+    // Node 1 sends chunk after chunk of 64 KiB of values, 8 times the budget in all, while
+    // node 0 takes none.
+    let chunk = encode_chunk(b"r", &Tensor::from_f32(&values(16 * 1024)), Duration::ZERO).unwrap();
+    let n = 8 * BUDGET / chunk.len() + 1;
+    let sent: Vec<_> = (0..n).map(|_| raw_send(&raw, chunk.clone())).collect();
+    // What node 0 holds for node 1, read off the events once node 1 has stopped: every
+    // chunk's bytes until its channel failed (if it did).
+    let mut held = 0usize;
+    let mut failed = None;
+    let deadline = std::time::Instant::now() + WAIT;
+    while failed.is_none() && std::time::Instant::now() < deadline {
+        match node.events().recv_timeout(Duration::from_secs(2)) {
+            Ok(Event::Chunk(c)) => held += c.sample.bytes as usize,
+            Ok(Event::Failed { peer, error, .. }) => failed = Some((peer, error)),
+            Ok(other) => panic!("{other:?}"),
+            // Nothing for 2 s: node 1 has sent all it could.
+            Err(_) => break,
+        }
+    }
+    let ok = sent.iter().filter(|h| h.test()).count();
+    eprintln!(
+        "node 1 sent {n} chunks of {} bytes ({} done); node 0 held {held} bytes of them; \
+         failure: {failed:?}",
+        chunk.len(),
+        ok
+    );
+    let (peer, error) = failed.unwrap_or_else(|| {
+        panic!("node 0 held {held} bytes of node 1's chunks, the budget {BUDGET}, and kept on")
+    });
+    assert_eq!(peer, 1);
+    assert!(held <= BUDGET, "node 0 held {held} bytes, above {BUDGET}");
+    // The channels' own count agrees: nothing was taken.
+    assert_eq!(node.held(1), held);
+    assert!(error.contains(&BUDGET.to_string()), "{error}");
+    assert!(error.contains("rank 1"), "{error}");
+    drop(sent);
+}
+
+#[test]
+fn a_peer_at_most_a_round_ahead_of_a_node_that_takes_its_chunks_is_never_failed() {
+    let mut eps = endpoints(2, 5, PEER_TIMEOUT);
+    let raw = eps.pop().unwrap();
+    let node = Channels::start(
+        eps.pop().unwrap(),
+        ChannelConfig {
+            peer_budget: BUDGET,
+            // Chunks of 128 KiB at most: the budget holds several.
+            ..ChannelConfig::new(10, 128 << 10)
+        },
+    );
+    // Node 1 sends rounds of 7 chunks (448 KiB, under half the budget), each once the
+    // previous is delivered, so it is at most a round ahead of what node 0 has taken; 8
+    // times the budget in all.
+    let chunk = encode_chunk(b"r", &Tensor::from_f32(&values(16 * 1024)), Duration::ZERO).unwrap();
+    let (per_round, rounds) = (7, 8 * BUDGET / (7 * chunk.len()) + 1);
+    let sender = std::thread::spawn(move || {
+        for _ in 0..rounds {
+            let sent: Vec<_> = (0..per_round)
+                .map(|_| raw_send(&raw, chunk.clone()))
+                .collect();
+            for h in sent {
+                h.wait_timeout(WAIT).unwrap().unwrap();
+            }
+        }
+        raw
+    });
+    let mut most = 0;
+    for i in 0..per_round * rounds {
+        match node.events().recv_timeout(WAIT) {
+            Ok(Event::Chunk(c)) => {
+                most = most.max(node.held(1));
+                node.taken(c.from, c.sample.bytes);
+            }
+            other => panic!("chunk {i} of {}: {other:?}", per_round * rounds),
+        }
+    }
+    eprintln!("node 0 held at most {most} bytes of node 1's chunks");
+    assert!(most <= BUDGET);
+    assert_eq!(node.held(1), 0);
+    drop(sender.join().unwrap());
+}
+
+#[test]
+fn relays_for_a_slow_next_hop_are_refused_at_the_budget_naming_who_asked() {
+    // Node 0 relays node 2's auxiliary chunks to node 1, which receives nothing: beyond the
+    // depth they wait in node 0's queue for node 1.
+    let mut eps = endpoints(3, 4, PEER_TIMEOUT);
+    let _two = eps.pop().unwrap();
+    let _slow = eps.pop().unwrap();
+    let mut node = Channels::start(
+        eps.pop().unwrap(),
+        ChannelConfig {
+            peer_budget: BUDGET,
+            // Chunks of 128 KiB at most: the budget holds several.
+            ..ChannelConfig::new(10, 128 << 10)
+        },
+    );
+    let out = Outgoing {
+        meta: b"relay".to_vec(),
+        data: Tensor::from_f32(&values(16 * 1024)),
+    };
+    let n = 8 * BUDGET / out.data.len_bytes() + gradwire_wan::channel::DEFAULT_DEPTH;
+    let mut queued = 0usize;
+    let mut refused = None;
+    for _ in 0..n {
+        match node.relay(1, &out, 2) {
+            Ok(()) => queued += out.data.len_bytes(),
+            Err(e) => {
+                refused = Some(e);
+                break;
+            }
+        }
+    }
+    eprintln!(
+        "node 0 accepted {queued} bytes of relays for node 1 ({} chunks in flight); refusal: \
+         {refused:?}",
+        node.in_flight(1)
+    );
+    let e = refused.unwrap_or_else(|| {
+        panic!("node 0 queued {queued} bytes of relays for node 1, the budget {BUDGET}")
+    });
+    assert!(
+        e.contains("node 2") && e.contains(&BUDGET.to_string()),
+        "{e}"
+    );
+    assert!(node.queued_bytes(1) <= BUDGET, "{}", node.queued_bytes(1));
+    // Node 0's own chunks are no relays: they still queue (they are bounded by its model).
+    node.send(1, &out).unwrap();
+}

@@ -38,6 +38,7 @@ fn config(rank: usize) -> NodeConfig {
         }),
         dscp: 10,
         round_timeout: ROUND_TIMEOUT,
+        peer_budget: gradwire_wan::channel::DEFAULT_PEER_BUDGET,
     }
 }
 
@@ -155,6 +156,7 @@ fn a_scheduler_that_stops_between_rounds_fails_every_node_naming_it() {
             netstorm: config(0).netstorm,
             overlay: o,
             round_bytes: ELEMS as u64 * 4,
+            node_ips: None,
         },
     )
     .unwrap();

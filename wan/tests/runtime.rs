@@ -84,6 +84,7 @@ fn run(
             netstorm: ns.clone(),
             overlay: overlay(),
             round_bytes: ELEMS as u64 * 4,
+            node_ips: None,
         },
     )
     .unwrap();
@@ -93,6 +94,7 @@ fn run(
         netstorm: ns.clone(),
         dscp: 10,
         round_timeout: ROUND_TIMEOUT,
+        peer_budget: gradwire_wan::channel::DEFAULT_PEER_BUDGET,
     };
     let results: Vec<NodeOutcome> = std::thread::scope(|s| {
         let hs: Vec<_> = links

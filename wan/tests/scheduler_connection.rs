@@ -14,7 +14,9 @@ use gradwire_netstorm::config::NetStormConfig;
 use gradwire_netstorm::graph::Overlay;
 use gradwire_netstorm::wire::{LinkReport, Message, TopologyRequest, NO_VERSION};
 use gradwire_wan::control::read_frame;
-use gradwire_wan::scheduler::{self, SchedulerConfig, SchedulerHandle, Strategy};
+use gradwire_wan::scheduler::{
+    self, ConnectionOptions, SchedulerConfig, SchedulerHandle, Strategy,
+};
 
 /// How long the node's side waits for the scheduler to answer or close: far beyond what
 /// either takes (milliseconds), so reaching it means the scheduler did neither.
@@ -31,6 +33,7 @@ fn config() -> SchedulerConfig {
         netstorm: NetStormConfig::default(),
         overlay: o,
         round_bytes: 4_000,
+        node_ips: None,
     }
 }
 
@@ -38,9 +41,15 @@ fn scheduler() -> SchedulerHandle {
     scheduler::spawn(TcpListener::bind("127.0.0.1:0").unwrap(), config()).unwrap()
 }
 
+fn scheduler_with(opts: ConnectionOptions) -> SchedulerHandle {
+    scheduler::spawn_with(TcpListener::bind("127.0.0.1:0").unwrap(), config(), opts).unwrap()
+}
+
 fn scheduler_with_frame_timeout(t: Duration) -> SchedulerHandle {
-    scheduler::spawn_with_frame_timeout(TcpListener::bind("127.0.0.1:0").unwrap(), config(), t)
-        .unwrap()
+    scheduler_with(ConnectionOptions {
+        frame_timeout: t,
+        ..ConnectionOptions::default()
+    })
 }
 
 fn connect(s: &SchedulerHandle) -> TcpStream {
@@ -246,13 +255,14 @@ fn a_node_that_never_reads_its_answers_holds_neither_a_thread_nor_stop() {
 }
 
 #[test]
-fn connections_beyond_the_cap_are_closed_and_finished_ones_free_their_place() {
+fn a_connection_beyond_the_cap_takes_the_place_of_the_one_silent_longest() {
     let s = scheduler();
     let cap = scheduler::CONNECTIONS_PER_NODE * 3;
-    let idle: Vec<TcpStream> = (0..cap).map(|_| connect(&s)).collect();
-    std::thread::sleep(Duration::from_millis(300));
-    let mut extra = connect(&s);
-    assert_closed(&mut extra, "a connection beyond the cap");
+    // Accepted in this order: the first has been silent longest.
+    let mut idle: Vec<TcpStream> = (0..cap).map(|_| connect(&s)).collect();
+    std::thread::sleep(Duration::from_millis(400));
+    assert_serves(&s, 2);
+    assert_closed(&mut idle[0], "a connection beyond the cap came");
     // Closing the idle ones frees their places: a node is served again.
     drop(idle);
     std::thread::sleep(Duration::from_millis(500));
@@ -276,5 +286,223 @@ fn a_request_for_a_round_far_ahead_is_dropped_and_the_real_node_still_served() {
     c.write_all(&far).unwrap();
     assert_closed(&mut c, "a request for round u32::MAX");
     assert_serves(&s, 0);
+    s.stop().unwrap();
+}
+
+/// How long a node's request on a fresh connection took to be answered, or why it was not.
+fn answered(s: &SchedulerHandle, node: u16) -> Result<Duration, String> {
+    let t = std::time::Instant::now();
+    let mut c = connect(s);
+    c.write_all(&trp(node))
+        .map_err(|e| format!("sending the request: {e}"))?;
+    match read_frame(&mut c) {
+        Ok(Message::PolicyUpdate(_) | Message::PolicyConfirm(_)) => Ok(t.elapsed()),
+        Ok(m) => Err(format!("a {:?} in answer to a request", m.kind())),
+        Err(e) => Err(format!("no answer after {:?}: {e}", t.elapsed())),
+    }
+}
+
+/// A hang guard for a node's request behind a flood of idle connections: it is answered as
+/// soon as the scheduler's accept loop has made room (milliseconds), far within this.
+const ROOM_WITHIN: Duration = Duration::from_secs(5);
+
+#[test]
+fn silent_connections_filling_every_slot_do_not_lock_a_node_out() {
+    let s = scheduler();
+    let cap = scheduler::CONNECTIONS_PER_NODE * 3;
+    // A stranger's connections: accepted, never a byte.
+    let silent: Vec<TcpStream> = (0..cap).map(|_| connect(&s)).collect();
+    // Longer than the eviction's least silence.
+    std::thread::sleep(Duration::from_millis(400));
+    match answered(&s, 1) {
+        Ok(took) => {
+            eprintln!("node 1 answered in {took:?} behind {cap} silent connections");
+            assert!(took < ROOM_WITHIN, "node 1 waited {took:?} for room");
+        }
+        Err(why) => panic!("{cap} silent connections locked node 1 out: {why}"),
+    }
+    drop(silent);
+    s.stop().unwrap();
+}
+
+#[test]
+fn connections_that_spoke_once_then_idle_do_not_lock_a_node_out() {
+    let s = scheduler();
+    let cap = scheduler::CONNECTIONS_PER_NODE * 3;
+    // A stranger's connections, each one request (as node 0, the first of round 0), then
+    // nothing.
+    let idle: Vec<TcpStream> = (0..cap)
+        .map(|_| {
+            let mut c = connect(&s);
+            c.write_all(&trp(0)).unwrap();
+            read_frame(&mut c).unwrap();
+            c
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(400));
+    match answered(&s, 2) {
+        Ok(took) => {
+            eprintln!("node 2 answered in {took:?} behind {cap} idle connections");
+            assert!(took < ROOM_WITHIN, "node 2 waited {took:?} for room");
+        }
+        Err(why) => panic!("{cap} idle connections locked node 2 out: {why}"),
+    }
+    drop(idle);
+    s.stop().unwrap();
+}
+
+/// The first-frame timeout of the test's scheduler.
+const HELLO: Duration = Duration::from_secs(1);
+
+#[test]
+fn a_connection_silent_from_the_start_is_closed_but_not_one_idle_between_frames() {
+    let s = scheduler_with(ConnectionOptions {
+        hello_timeout: HELLO,
+        ..ConnectionOptions::default()
+    });
+    let mut silent = connect(&s);
+    // A node that has spoken once may idle between rounds for as long as it computes.
+    let mut node = connect(&s);
+    node.write_all(&trp(0)).unwrap();
+    read_frame(&mut node).unwrap();
+    let t = std::time::Instant::now();
+    assert_closed(&mut silent, "a connection never sent a byte");
+    let took = t.elapsed();
+    assert!(
+        took >= HELLO - Duration::from_millis(500),
+        "closed after {took:?}, before the first-frame timeout"
+    );
+    std::thread::sleep(HELLO);
+    // The request again (round 0 is still pinned: nodes 1 and 2 have not asked), on the same
+    // connection, idle for longer than the first-frame timeout.
+    node.write_all(&trp(0)).unwrap();
+    assert!(matches!(
+        read_frame(&mut node).unwrap(),
+        Message::PolicyUpdate(_) | Message::PolicyConfirm(_)
+    ));
+    s.stop().unwrap();
+}
+
+#[test]
+fn a_first_frame_begun_but_not_finished_within_the_first_frame_timeout_is_dropped() {
+    // The frame timeout is an hour: only the first-frame timeout can end the connection.
+    let s = scheduler_with(ConnectionOptions {
+        frame_timeout: NEVER,
+        hello_timeout: HELLO,
+    });
+    let mut c = connect(&s);
+    c.write_all(&trp(0)[..14]).unwrap();
+    assert_closed(
+        &mut c,
+        "a first frame stayed half-sent past the first-frame timeout",
+    );
+    assert_serves(&s, 0);
+    s.stop().unwrap();
+}
+
+/// `f` on a thread in a fresh network namespace whose loopback also has 127.0.0.2, so that a
+/// connection to 127.0.0.2 comes from 127.0.0.2 (outside a namespace the kernel would pick
+/// 127.0.0.1); `None` when not root (the test is skipped, or fails under
+/// GRADWIRE_REQUIRE_PRIV).
+fn with_second_loopback<R: Send + 'static>(
+    test: &str,
+    f: impl FnOnce() -> R + Send + 'static,
+) -> Option<R> {
+    use gradwire_netns::{new_netns_prefix, require_root, run_in_netns, IpBatch, NamespaceSet};
+    if !require_root(test) {
+        return None;
+    }
+    let ns = format!("{}-sched", new_netns_prefix());
+    let set = NamespaceSet::temporary("gradwire-wan test", std::slice::from_ref(&ns)).unwrap();
+    IpBatch::new()
+        .up("lo")
+        .addr("lo", "127.0.0.2".parse().unwrap(), 32)
+        .apply(&ns)
+        .unwrap();
+    let r = run_in_netns(&ns, f).unwrap();
+    set.down().unwrap();
+    Some(r)
+}
+
+fn link_report(from: u16, to: u16, bps: u64) -> Vec<u8> {
+    Message::LinkReport(LinkReport {
+        from,
+        to,
+        throughput_bps: bps,
+        samples: 4,
+        measured_at_round: 0,
+    })
+    .to_vec()
+    .unwrap()
+}
+
+#[test]
+fn a_connection_from_another_address_cannot_speak_for_a_node() {
+    let _ = with_second_loopback(
+        "a_connection_from_another_address_cannot_speak_for_a_node",
+        || {
+            let mut cfg = config();
+            // Any report is in the next round's policy.
+            cfg.netstorm.update_time = Duration::from_millis(1);
+            // Every node on 127.0.0.1.
+            cfg.node_ips = Some(vec!["127.0.0.1".parse().unwrap(); 3]);
+            let s = scheduler::spawn(TcpListener::bind("0.0.0.0:0").unwrap(), cfg).unwrap();
+            let port = s.addr().port();
+            let at = |ip: &str| {
+                let c =
+                    TcpStream::connect((ip.parse::<std::net::IpAddr>().unwrap(), port)).unwrap();
+                c.set_read_timeout(Some(READ_TIMEOUT)).unwrap();
+                c
+            };
+            // A stranger on 127.0.0.2 claims node 1 (at 127.0.0.1) and reports node 1's link
+            // from node 0 as nearly dead.
+            let mut stranger = at("127.0.0.2");
+            assert_eq!(stranger.local_addr().unwrap().ip().to_string(), "127.0.0.2");
+            stranger.write_all(&link_report(0, 1, 1)).unwrap();
+            let stranger_closed = closed(&mut stranger);
+            // Round 0, first request: the policy is formulated from every report so far.
+            let mut n0 = at("127.0.0.1");
+            n0.write_all(&trp(0)).unwrap();
+            read_frame(&mut n0).unwrap();
+            // Node 1 itself, from its address: served, and its report collected.
+            let mut n1 = at("127.0.0.1");
+            n1.write_all(&trp(1)).unwrap();
+            read_frame(&mut n1).unwrap();
+            n1.write_all(&link_report(0, 1, 10_000_000)).unwrap();
+            // Node 1's own round trip after its report: the report has been collected.
+            n1.write_all(&trp(1)).unwrap();
+            read_frame(&mut n1).unwrap();
+            let r = s.stop().unwrap();
+            eprintln!(
+                "stranger: {stranger_closed:?}; link reports collected: {}; policies: {:?}",
+                r.link_reports, r.policies
+            );
+            if let Err(why) = stranger_closed {
+                panic!("a connection from 127.0.0.2 spoke for node 1 and was not dropped: {why}");
+            }
+            assert_eq!(
+                r.link_reports, 1,
+                "reports other than node 1's own were collected"
+            );
+            assert_eq!(
+                r.policies.len(),
+                1,
+                "the stranger's report changed the policy: {:?}",
+                r.policies
+            );
+        },
+    );
+}
+
+#[test]
+fn a_node_that_connects_again_replaces_its_older_connection() {
+    let s = scheduler_with_frame_timeout(NEVER);
+    let mut old = connect(&s);
+    old.write_all(&trp(0)).unwrap();
+    read_frame(&mut old).unwrap();
+    // Node 0 again (after a network blip, say), from the same address: served.
+    assert_serves(&s, 0);
+    // Only one connection speaks for node 0: the newer.
+    assert_closed(&mut old, "node 0 connected again");
     s.stop().unwrap();
 }
