@@ -776,7 +776,10 @@ mod tests {
             ip: "198.18.0.1".parse().unwrap(),
             listeners: listeners.to_vec(),
             msg_port: None,
-            tokens: listeners.iter().map(|&(from, _)| (from, [from as u8; 32])).collect(),
+            tokens: listeners
+                .iter()
+                .map(|&(from, _)| (from, [from as u8; 32]))
+                .collect(),
         })
         .unwrap()
     }
