@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use gradwire::ctrl_channel::{ChannelError, CtrlChannel, TcpCtrl};
 use gradwire::tensor::Tensor;
 use gradwire_collective::comm::{AllReduceOptions, CommConfig, Communicator};
-use gradwire_collective::link::{parse_endpoint_table, ring_edges, Links, NetLinkConfig};
+use gradwire_collective::link::{
+    parse_endpoint_table, ring_edges, EndpointInfo, Links, NetLinkConfig, PendingLinks,
+};
 
 const JOB: u32 = 21;
 
@@ -20,10 +22,13 @@ fn ip(last: u8) -> IpAddr {
     IpAddr::V4(Ipv4Addr::new(127, 64, 0, last))
 }
 
-#[test]
-fn a_links_listener_refuses_an_address_not_in_the_table() {
+/// Two plain ranks of a ring on 127.64.0.1 and .2, bound: their pending links, the endpoint
+/// table, the table checked, and rank 1's control port for rank 0's link.
+fn two_ranks(
+    connect_timeout: Duration,
+) -> (Vec<PendingLinks>, Vec<Vec<u8>>, Vec<EndpointInfo>, u16) {
     let cfg = NetLinkConfig {
-        connect_timeout: Duration::from_secs(5),
+        connect_timeout,
         ..NetLinkConfig::default()
     };
     let pending: Vec<_> = (0..2)
@@ -37,6 +42,12 @@ fn a_links_listener_refuses_an_address_not_in_the_table() {
         .find(|(from, _)| *from == 0)
         .unwrap()
         .1;
+    (pending, table, infos, port)
+}
+
+#[test]
+fn a_links_listener_refuses_an_address_not_in_the_table() {
+    let (pending, table, infos, port) = two_ranks(Duration::from_secs(5));
     // A stranger (another address of this host) that holds the table, so the link's token,
     // completes the handshake on rank 1's listener for rank 0's link before rank 0
     // connects: it is first in line, and refused for its address.
@@ -186,21 +197,7 @@ fn ranks_with_different_mtus_get_an_error_not_a_silent_mix() {
 /// Two ranks (on 127.64.0.1 and .2) set up their ring links and all-reduce, after `before`
 /// ran with rank 1's control port for rank 0's link; what each rank got (or its error).
 fn ring_of_two_after(before: impl FnOnce(SocketAddr)) -> Vec<Result<Vec<f32>, String>> {
-    let cfg = NetLinkConfig {
-        connect_timeout: Duration::from_secs(4),
-        ..NetLinkConfig::default()
-    };
-    let pending: Vec<_> = (0..2)
-        .map(|r| Links::bind(JOB, r, 2, ip(r as u8 + 1), &ring_edges(2), None, &cfg).unwrap())
-        .collect();
-    let table: Vec<Vec<u8>> = pending.iter().map(|p| p.endpoint().to_vec()).collect();
-    let infos = parse_endpoint_table(&table, JOB, 2).unwrap();
-    let port = infos[1]
-        .listeners
-        .iter()
-        .find(|(from, _)| *from == 0)
-        .unwrap()
-        .1;
+    let (pending, table, _, port) = two_ranks(Duration::from_secs(4));
     before(SocketAddr::new(ip(2), port));
     std::thread::scope(|s| {
         let hs: Vec<_> = pending

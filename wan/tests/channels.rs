@@ -177,22 +177,28 @@ fn chunks_beyond_the_receivers_depth_wait_and_go_in_order_as_slots_free() {
 /// A peer's chunks held by node 0 (delivered, not yet taken) may not exceed this.
 const BUDGET: usize = 1 << 20;
 
-#[test]
-fn a_peer_that_sends_faster_than_the_node_takes_is_failed_at_its_budget() {
-    // Node 0 holds at most BUDGET bytes of node 1's chunks that it has not taken.
-    let mut eps = endpoints(2, 3, PEER_TIMEOUT);
+/// Node 0's channels with a peer budget of [`BUDGET`] and chunks of 128 KiB at most (the
+/// budget holds several), node 1 as a raw endpoint (job `job`), and a 64 KiB chunk message.
+fn budgeted(job: u32) -> (Endpoint, Channels, Vec<u8>) {
+    let mut eps = endpoints(2, job, PEER_TIMEOUT);
     let raw = eps.pop().unwrap();
     let node = Channels::start(
         eps.pop().unwrap(),
         ChannelConfig {
             peer_budget: BUDGET,
-            // Chunks of 128 KiB at most: the budget holds several.
             ..ChannelConfig::new(10, 128 << 10)
         },
     );
+    let chunk = encode_chunk(b"r", &Tensor::from_f32(&values(16 * 1024)), Duration::ZERO).unwrap();
+    (raw, node, chunk)
+}
+
+#[test]
+fn a_peer_that_sends_faster_than_the_node_takes_is_failed_at_its_budget() {
+    // Node 0 holds at most BUDGET bytes of node 1's chunks that it has not taken.
+    let (raw, node, chunk) = budgeted(3);
     // Node 1 sends chunk after chunk of 64 KiB of values, 8 times the budget in all, while
     // node 0 takes none.
-    let chunk = encode_chunk(b"r", &Tensor::from_f32(&values(16 * 1024)), Duration::ZERO).unwrap();
     let n = 8 * BUDGET / chunk.len() + 1;
     let sent: Vec<_> = (0..n).map(|_| raw_send(&raw, chunk.clone())).collect();
     // What node 0 holds for node 1, read off the events once node 1 has stopped: every
@@ -230,20 +236,10 @@ fn a_peer_that_sends_faster_than_the_node_takes_is_failed_at_its_budget() {
 
 #[test]
 fn a_peer_at_most_a_round_ahead_of_a_node_that_takes_its_chunks_is_never_failed() {
-    let mut eps = endpoints(2, 5, PEER_TIMEOUT);
-    let raw = eps.pop().unwrap();
-    let node = Channels::start(
-        eps.pop().unwrap(),
-        ChannelConfig {
-            peer_budget: BUDGET,
-            // Chunks of 128 KiB at most: the budget holds several.
-            ..ChannelConfig::new(10, 128 << 10)
-        },
-    );
+    let (raw, node, chunk) = budgeted(5);
     // Node 1 sends rounds of 7 chunks (448 KiB, under half the budget), each once the
     // previous is delivered, so it is at most a round ahead of what node 0 has taken; 8
     // times the budget in all.
-    let chunk = encode_chunk(b"r", &Tensor::from_f32(&values(16 * 1024)), Duration::ZERO).unwrap();
     let (per_round, rounds) = (7, 8 * BUDGET / (7 * chunk.len()) + 1);
     let sender = std::thread::spawn(move || {
         for _ in 0..rounds {
