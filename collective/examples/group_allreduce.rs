@@ -1,8 +1,11 @@
 //! All-reduce on the message layer over 127.0.0.1, one thread per rank, for profiling:
 //!
 //! ```text
-//! cargo run --release -p gradwire-collective --example group_allreduce -- [ranks] [MiB] [iters] [ring|direct]
+//! cargo run --release -p gradwire-collective --example group_allreduce -- [ranks] [MiB] [iters] [ring|direct] [verify]
 //! ```
+//!
+//! `verify`: the ring checks every chunk against its owner's digest
+//! (`GroupReduceOptions::verify_results`).
 //!
 //! Prints the median time per operation and the endpoint counters of rank 0.
 
@@ -21,6 +24,7 @@ fn main() {
     let mib: usize = arg(1, "64").parse().expect("MiB");
     let iters: usize = arg(2, "5").parse().expect("iterations");
     let algo = AllReduceAlgo::parse(&arg(3, "ring")).expect("ring or direct");
+    let verify_results = arg(4, "") == "verify";
     let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
     let (atx, arx) = mpsc::channel();
     let mut ttx = Vec::new();
@@ -38,6 +42,7 @@ fn main() {
             let mut buf: Vec<u8> = vec![0; n * 4];
             let o = GroupReduceOptions {
                 algorithm: algo,
+                verify_results,
                 ..GroupReduceOptions::default()
             };
             let mut times = Vec::new();

@@ -115,6 +115,12 @@ pub struct GroupReduceOptions {
     pub ranges: Vec<std::ops::Range<usize>>,
     /// Tagging of the lossy steps' segments (default: DLCP's, by gradient magnitude).
     pub tagging: Tagging,
+    /// Check every all-gather chunk against its owner's digest, sent to each rank directly
+    /// (ring only; see [`ReduceSpec::verify_results`]).
+    pub verify_results: bool,
+    /// Tests: this rank changes the chunks it forwards ([`ReduceSpec`]'s `tamper`).
+    #[cfg(test)]
+    pub(crate) tamper: Option<usize>,
 }
 
 /// A group before its endpoint starts.
@@ -386,6 +392,9 @@ impl Group {
                 })
                 .collect(),
             tagging: o.tagging,
+            verify_results: o.verify_results,
+            #[cfg(test)]
+            tamper: o.tamper,
         })
     }
 
@@ -695,6 +704,9 @@ fn gather_spec() -> ReduceSpec {
         step_deadline: None,
         ranges: Vec::new().into(),
         tagging: Tagging::Layer,
+        verify_results: false,
+        #[cfg(test)]
+        tamper: None,
     }
 }
 

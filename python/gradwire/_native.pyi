@@ -220,6 +220,7 @@ class Session:
         step_deadline: Union[float, Literal["adaptive"], None] = None,
         ranges: Optional[Sequence[Tuple[int, int]]] = None,
         tagging: Literal["magnitude", "layer"] = "magnitude",
+        verify_results: bool = False,
     ) -> ReduceReport:
         """All-reduce in place. ``step_deadline`` bounds each reduce-scatter step in time
         (OptiReduce): seconds, or ``"adaptive"`` (1.5 x the 95th percentile of the steps this
@@ -228,7 +229,10 @@ class Session:
         each held to the loss bound on its own (message layer only). ``tagging``: the
         segments of a bounded all-reduce's lossy steps go ECN-capable by gradient magnitude
         (``"magnitude"``, DLCP's default: the rest are the first a congested switch drops)
-        or all ECN-capable (``"layer"``); the layer's DSCP either way."""
+        or all ECN-capable (``"layer"``); the layer's DSCP either way. ``verify_results``
+        (ring, every rank alike): each chunk that came round the ring is checked against its
+        owner's digest, sent directly; a rank that changed one it forwarded raises
+        DataError naming the ranks it came through."""
     def broadcast(
         self,
         array: ArrayLike,
@@ -279,6 +283,7 @@ class Session:
         step_deadline: Union[float, Literal["adaptive"], None] = None,
         ranges: Optional[Sequence[Tuple[int, int]]] = None,
         tagging: Literal["magnitude", "layer"] = "magnitude",
+        verify_results: bool = False,
     ) -> Work:
         """Starts an all-reduce in place and returns at once (message layer only; an
         authenticated session raises ConfigError). Ranks start operations in the same

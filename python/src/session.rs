@@ -527,7 +527,7 @@ impl Session {
     /// Reduces `array` over all ranks, in place.
     #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0,
         dscp = None, algorithm = "auto", step_deadline = None, ranges = None,
-        tagging = "magnitude"))]
+        tagging = "magnitude", verify_results = false))]
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
         &self,
@@ -542,6 +542,7 @@ impl Session {
         step_deadline: Option<&Bound<'_, PyAny>>,
         ranges: Option<Vec<(usize, usize)>>,
         tagging: &str,
+        verify_results: bool,
     ) -> PyResult<ReduceReport> {
         let mut opts = reduce_options(
             py,
@@ -555,6 +556,7 @@ impl Session {
         )?;
         opts.ranges = loss_ranges(py, ranges.unwrap_or_default())?;
         opts.tagging = self::tagging(py, tagging)?;
+        opts.verify_results = verify_results;
         let mut array = ArrayMut::new(py, array, "all_reduce")?;
         let dtype = array.dtype;
         let bytes = array.bytes(py)?;
@@ -658,7 +660,7 @@ impl Session {
     /// Starts an all-reduce of `array` in place (the options of `all_reduce`); returns a Work.
     #[pyo3(signature = (array, *, op = "sum", loss_bound = None, layer = 0, num_layers = 0,
         dscp = None, algorithm = "auto", step_deadline = None, ranges = None,
-        tagging = "magnitude"))]
+        tagging = "magnitude", verify_results = false))]
     #[allow(clippy::too_many_arguments)]
     fn start_all_reduce(
         &self,
@@ -673,6 +675,7 @@ impl Session {
         step_deadline: Option<&Bound<'_, PyAny>>,
         ranges: Option<Vec<(usize, usize)>>,
         tagging: &str,
+        verify_results: bool,
     ) -> PyResult<Work> {
         let mut opts = reduce_options(
             py,
@@ -686,6 +689,7 @@ impl Session {
         )?;
         opts.ranges = loss_ranges(py, ranges.unwrap_or_default())?;
         opts.tagging = self::tagging(py, tagging)?;
+        opts.verify_results = verify_results;
         let lent = Lent::new(py, array, false, "start_all_reduce")?;
         let dtype = lent.dtype;
         self.start(py, "all_reduce", Some(lent), move |s, r| {

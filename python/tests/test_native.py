@@ -141,6 +141,21 @@ def test_all_reduce_sum_f16_is_exact(job: List[gradwire.Session]) -> None:
         np.testing.assert_array_equal(a[0], base * sum(range(1, world + 1)))
 
 
+def test_verified_ring_all_reduce_is_exact(job: List[gradwire.Session]) -> None:
+    """``verify_results``: every chunk that came round the ring is checked against its
+    owner's digest (a changed one is a DataError; the Rust tests change one)."""
+    world, n = len(job), 100_003
+    base = np.arange(n, dtype=np.float32) % 1000
+    arrays = [base * (r + 1) for r in range(world)]
+    run_ranks([lambda s=s, a=a: s.all_reduce(a, algorithm="ring", verify_results=True)
+               for s, a in zip(job, arrays)])
+    works = [s.start_all_reduce(a, algorithm="ring", verify_results=True) for s, a in zip(job, arrays)]
+    for w in works:
+        w.wait()
+    for a in arrays:
+        np.testing.assert_array_equal(a, base * sum(range(1, world + 1)) * world)
+
+
 def test_all_reduce_average(job: List[gradwire.Session]) -> None:
     world = len(job)
     arrays = [np.full(10_000, 2.0 * (r + 1), dtype=np.float32) for r in range(world)]

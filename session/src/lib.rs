@@ -323,6 +323,12 @@ pub struct ReduceOptions {
     /// Tagging of the lossy steps' segments on the message layer (default: DLCP's, the
     /// layer's DSCP and ECN-capable by gradient magnitude).
     pub tagging: Tagging,
+    /// Ring all-reduce on the message layer: every rank checks each chunk it got through
+    /// the ring against its owner's digest, sent to it directly, so a rank that changed a
+    /// chunk it forwarded is an error naming the path, never a different result (the
+    /// two-phase algorithm needs no check: every chunk comes from its owner). Every rank
+    /// must give the same value.
+    pub verify_results: bool,
 }
 
 /// Options of a point-to-point transfer: both ends give the same tensor id.

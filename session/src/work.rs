@@ -308,6 +308,7 @@ impl Session {
             step_deadline: o.step_deadline,
             ranges: o.ranges.clone(),
             tagging: o.tagging,
+            verify_results: o.verify_results,
         })
     }
 

@@ -68,6 +68,15 @@ pub struct ReduceSpec {
     /// operation starts) goes not-ECT, the first a congested switch drops; the others stay
     /// ECN-capable. Only under a loss or time bound; results always go ECN-capable.
     pub tagging: Tagging,
+    /// Ring: every chunk's owner also sends the digest of its finished chunk (SHA-256 of its
+    /// values and contributor sets) straight to every rank, which checks the chunk it got
+    /// through the ring against it: a rank that changed a chunk it forwarded is an error
+    /// naming the ranks it came through, never a silently different result. Costs one hash
+    /// of the tensor per rank and `world - 1` small messages per rank.
+    pub verify_results: bool,
+    /// Tests: this rank changes a byte of every chunk it forwards in the all-gather.
+    #[cfg(test)]
+    pub(crate) tamper: Option<usize>,
 }
 
 /// How the segments of a bounded reduction's lossy steps are tagged.

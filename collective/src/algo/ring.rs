@@ -12,8 +12,8 @@
 //! breaks that chain: a late reduce-scatter segment could then be added onto the finished
 //! values, and that rank would end with values the others do not have.
 
-use gradwire_msg::core::SendOpts;
-use gradwire_msg::mem::Region;
+use gradwire_msg::core::{RecvOpts, SendOpts};
+use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use super::reduction::Reduction;
@@ -43,6 +43,42 @@ pub struct Ring {
     ag_steps: usize,
     /// Reduce-scatter receives not ended yet (the all-gather receives wait for 0).
     rs_left: usize,
+    /// With [`ReduceSpec::verify_results`]: the owners' digests and the chunks' own.
+    check: Option<Check>,
+}
+
+/// The all-gather's check ([`ReduceSpec::verify_results`]): every chunk's owner sends the
+/// digest of its finished chunk straight to every rank (not round the ring), which compares
+/// the chunk it got from its predecessor. Message plan per pair, after the ring's own: one
+/// digest message each way (so `next` and `prev` have `steps + 1`).
+#[derive(Debug)]
+struct Check {
+    /// Per chunk (= its owner's rank): the digest its owner sent, and the one of the chunk
+    /// as it arrived here.
+    owner: Vec<Option<[u8; DIGEST_LEN]>>,
+    arrived: Vec<Option<[u8; DIGEST_LEN]>>,
+    /// Per peer: the message number and buffer of its digest's receive.
+    recv: Vec<Option<(u32, BufId)>>,
+    /// Per peer: the message number of this rank's digest to it.
+    send: Vec<Option<u32>>,
+}
+
+/// Bytes of a chunk digest (SHA-256).
+const DIGEST_LEN: usize = 32;
+
+/// The digest of chunk `c`: its values and, under a loss bound, its contributor sets.
+fn chunk_digest(c: usize, values: &[u8], sets: &[u64]) -> [u8; DIGEST_LEN] {
+    let mut h = ring::digest::Context::new(&ring::digest::SHA256);
+    h.update(b"gradwire ring chunk v1");
+    h.update(&(c as u64).to_le_bytes());
+    h.update(&(values.len() as u64).to_le_bytes());
+    h.update(values);
+    for w in sets {
+        h.update(&w.to_le_bytes());
+    }
+    let mut out = [0u8; DIGEST_LEN];
+    out.copy_from_slice(h.finish().as_ref());
+    out
 }
 
 impl Ring {
@@ -57,6 +93,7 @@ impl Ring {
             rs_steps: 0,
             ag_steps: 0,
             rs_left: 0,
+            check: None,
         }
     }
 
@@ -80,7 +117,119 @@ impl Ring {
 
     fn ag_send(&mut self, cx: &mut OpCx<'_>, s: usize) -> Result<(), OpError> {
         let c = self.r.chunks.sub(self.r.rank, s);
+        #[cfg(test)]
+        if s > 0 && self.r.spec.tamper == Some(self.r.rank) {
+            let (buf, at) = (self.r.buf()?, self.r.chunks.bytes(c).start);
+            if let Some(b) = cx.buf_mut(buf).get_mut(at) {
+                *b ^= 0x40;
+            }
+        }
         self.send(cx, self.rs_steps + s, c)
+    }
+
+    /// The digest of chunk `c` as this rank holds it.
+    fn digest_of(&self, cx: &OpCx<'_>, c: usize) -> Result<[u8; DIGEST_LEN], OpError> {
+        let buf = self.r.buf()?;
+        let values = cx.buf(buf).get(self.r.chunks.bytes(c)).unwrap_or(&[]);
+        let sets = self
+            .r
+            .masks
+            .as_ref()
+            .map(|m| m.meta(self.r.chunks.block_range(c)))
+            .unwrap_or_default();
+        Ok(chunk_digest(c, values, &sets))
+    }
+
+    /// Reserves and posts the check's messages (after the ring's own, on every pair).
+    fn start_check(&mut self, cx: &mut OpCx<'_>) -> Result<(), OpError> {
+        let (rank, w) = (self.r.rank, self.r.world);
+        let mut check = Check {
+            owner: vec![None; w],
+            arrived: vec![None; w],
+            recv: vec![None; w],
+            send: vec![None; w],
+        };
+        for q in (0..w).filter(|&q| q != rank) {
+            let peer = q as u16;
+            check.send[q] = Some(cx.reserve_sends(peer, 1)?);
+            let msg = cx.reserve_recvs(peer, 1)?;
+            let buf = cx.register(Region::owned(vec![0u8; DIGEST_LEN]));
+            cx.recv(peer, msg, buf, 0..DIGEST_LEN, RecvOpts::default())?;
+            check.recv[q] = Some((msg, buf));
+        }
+        self.r.sends_left += w - 1;
+        self.r.recvs_left += w - 1;
+        self.check = Some(check);
+        Ok(())
+    }
+
+    /// This rank's chunk is final: its digest goes to every rank.
+    fn send_digests(&mut self, cx: &mut OpCx<'_>) -> Result<(), OpError> {
+        let Some(sends) = self.check.as_ref().map(|c| c.send.clone()) else {
+            return Ok(());
+        };
+        let d = self.digest_of(cx, self.r.rank)?;
+        for (q, msg) in sends.iter().enumerate() {
+            if let Some(msg) = msg {
+                let buf = cx.register(Region::owned(d.to_vec()));
+                cx.send(q as u16, *msg, buf, 0..DIGEST_LEN, SendOpts::default())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A digest message from `peer` arrived, if `msg` is one: keeps it and checks its chunk.
+    fn on_digest(&mut self, cx: &mut OpCx<'_>, peer: u16, msg: u32) -> Result<bool, OpError> {
+        let q = usize::from(peer);
+        let Some(check) = self.check.as_mut() else {
+            return Ok(false);
+        };
+        let Some(&Some((m, buf))) = check.recv.get(q) else {
+            return Ok(false);
+        };
+        if m != msg {
+            return Ok(false);
+        }
+        let mut d = [0u8; DIGEST_LEN];
+        d.copy_from_slice(cx.buf(buf).get(..DIGEST_LEN).unwrap_or(&[0; DIGEST_LEN]));
+        cx.unregister(buf);
+        check.owner[q] = Some(d);
+        self.compare(q)?;
+        Ok(true)
+    }
+
+    /// Chunk `c` is checked once both its owner's digest and its own are in.
+    fn compare(&self, c: usize) -> Result<(), OpError> {
+        let Some(check) = &self.check else {
+            return Ok(());
+        };
+        let (Some(Some(want)), Some(Some(got))) = (check.owner.get(c), check.arrived.get(c)) else {
+            return Ok(());
+        };
+        if want == got {
+            return Ok(());
+        }
+        let w = self.r.world;
+        let prev = (self.r.rank + w - 1) % w;
+        // The ranks that forwarded it here: c + 1, ..., prev.
+        let path: Vec<usize> = (1..w)
+            .map(|i| (c + i) % w)
+            .take_while(|&x| x != self.r.rank)
+            .collect();
+        let reason = if path.is_empty() {
+            format!(
+                "sent its own chunk {c} with another digest than the chunk's (it is rank {c}'s)"
+            )
+        } else {
+            format!(
+                "forwarded chunk {c} changed: it does not match the digest of its owner, rank \
+                 {c}, sent here directly; one of the ranks it came through ({path:?}) changed it"
+            )
+        };
+        Err(OpError::Data {
+            peer: prev as u16,
+            reason,
+        })
     }
 
     fn send(&mut self, cx: &mut OpCx<'_>, k: usize, c: usize) -> Result<(), OpError> {
@@ -141,6 +290,11 @@ impl Op for Ring {
         let prev = ((self.r.rank + w - 1) % w) as u16;
         self.send_base = cx.reserve_sends(self.next, steps)?;
         self.recv_base = cx.reserve_recvs(prev, steps)?;
+        self.r.sends_left = steps as usize;
+        self.r.recvs_left = steps as usize;
+        if self.r.spec.verify_results && self.ag_steps > 0 {
+            self.start_check(cx)?;
+        }
         for s in 0..self.rs_steps {
             // Step s carries the partial sum of s + 1 ranks.
             let c = self.r.chunks.sub(self.r.rank, s + 2);
@@ -156,11 +310,10 @@ impl Op for Ring {
             let now = cx.now();
             cx.set_deadline(prev, self.recv_base, now + d);
         }
-        self.r.sends_left = steps as usize;
-        self.r.recvs_left = steps as usize;
         if self.rs_steps > 0 {
             self.rs_send(cx, 0)?;
         } else {
+            self.send_digests(cx)?;
             self.ag_send(cx, 0)?;
         }
         Ok(None)
@@ -171,6 +324,9 @@ impl Op for Ring {
             OpEvent::Sent { segments, .. } => self.r.sent(segments),
             OpEvent::Received { peer, msg, report } => {
                 self.r.recvs_left = self.r.recvs_left.saturating_sub(1);
+                if self.on_digest(cx, peer, msg)? {
+                    return self.done(cx);
+                }
                 let k = msg.wrapping_sub(self.recv_base) as usize;
                 let prev = usize::from(peer);
                 if k < self.rs_steps {
@@ -211,6 +367,7 @@ impl Op for Ring {
                             );
                         }
                         if self.ag_steps > 0 {
+                            self.send_digests(cx)?;
                             self.ag_send(cx, 0)?;
                         }
                     }
@@ -224,6 +381,13 @@ impl Op for Ring {
                             check_mask(got, self.r.world, c, 0, peer, b)?;
                             m.words[b] = got;
                         }
+                    }
+                    if self.check.is_some() {
+                        let d = self.digest_of(cx, c)?;
+                        if let Some(check) = self.check.as_mut() {
+                            check.arrived[c] = Some(d);
+                        }
+                        self.compare(c)?;
                     }
                     if s + 1 < self.ag_steps {
                         self.ag_send(cx, s + 1)?;

@@ -968,3 +968,88 @@ fn loss_ranges_outside_the_tensor_are_refused() {
         );
     }
 }
+
+#[test]
+fn verified_ring_results_are_exact_reliable_or_lossy() {
+    for world in [2usize, 3, 5] {
+        for n in [0usize, 1, 1000, 100_003] {
+            for loss_bound in [0.0, 0.1] {
+                let out = with_groups(
+                    world,
+                    |_| {},
+                    move |g| {
+                        let mut b = f32s(&input(g.rank(), n));
+                        let o = GroupReduceOptions {
+                            algorithm: AllReduceAlgo::Ring,
+                            loss_bound,
+                            verify_results: true,
+                            ..GroupReduceOptions::default()
+                        };
+                        let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+                        g.all_reduce(t, &o).expect("all-reduce");
+                        vals(&b)
+                    },
+                );
+                let want = expected_sum(world, n);
+                for (r, got) in out.iter().enumerate() {
+                    assert_eq!(got, &want, "world {world} n {n} p {loss_bound} rank {r}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_changes_the_chunks_it_forwards_is_caught_by_the_owners_digests() {
+    // 4 ranks; rank 1 flips a byte of every chunk it forwards in the all-gather (chunks 0
+    // and 3): they reach ranks 2 and 3 changed.
+    let run = |verify_results: bool| {
+        with_groups(
+            4,
+            |_| {},
+            move |g| {
+                let mut b = f32s(&input(g.rank(), 4000));
+                let o = GroupReduceOptions {
+                    algorithm: AllReduceAlgo::Ring,
+                    verify_results,
+                    tamper: Some(1),
+                    ..GroupReduceOptions::default()
+                };
+                let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+                g.all_reduce(t, &o)
+                    .map(|_| vals(&b))
+                    .map_err(|e| e.to_string())
+            },
+        )
+    };
+    let want = expected_sum(4, 4000);
+    // Unchecked, it goes through: ranks 2 and 3 end with another result, silently.
+    let out = run(false);
+    for r in [2, 3] {
+        let got = out[r].as_ref().expect("unchecked all-reduce");
+        assert!(
+            got != &want,
+            "rank {r}: the unchecked result was not changed"
+        );
+    }
+    assert!(out[0].as_ref().expect("rank 0") == &want);
+    // Checked: no honest rank ends with a changed result; ranks 2 and 3 name the path
+    // through rank 1 (which changed its own copy too: it is the attacker).
+    let out = run(true);
+    for (r, res) in out.iter().enumerate().filter(|(r, _)| *r != 1) {
+        if let Ok(v) = res {
+            assert!(v == &want, "rank {r} ended with a changed result");
+        }
+    }
+    let e2 = out[2].as_ref().expect_err("rank 2 took a changed chunk");
+    assert!(
+        e2.contains("chunk 0 changed") && e2.contains("([1])"),
+        "{e2}"
+    );
+    // Rank 3 finds it too, or hears first that rank 2 gave up because of rank 1.
+    let e3 = out[3].as_ref().expect_err("rank 3 took a changed chunk");
+    assert!(
+        e3.contains("changed") || e3.contains("failed on rank 1"),
+        "{e3}"
+    );
+}
