@@ -72,7 +72,9 @@ pub struct ReduceSpec {
     /// values and contributor sets) straight to every rank, which checks the chunk it got
     /// through the ring against it: a rank that changed a chunk it forwarded is an error
     /// naming the ranks it came through, never a silently different result. Costs one hash
-    /// of the tensor per rank and `world - 1` small messages per rank.
+    /// of the tensor per rank and `world - 1` small messages per rank. Tree: the root sends
+    /// the digest of the whole result to every rank below its children, alike. (Two-phase:
+    /// nothing is forwarded, nothing to check.)
     pub verify_results: bool,
     /// Tests: this rank changes a byte of every chunk it forwards in the all-gather.
     #[cfg(test)]
@@ -246,6 +248,26 @@ impl Masks {
         }
         c
     }
+}
+
+/// Bytes of a result digest (SHA-256).
+pub(crate) const DIGEST_LEN: usize = 32;
+
+/// The digest an owner sends of what it finished ([`ReduceSpec::verify_results`]): part
+/// `index` of an operation (`label` says which kind), its values and, under a loss bound,
+/// its contributor sets.
+pub(crate) fn digest(label: &[u8], index: usize, values: &[u8], sets: &[u64]) -> [u8; DIGEST_LEN] {
+    let mut h = ::ring::digest::Context::new(&::ring::digest::SHA256);
+    h.update(label);
+    h.update(&(index as u64).to_le_bytes());
+    h.update(&(values.len() as u64).to_le_bytes());
+    h.update(values);
+    for w in sets {
+        h.update(&w.to_le_bytes());
+    }
+    let mut out = [0u8; DIGEST_LEN];
+    out.copy_from_slice(h.finish().as_ref());
+    out
 }
 
 /// Checks a contributor set that arrived from `peer` for a block: within the world, naming

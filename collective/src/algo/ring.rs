@@ -17,7 +17,7 @@ use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use super::reduction::Reduction;
-use super::{check_mask, finish_chunk, ReduceOutcome, ReduceSpec};
+use super::{check_mask, digest, finish_chunk, ReduceOutcome, ReduceSpec, DIGEST_LEN};
 
 /// Which halves of the ring run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,24 +61,6 @@ struct Check {
     recv: Vec<Option<(u32, BufId)>>,
     /// Per peer: the message number of this rank's digest to it.
     send: Vec<Option<u32>>,
-}
-
-/// Bytes of a chunk digest (SHA-256).
-const DIGEST_LEN: usize = 32;
-
-/// The digest of chunk `c`: its values and, under a loss bound, its contributor sets.
-fn chunk_digest(c: usize, values: &[u8], sets: &[u64]) -> [u8; DIGEST_LEN] {
-    let mut h = ring::digest::Context::new(&ring::digest::SHA256);
-    h.update(b"gradwire ring chunk v1");
-    h.update(&(c as u64).to_le_bytes());
-    h.update(&(values.len() as u64).to_le_bytes());
-    h.update(values);
-    for w in sets {
-        h.update(&w.to_le_bytes());
-    }
-    let mut out = [0u8; DIGEST_LEN];
-    out.copy_from_slice(h.finish().as_ref());
-    out
 }
 
 impl Ring {
@@ -137,7 +119,7 @@ impl Ring {
             .as_ref()
             .map(|m| m.meta(self.r.chunks.block_range(c)))
             .unwrap_or_default();
-        Ok(chunk_digest(c, values, &sets))
+        Ok(digest(b"gradwire ring chunk v1", c, values, &sets))
     }
 
     /// Reserves and posts the check's messages (after the ring's own, on every pair).

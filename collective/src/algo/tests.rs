@@ -623,6 +623,8 @@ fn trees_sum_exactly_and_agree_under_loss() {
                     let mut b = f32s(&input(g.rank(), n));
                     let o = GroupReduceOptions {
                         loss_bound: bound,
+                        // Under loss, with the root's digest checked too.
+                        verify_results: loss > 0.0,
                         ..GroupReduceOptions::default()
                     };
                     let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
@@ -1052,4 +1054,67 @@ fn a_rank_that_changes_the_chunks_it_forwards_is_caught_by_the_owners_digests() 
         e3.contains("changed") || e3.contains("failed on rank 1"),
         "{e3}"
     );
+}
+
+#[test]
+fn an_aggregator_that_changes_the_result_it_passes_down_is_caught_by_the_roots_digest() {
+    use crate::tree::{Strategy, Tree};
+    // BINARY over 7 ranks: the root's first child aggregates for two ranks, and flips a byte
+    // of every result chunk it passes down to them.
+    let world = 7;
+    let members: Vec<usize> = (0..world).collect();
+    let tree = Tree::build(Strategy::BINARY, 0, &members, &[0; 7]).expect("tree");
+    let agg = tree.children(0)[0];
+    let victims = tree.children(agg).to_vec();
+    assert_eq!(victims.len(), 2, "{tree:?}");
+    let run = |verify_results: bool, tamper: Option<usize>| {
+        let tree = tree.clone();
+        with_groups(
+            world,
+            |_| {},
+            move |g| {
+                let mut b = f32s(&input(g.rank(), 50_000));
+                let o = GroupReduceOptions {
+                    verify_results,
+                    tamper,
+                    ..GroupReduceOptions::default()
+                };
+                let t = TensorMut::new(DType::F32, &mut b).expect("tensor");
+                g.all_reduce_tree(t, &tree, &o)
+                    .map(|_| vals(&b))
+                    .map_err(|e| e.to_string())
+            },
+        )
+    };
+    let want = expected_sum(world, 50_000);
+    // Honest and checked: exact everywhere.
+    for (r, res) in run(true, None).iter().enumerate() {
+        assert!(
+            res.as_ref().expect("verified tree all-reduce") == &want,
+            "rank {r}"
+        );
+    }
+    // Unchecked, the change goes through: the victims end with another result, silently.
+    let out = run(false, Some(agg));
+    for &r in &victims {
+        assert!(
+            out[r].as_ref().expect("unchecked") != &want,
+            "rank {r} was not changed"
+        );
+    }
+    // Checked: the victims fail naming the path [agg]; no honest rank ends changed.
+    let out = run(true, Some(agg));
+    for (r, res) in out.iter().enumerate().filter(|(r, _)| *r != agg) {
+        if let Ok(v) = res {
+            assert!(v == &want, "rank {r} ended with a changed result");
+        }
+    }
+    for &r in &victims {
+        let e = out[r].as_ref().expect_err("a changed result was taken");
+        let path = format!("([{agg}])");
+        assert!(
+            e.contains("changed on its way down") && e.contains(&path),
+            "rank {r}: {e}"
+        );
+    }
 }

@@ -5,12 +5,12 @@
 //! up while chunk k + 1 still arrives, and results flow down while later chunks go up.
 //! Every receive is posted when the operation starts.
 
-use gradwire_msg::core::SendOpts;
-use gradwire_msg::mem::Region;
+use gradwire_msg::core::{RecvOpts, SendOpts};
+use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use super::reduction::Reduction;
-use super::{check_mask, finish_blocks, ReduceOutcome, ReduceSpec};
+use super::{check_mask, digest, finish_blocks, ReduceOutcome, ReduceSpec, DIGEST_LEN};
 use crate::tree::Tree;
 
 /// Blocks per pipeline chunk.
@@ -34,6 +34,22 @@ pub struct TreeAllReduce {
     down_to: Vec<u32>,
     /// Per chunk, children whose part has not arrived yet.
     waiting: Vec<usize>,
+    /// With [`ReduceSpec::verify_results`]: the root's digest of the result.
+    check: Option<TreeCheck>,
+}
+
+/// The multicast's check ([`ReduceSpec::verify_results`]): the root sends the digest of the
+/// whole result straight to every rank below its children (their copy came through
+/// aggregators), one message per such pair; each compares its copy once all of it is in.
+#[derive(Debug, Default)]
+struct TreeCheck {
+    /// Root: the message number of its digest to each such rank.
+    sends: Vec<(u16, u32)>,
+    /// Chunks reduced at the root, or results in at another rank.
+    chunks: usize,
+    /// Another rank: its receive of the root's digest, and the digest once in.
+    recv: Option<(u32, BufId)>,
+    want: Option<[u8; DIGEST_LEN]>,
 }
 
 impl TreeAllReduce {
@@ -50,7 +66,95 @@ impl TreeAllReduce {
             down_from: 0,
             down_to: Vec::new(),
             waiting: Vec::new(),
+            check: None,
         }
+    }
+
+    /// The digest of the whole result as this rank holds it.
+    fn result_digest(&self, cx: &OpCx<'_>) -> Result<[u8; DIGEST_LEN], OpError> {
+        let values = cx.buf(self.r.buf()?);
+        let sets = self
+            .r
+            .masks
+            .as_ref()
+            .map(|m| m.meta(0..self.r.chunks.blocks()))
+            .unwrap_or_default();
+        Ok(digest(b"gradwire tree result v1", 0, values, &sets))
+    }
+
+    /// Reserves and posts the check's messages (after the tree's own).
+    fn start_check(&mut self, cx: &mut OpCx<'_>) -> Result<(), OpError> {
+        let root = self.tree.root();
+        let mut check = TreeCheck::default();
+        let below_children = |r: usize| self.tree.depth(r).is_some_and(|d| d >= 2);
+        if self.r.rank == root {
+            for q in (0..self.r.world).filter(|&q| below_children(q)) {
+                check.sends.push((q as u16, cx.reserve_sends(q as u16, 1)?));
+            }
+            self.r.sends_left += check.sends.len();
+        } else if below_children(self.r.rank) {
+            let msg = cx.reserve_recvs(root as u16, 1)?;
+            let buf = cx.register(Region::owned(vec![0u8; DIGEST_LEN]));
+            cx.recv(root as u16, msg, buf, 0..DIGEST_LEN, RecvOpts::default())?;
+            check.recv = Some((msg, buf));
+            self.r.recvs_left += 1;
+        }
+        self.check = Some(check);
+        Ok(())
+    }
+
+    /// One more chunk of the result is final here: at the root, once all are, the digest
+    /// goes out; at another rank, once all are in and so is the digest, they are compared.
+    fn result_chunk(&mut self, cx: &mut OpCx<'_>) -> Result<(), OpError> {
+        let n = self.pipeline.len();
+        let Some(check) = self.check.as_mut() else {
+            return Ok(());
+        };
+        check.chunks += 1;
+        if check.chunks < n {
+            return Ok(());
+        }
+        if !check.sends.is_empty() {
+            let d = self.result_digest(cx)?;
+            let sends = self
+                .check
+                .as_ref()
+                .map(|c| c.sends.clone())
+                .unwrap_or_default();
+            for (q, msg) in sends {
+                let buf = cx.register(Region::owned(d.to_vec()));
+                cx.send(q, msg, buf, 0..DIGEST_LEN, SendOpts::default())?;
+            }
+            return Ok(());
+        }
+        self.compare(cx)
+    }
+
+    /// Compares this rank's result with the root's digest once both are whole.
+    fn compare(&self, cx: &OpCx<'_>) -> Result<(), OpError> {
+        let Some(check) = &self.check else {
+            return Ok(());
+        };
+        let (Some(want), true) = (check.want, check.chunks >= self.pipeline.len()) else {
+            return Ok(());
+        };
+        if self.result_digest(cx)? == want {
+            return Ok(());
+        }
+        // The aggregators it came through: this rank's ancestors below the root.
+        let path: Vec<usize> =
+            std::iter::successors(self.tree.parent(self.r.rank), |&a| self.tree.parent(a))
+                .filter(|&a| a != self.tree.root())
+                .collect();
+        Err(OpError::Data {
+            peer: self.parent.unwrap_or(0),
+            reason: format!(
+                "the result changed on its way down: it does not match the digest the root, \
+                 rank {}, sent here directly; one of the ranks it came through ({path:?}) \
+                 changed it",
+                self.tree.root()
+            ),
+        })
     }
 
     fn meta(&self, k: usize) -> Vec<u64> {
@@ -90,6 +194,7 @@ impl TreeAllReduce {
                     );
                 }
                 self.send_down(cx, k)?;
+                self.result_chunk(cx)?;
             }
         }
         Ok(())
@@ -98,6 +203,12 @@ impl TreeAllReduce {
     fn send_down(&mut self, cx: &mut OpCx<'_>, k: usize) -> Result<(), OpError> {
         let buf = self.r.buf()?;
         let (bytes, _) = self.pipeline[k].clone();
+        #[cfg(test)]
+        if self.parent.is_some() && self.r.spec.tamper == Some(self.r.rank) {
+            if let Some(b) = cx.buf_mut(buf).get_mut(bytes.start) {
+                *b ^= 0x40;
+            }
+        }
         for (i, &c) in self.children.clone().iter().enumerate() {
             let opts = SendOpts {
                 tos: self.r.spec.tos,
@@ -174,6 +285,9 @@ impl Op for TreeAllReduce {
                 self.r.recvs_left += 1;
             }
         }
+        if self.r.spec.verify_results && world > 2 {
+            self.start_check(cx)?;
+        }
         self.waiting = vec![self.children.len(); self.pipeline.len()];
         if self.children.is_empty() {
             for k in 0..self.pipeline.len() {
@@ -189,6 +303,19 @@ impl Op for TreeAllReduce {
             OpEvent::Received { peer, msg, report } => {
                 self.r.recvs_left = self.r.recvs_left.saturating_sub(1);
                 let n = self.pipeline.len() as u32;
+                let digest_msg = self.check.as_ref().and_then(|c| c.recv);
+                if let Some((_, dbuf)) =
+                    digest_msg.filter(|&(m, _)| usize::from(peer) == self.tree.root() && m == msg)
+                {
+                    let mut d = [0u8; DIGEST_LEN];
+                    d.copy_from_slice(cx.buf(dbuf).get(..DIGEST_LEN).unwrap_or(&[0; DIGEST_LEN]));
+                    cx.unregister(dbuf);
+                    if let Some(c) = self.check.as_mut() {
+                        c.want = Some(d);
+                    }
+                    self.compare(cx)?;
+                    return self.done(cx);
+                }
                 if Some(peer) == self.parent && msg.wrapping_sub(self.down_from) < n {
                     // The root's result of chunk k: keep its sets, pass it on.
                     let k = msg.wrapping_sub(self.down_from) as usize;
@@ -201,6 +328,7 @@ impl Op for TreeAllReduce {
                         }
                     }
                     self.send_down(cx, k)?;
+                    self.result_chunk(cx)?;
                 } else if let Some(i) = self.children.iter().position(|&c| c == peer) {
                     let k = msg.wrapping_sub(self.up_from[i]) as usize;
                     if k >= self.pipeline.len() {
