@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 
 use gradwire_msg::core::CoreConfig;
@@ -104,6 +105,13 @@ impl PsNode {
         if cfg.block_elems == Some(0) {
             return Err(PsError::Config("block_elems must be at least 1".into()));
         }
+        if cfg.verify_versions && cfg.loss_bound != LossBound::RELIABLE {
+            return Err(PsError::Config(
+                "verify_versions needs a reliable parameter server (loss_bound 0): a bounded \
+                 version is merged block by block"
+                    .into(),
+            ));
+        }
         let mut transfer = cfg.transfer.clone();
         transfer.connect_timeout = cfg.failure_timeout;
         transfer
@@ -125,6 +133,27 @@ impl PsNode {
                 {
                     peers.push(to);
                 }
+            }
+        }
+        if cfg.verify_versions {
+            // The server's digests go straight to every worker below its children.
+            let root = tree.root();
+            let deep = |r: usize| tree.depth(r).is_some_and(|d| d >= 2);
+            let missing: Vec<usize> = if rank == root {
+                tree.members()
+                    .into_iter()
+                    .filter(|&r| deep(r) && !peers.contains(&r))
+                    .collect()
+            } else if deep(rank) && !peers.contains(&root) {
+                vec![root]
+            } else {
+                Vec::new()
+            };
+            if !missing.is_empty() {
+                return Err(PsError::Config(format!(
+                    "verify_versions needs links between the server and every worker below \
+                     its children (fault_tolerant_edges): rank {rank} has none with {missing:?}"
+                )));
             }
         }
         let any_peer = peers.first().copied().unwrap_or(0);
@@ -527,6 +556,7 @@ impl PsNode {
             bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
             dropped_clocks: c.dropped_clocks.load(Ordering::Relaxed),
             claims_refused: c.claims_refused.load(Ordering::Relaxed),
+            versions_verified: c.versions_verified.load(Ordering::Relaxed),
             updates: st.updates.iter().cloned().collect(),
             dead: st.dead.clone(),
             tree_version: st.tree_version,

@@ -116,8 +116,13 @@
 //! nodes pass the news on only to ranks that take it from them. Sums come only from
 //! children, naming only workers of their subtree. A failed node leaves without a Bye, so
 //! its peers see the link end rather than a clean finish. What an ancestor sends is
-//! believed: an aggregator can still change the weights it passes down (verifying them
-//! needs the server's signature, not done yet).
+//! believed unless [`PsConfig::verify_versions`] is on: then the server also sends the
+//! digest (SHA-256) of every version straight to each worker below its children (over the
+//! spare links), which holds a version apart until its digest matches and takes it only
+//! then, so no pull returns weights an aggregator changed; a mismatch, or two different
+//! versions of one clock, fails the node naming the rank that passed it down. (Reliable
+//! servers only: a bounded version is merged block by block.) An aggregator still controls
+//! its subtree's sums.
 //!
 //! **Limits.** One server (one tree), and no replacement for it. Only the root declares
 //! deaths, so a failure must break a link with the root: without the spare links (links of

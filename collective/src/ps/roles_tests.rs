@@ -52,6 +52,11 @@ struct Seen {
 /// Runs `CLOCKS` synchronous clocks on every rank; `attacker` calls `attack` on its node
 /// after its first pull, then goes on as an honest worker as far as it can.
 fn run(attacker: usize, attack: &(dyn Fn(&PsNode) + Sync)) -> Vec<Seen> {
+    run_with(cfg(), attacker, attack)
+}
+
+/// [`run`] with every node configured by `cfg`.
+fn run_with(cfg: PsConfig, attacker: usize, attack: &(dyn Fn(&PsNode) + Sync)) -> Vec<Seen> {
     let t = tree();
     let links = Links::in_memory(7, &fault_tolerant_edges(&t), &MemLinkConfig::default()).unwrap();
     let model = Tensor::from_f32(&vec![1.0; ELEMS]);
@@ -59,9 +64,9 @@ fn run(attacker: usize, attack: &(dyn Fn(&PsNode) + Sync)) -> Vec<Seen> {
         let hs: Vec<_> = links
             .into_iter()
             .map(|l| {
-                let (t, model) = (t.clone(), &model);
+                let (t, model, cfg) = (t.clone(), &model, cfg.clone());
                 s.spawn(move || {
-                    let mut node = PsNode::start(l, t, JOB, model, cfg()).unwrap();
+                    let mut node = PsNode::start(l, t, JOB, model, cfg).unwrap();
                     let rank = node.rank();
                     let mut seen = Seen {
                         rank,
@@ -137,15 +142,15 @@ fn a_leaf_cannot_replace_the_servers_model() {
             s.max_clock
         );
     }
-    // The ranks it spoke to refuse loudly, naming it.
-    for r in [0, 1] {
+    // The server refuses loudly, naming it; so does its aggregator, unless the server's
+    // failure reached it first (then the job has stopped anyway).
+    let names_it = |r: usize| {
         let e = seen[r].error.as_deref().unwrap_or("");
-        assert!(
-            e.contains(&format!("rank {ATTACKER}")) && e.contains("weights"),
-            "rank {r}: {:?}",
-            seen[r]
-        );
-    }
+        e.contains(&format!("rank {ATTACKER}")) && e.contains("weights")
+    };
+    assert!(names_it(0), "{:?}", seen[0]);
+    let e1 = seen[1].error.as_deref().unwrap_or("");
+    assert!(names_it(1) || e1.contains("rank 0"), "{:?}", seen[1]);
 }
 
 #[test]
@@ -215,4 +220,77 @@ fn an_aggregator_cannot_send_a_version_from_the_future() {
         e.contains("rank 1") && e.contains("ahead")
     });
     assert!(refused.count() >= 1, "{seen:#?}");
+}
+
+/// Rank 1, before its own push of clock 0 (so the server cannot have made version 1 yet),
+/// sends its children 2 and 3 a version 1 of its own making.
+fn forge_next_version(node: &PsNode) {
+    // The children push clock 0 meanwhile: version 1 is then not ahead of their clocks.
+    std::thread::sleep(Duration::from_millis(200));
+    let v1 = Out::Weights(Arc::new(VersionMsg {
+        clock: 1,
+        weights: Tensor::from_f32(&vec![FORGED; ELEMS]),
+        block_clocks: None,
+    }));
+    node.forge(2, v1);
+    let v1 = Out::Weights(Arc::new(VersionMsg {
+        clock: 1,
+        weights: Tensor::from_f32(&vec![FORGED; ELEMS]),
+        block_clocks: None,
+    }));
+    node.forge(3, v1);
+}
+
+#[test]
+fn an_aggregator_cannot_pass_down_weights_of_its_own_when_versions_are_checked() {
+    // Unchecked, the children take it: a plausible clock, from the rank that passes them
+    // every version.
+    let seen = run(1, &forge_next_version);
+    assert!(
+        [2, 3].iter().any(|&r| seen[r].forged_seen),
+        "unchecked, no child pulled the aggregator's version: {seen:#?}"
+    );
+    // Checked against the server's digest: never pulled, an error naming rank 1.
+    let cfg = PsConfig {
+        verify_versions: true,
+        ..cfg()
+    };
+    let seen = run_with(cfg, 1, &forge_next_version);
+    for s in &seen {
+        assert!(
+            !s.forged_seen,
+            "rank {} pulled the forged version: {s:?}",
+            s.rank
+        );
+    }
+    for r in [2, 3] {
+        let e = seen[r].error.as_deref().unwrap_or("");
+        assert!(
+            e.contains("rank 1") && e.contains("version 1"),
+            "rank {r}: {:?}",
+            seen[r]
+        );
+    }
+}
+
+#[test]
+fn checked_versions_give_the_same_training_as_unchecked() {
+    let plain = run(ATTACKER, &|_| {});
+    let cfg = PsConfig {
+        verify_versions: true,
+        ..cfg()
+    };
+    let checked = run_with(cfg, ATTACKER, &|_| {});
+    for (p, c) in plain.iter().zip(&checked) {
+        assert!(p.error.is_none() && c.error.is_none(), "{p:?} {c:?}");
+        // The same versions pulled; the last one may come after the node stopped.
+        assert_eq!(p.max_clock, c.max_clock, "rank {}", p.rank);
+        assert!(c.stats.as_ref().unwrap().model_clock + 1 >= CLOCKS, "{c:?}");
+    }
+    // The ranks below the server's children checked every version they took.
+    for r in [2, 3, 5, 6] {
+        let st = checked[r].stats.as_ref().unwrap();
+        assert!(st.versions_verified >= CLOCKS, "rank {r}: {st:?}");
+    }
+    assert_eq!(checked[1].stats.as_ref().unwrap().versions_verified, 0);
 }

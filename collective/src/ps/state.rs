@@ -1,7 +1,7 @@
 //! What the node's background work shares with the API calls: the weights cache, the first
 //! error, counters, and the read-only context of the node.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
@@ -12,6 +12,7 @@ use gradwire::transport::TransferConfig;
 
 use super::core::hop_bound;
 use super::types::{PsConfig, PsError, UpdateRecord};
+use super::wire::DIGEST_LEN;
 use crate::aggregate::{BlockLayout, Contributors};
 use crate::clock::WeightCache;
 use crate::tree::Tree;
@@ -42,6 +43,27 @@ pub(super) struct State {
     pub(super) dead: Vec<usize>,
     pub(super) tree_version: u64,
     pub(super) fell_back: bool,
+    /// [`PsConfig::verify_versions`] below the server's children: versions received and
+    /// not yet checked (clock -> values, the rank that passed it down), and the server's
+    /// digests not yet used (clock -> digest). Both bounded by [`MAX_UNCHECKED`].
+    pub(super) staged: BTreeMap<u64, (Tensor, usize)>,
+    pub(super) digests: BTreeMap<u64, [u8; DIGEST_LEN]>,
+}
+
+/// Versions, and digests, a worker keeps unchecked at most (the oldest go first): versions
+/// come one at a time per link and a digest soon after its version.
+pub(super) const MAX_UNCHECKED: usize = 8;
+
+/// The server's digest of version `clock` of the weights.
+pub(super) fn version_digest(clock: u64, weights: &[u8]) -> [u8; DIGEST_LEN] {
+    let mut h = ring::digest::Context::new(&ring::digest::SHA256);
+    h.update(b"gradwire ps version v1");
+    h.update(&clock.to_le_bytes());
+    h.update(&(weights.len() as u64).to_le_bytes());
+    h.update(weights);
+    let mut out = [0u8; DIGEST_LEN];
+    out.copy_from_slice(h.finish().as_ref());
+    out
 }
 
 #[derive(Debug, Default)]
@@ -53,6 +75,7 @@ pub(super) struct Counters {
     pub(super) bytes_sent: AtomicU64,
     pub(super) dropped_clocks: AtomicU64,
     pub(super) claims_refused: AtomicU64,
+    pub(super) versions_verified: AtomicU64,
     /// 1 + the newest clock this worker handed the aggregator (its own push or an empty
     /// clock): no honest version is newer.
     pub(super) own_clocks: AtomicU64,
@@ -155,6 +178,10 @@ pub(super) struct Ctx {
     /// This rank's ancestors in `tree0`, the root included: its parent and every node a
     /// repair can make its parent. Only they send it versions and tree updates.
     pub(super) ancestors0: Vec<usize>,
+    /// [`PsConfig::verify_versions`]: at the server, the workers it sends each version's
+    /// digest to (those below its children); at such a worker, `true` in `verify_here`.
+    pub(super) digest_to: Vec<usize>,
+    pub(super) verify_here: bool,
     pub(super) workers: usize,
     pub(super) dtype: DType,
     pub(super) layout: BlockLayout,
@@ -210,6 +237,13 @@ impl Ctx {
         let subtree0: Vec<Contributors> = (0..world).map(subtree_of).collect();
         let ancestors0: Vec<usize> =
             std::iter::successors(tree.parent(rank), |&a| tree.parent(a)).collect();
+        let deep = |r: usize| tree.depth(r).is_some_and(|d| d >= 2);
+        let digest_to: Vec<usize> = if cfg.verify_versions && tree.parent(rank).is_none() {
+            tree.members().into_iter().filter(|&r| deep(r)).collect()
+        } else {
+            Vec::new()
+        };
+        let verify_here = cfg.verify_versions && deep(rank);
         let hop = hop_bound(cfg.loss_bound, tree.height());
         let heartbeat = cfg.heartbeat;
         let server = tree.parent(rank).is_none();
@@ -234,6 +268,8 @@ impl Ctx {
                 dead: Vec::new(),
                 tree_version: 0,
                 fell_back: false,
+                staged: BTreeMap::new(),
+                digests: BTreeMap::new(),
             }),
             cv: Condvar::new(),
             force: AtomicBool::new(false),
@@ -251,6 +287,8 @@ impl Ctx {
             peers,
             subtree0,
             ancestors0,
+            digest_to,
+            verify_here,
             dtype,
             layout,
             bb: block_elems * dtype.elem_size(),

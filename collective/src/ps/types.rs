@@ -45,6 +45,13 @@ pub struct PsConfig {
     /// The server keeps the contributor sets of its last `keep_updates` updates (returned in
     /// [`PsStats::updates`]); 0: none.
     pub keep_updates: usize,
+    /// Every worker below the server's children checks each weights version against the
+    /// server's digest of it (SHA-256), sent to it directly, before it takes the version:
+    /// an aggregator that changed a version it passed down is an error naming it, and no
+    /// pull ever returns such a version (default false). Needs the links between the
+    /// server and every member ([`fault_tolerant_edges`](super::fault_tolerant_edges)) and
+    /// a reliable server (`loss_bound` 0: a bounded version is merged block by block).
+    pub verify_versions: bool,
 }
 
 impl Default for PsConfig {
@@ -62,6 +69,7 @@ impl Default for PsConfig {
             block_elems: None,
             keep_updates: 0,
             inject_loss: 0.0,
+            verify_versions: false,
         }
     }
 }
@@ -131,6 +139,9 @@ pub struct PsStats {
     /// make them (only the server and this rank's aggregators declare deaths; a rank speaks
     /// for failures in its own subtree); each is logged with the sender.
     pub claims_refused: u64,
+    /// Versions checked against the server's digest before they were taken
+    /// ([`PsConfig::verify_versions`]).
+    pub versions_verified: u64,
     /// The server's last updates (see [`PsConfig::keep_updates`]).
     #[serde(skip)]
     pub updates: Vec<UpdateRecord>,

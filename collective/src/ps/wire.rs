@@ -12,6 +12,8 @@ pub(super) const F_EMPTY: u8 = 2;
 pub(super) const MAX_REASON: usize = 2048;
 /// A block the sender does not hold (weights block clocks).
 pub(super) const NOT_HELD: u64 = u64::MAX;
+/// Bytes of a version digest (SHA-256).
+pub(super) const DIGEST_LEN: usize = 32;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kind {
@@ -22,6 +24,8 @@ pub(super) enum Kind {
     Fail = 5,
     Tree = 6,
     Adopt = 7,
+    /// The server's digest of version `clock` (body: 32 bytes), straight to a worker.
+    Digest = 8,
 }
 
 /// The header that starts every message: `[magic, kind, flags, 0, len u32, clock u64]`, LE.
@@ -69,6 +73,7 @@ impl Header {
             5 => Kind::Fail,
             6 => Kind::Tree,
             7 => Kind::Adopt,
+            8 => Kind::Digest,
             k => return Err(format!("unknown message kind {k}")),
         };
         let flags = b[2];
@@ -95,6 +100,7 @@ impl Header {
         match self.kind {
             Kind::Fail => self.len as usize,
             Kind::Tree => (self.len as usize).saturating_mul(8),
+            Kind::Digest => DIGEST_LEN,
             _ => 0,
         }
     }
@@ -252,13 +258,13 @@ mod tests {
 
         #[test]
         fn headers_round_trip(
-            kind in 1u8..=7,
+            kind in 1u8..=8,
             flags in 0u8..4,
             len in any::<u32>(),
             clock in any::<u64>(),
         ) {
             let kind = [Kind::Heartbeat, Kind::Bye, Kind::Push, Kind::Weights, Kind::Fail,
-                Kind::Tree, Kind::Adopt][usize::from(kind - 1)];
+                Kind::Tree, Kind::Adopt, Kind::Digest][usize::from(kind - 1)];
             let h = Header { kind, flags, len, clock };
             prop_assert_eq!(Header::decode(&h.encode()), Ok(h));
         }

@@ -10,9 +10,9 @@ use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 
 use super::repair::repaired_tree;
-use super::state::{tensor_of, Ctx};
+use super::state::{tensor_of, version_digest, Ctx};
 use super::types::{PsError, UpdateRecord};
-use super::wire::{block_clocks, encode_clocks, NOT_HELD};
+use super::wire::{block_clocks, encode_clocks, DIGEST_LEN, NOT_HELD};
 use crate::aggregate::{accumulate, add_into, finish, scale, Contributors, Partial, ReduceOp};
 use crate::error::CollectiveError;
 use crate::tree::Tree;
@@ -48,6 +48,11 @@ pub(super) enum Out {
     Adopt {
         version: u64,
         from: u64,
+    },
+    /// The server's digest of version `clock` ([`PsConfig::verify_versions`](super::PsConfig::verify_versions)).
+    Digest {
+        clock: u64,
+        digest: [u8; DIGEST_LEN],
     },
     /// Say Bye and end.
     Finish,
@@ -402,6 +407,25 @@ impl<'a> Agg<'a> {
         }
     }
 
+    /// The server: the digest of its current version to every worker that checks it.
+    pub(super) fn send_digests(&mut self) {
+        if self.ctx.digest_to.is_empty() {
+            return;
+        }
+        let (clock, digest) = {
+            let st = self.ctx.shared.lock();
+            let Some(v) = st.cache.weights_clock() else {
+                return;
+            };
+            (v, version_digest(v, st.weights.as_bytes()))
+        };
+        for q in self.ctx.digest_to.clone() {
+            if !self.dead.contains(&q) {
+                self.send(q, Out::Digest { clock, digest });
+            }
+        }
+    }
+
     /// This node's cache to `peer`.
     pub(super) fn send_version(&mut self, peer: usize) {
         let msg = {
@@ -622,6 +646,7 @@ impl<'a> Agg<'a> {
                 for c in self.children() {
                     self.send_version(c);
                 }
+                self.send_digests();
             }
             self.next += 1;
         }

@@ -10,10 +10,10 @@ use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use crate::aggregate::{arrived_blocks, Contributors};
 use crate::ps::core::{merge_blocks, sets_within, AggIn, ChildSum};
-use crate::ps::state::{tensor_of, Ctx};
+use crate::ps::state::{tensor_of, version_digest, Ctx, MAX_UNCHECKED};
 use crate::ps::types::PsError;
 use crate::ps::wire::{
-    decode_clocks, decode_msg, Header, Kind, F_EMPTY, F_SIDE, HEADER_LEN, MAX_REASON,
+    decode_clocks, decode_msg, Header, Kind, DIGEST_LEN, F_EMPTY, F_SIDE, HEADER_LEN, MAX_REASON,
 };
 
 /// Where a link's receiving operation is.
@@ -89,6 +89,77 @@ impl Inbox {
             )));
         }
         Ok(())
+    }
+
+    /// [`PsConfig::verify_versions`](crate::ps::PsConfig::verify_versions): takes each
+    /// staged version whose server digest is in and matches (oldest first); one that does
+    /// not match fails the node naming the rank that passed it down. Versions and digests no
+    /// newer than the cache are dropped, and at most [`MAX_UNCHECKED`] of each are kept.
+    fn take_checked(&self) {
+        let ctx = &self.ctx;
+        let mut taken = 0u64;
+        let mut changed = None;
+        {
+            let mut st = ctx.shared.lock();
+            let st = &mut *st;
+            if let Some(v) = st.cache.weights_clock() {
+                st.staged.retain(|&c, _| c > v);
+                st.digests.retain(|&c, _| c > v);
+            }
+            let ready: Vec<u64> = st
+                .staged
+                .keys()
+                .filter(|c| st.digests.contains_key(c))
+                .copied()
+                .collect();
+            for c in ready {
+                let (Some((values, from)), Some(want)) =
+                    (st.staged.remove(&c), st.digests.remove(&c))
+                else {
+                    continue;
+                };
+                if version_digest(c, values.as_bytes()) != want {
+                    changed = Some((c, from));
+                    break;
+                }
+                let n = st.have.len();
+                merge_blocks(
+                    st.weights.as_bytes_mut(),
+                    &mut st.have,
+                    values.as_bytes(),
+                    &vec![c; n],
+                    &vec![true; n],
+                    ctx.bb,
+                );
+                st.cache.on_weights(c);
+                taken += 1;
+            }
+            while st.staged.len() > MAX_UNCHECKED {
+                st.staged.pop_first();
+            }
+            while st.digests.len() > MAX_UNCHECKED {
+                st.digests.pop_first();
+            }
+        }
+        if let Some((c, from)) = changed {
+            ctx.fail(PsError::Protocol {
+                peer: from,
+                what: format!(
+                    "passed down weights version {c}, which differs from the server's (rank {}) \
+                     digest of it, sent here directly: it changed the weights",
+                    ctx.root
+                ),
+            });
+            return;
+        }
+        if taken > 0 {
+            ctx.shared
+                .counters
+                .versions_verified
+                .fetch_add(taken, Ordering::Relaxed);
+            ctx.shared.cv.notify_all();
+            self.tell(AggIn::Version);
+        }
     }
 
     /// A tree update or failure report from a peer without standing to make it: logged and
@@ -197,6 +268,19 @@ impl Inbox {
                 } else {
                     self.refuse_claim(&format!("that rank(s) {dead:?} are dead"));
                 }
+            }
+            Kind::Digest => {
+                if peer != ctx.root || !ctx.verify_here {
+                    return Err(self.refuse(format!(
+                        "sent a digest of version {}, which only the server sends, to a worker \
+                         that checks versions",
+                        h.clock
+                    )));
+                }
+                let mut d = [0u8; DIGEST_LEN];
+                d.copy_from_slice(body);
+                ctx.shared.lock().digests.insert(h.clock, d);
+                self.take_checked();
             }
             Kind::Adopt => self.tell(AggIn::Adopt {
                 peer,
@@ -308,21 +392,52 @@ impl Inbox {
                 .counters
                 .versions_received
                 .fetch_add(1, Ordering::Relaxed);
-            {
-                let mut st = ctx.shared.lock();
-                let st = &mut *st;
-                merge_blocks(
-                    st.weights.as_bytes_mut(),
-                    &mut st.have,
-                    values.as_bytes(),
-                    &clocks,
-                    &arrived,
-                    ctx.bb,
-                );
-                st.cache.on_weights(h.clock);
+            if ctx.verify_here {
+                // Taken only once the server's digest says it is the server's version.
+                if clocks.iter().any(|&c| c != h.clock) || arrived.iter().any(|a| !a) {
+                    return Err(self.refuse(format!(
+                        "version {} is not whole (block clocks or lost blocks) in a job that \
+                         checks versions",
+                        h.clock
+                    )));
+                }
+                // Two different versions of one clock: someone changed one (a correct
+                // aggregator sends a clock's version again only unchanged, on adoption).
+                let clash = {
+                    let mut st = ctx.shared.lock();
+                    match st.staged.get(&h.clock) {
+                        Some((v, from)) if v.as_bytes() != values.as_bytes() => Some(*from),
+                        _ => {
+                            st.staged.insert(h.clock, (values, peer));
+                            None
+                        }
+                    }
+                };
+                if let Some(first) = clash {
+                    return Err(self.refuse(format!(
+                        "sent weights version {} unlike the one rank {first} sent: one of them \
+                         changed it",
+                        h.clock
+                    )));
+                }
+                self.take_checked();
+            } else {
+                {
+                    let mut st = ctx.shared.lock();
+                    let st = &mut *st;
+                    merge_blocks(
+                        st.weights.as_bytes_mut(),
+                        &mut st.have,
+                        values.as_bytes(),
+                        &clocks,
+                        &arrived,
+                        ctx.bb,
+                    );
+                    st.cache.on_weights(h.clock);
+                }
+                ctx.shared.cv.notify_all();
+                self.tell(AggIn::Version);
             }
-            ctx.shared.cv.notify_all();
-            self.tell(AggIn::Version);
         }
         cx.unregister(d.values.1);
         if let Some((_, b)) = d.side {

@@ -167,6 +167,11 @@ impl Net {
                 h.len = u32::try_from(version).unwrap_or(u32::MAX);
                 self.header(peer, &h, &[]);
             }
+            Out::Digest { clock, digest } => {
+                let mut h = Header::new(Kind::Digest, 0, clock);
+                h.len = digest.len() as u32;
+                self.header(peer, &h, &digest);
+            }
             Out::Finish => self.bye(peer),
         }
     }
@@ -384,6 +389,7 @@ fn aggregate(ctx: &Ctx, rx: &Receiver<AggIn>, net: &mut Net) {
         for c in agg.children() {
             agg.send_version(c);
         }
+        agg.send_digests();
     }
     net.flush(&mut agg);
     loop {
