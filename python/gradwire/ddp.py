@@ -215,6 +215,10 @@ class GradwireState:
             of each parameter averages, from the report's per-block sets (costs a list per
             block; for tests and diagnosis).
         process_group: the group whose ranks take part (default: the world).
+        verify_results: every rank checks each chunk that came round the ring against its
+            owner's digest, sent directly (see ``Session.all_reduce``): a rank that changed a
+            chunk it forwarded fails the backward pass with ``gradwire.DataError`` naming
+            the ranks it came through. Costs a hash of every bucket. Message layer only.
 
     The constructor is a collective: every rank of the group must build its state.
     """
@@ -240,6 +244,7 @@ class GradwireState:
         keep_contributors: bool = False,
         check_every: int = _DEFAULT_CHECK_EVERY,
         process_group=None,
+        verify_results: bool = False,
     ) -> None:
         module = _module_of(ddp)
         default_bound = _check_bound(loss_bound, "loss_bound")
@@ -313,6 +318,7 @@ class GradwireState:
         self.on_report = on_report
         self.log: collections.deque[LossRecord] = collections.deque(maxlen=log_size)
         self.keep_contributors = bool(keep_contributors)
+        self.verify_results = bool(verify_results)
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
             raise _config_error(f"check_every {check_every!r} is not a number of iterations >= 0")
         self.check_every = check_every
@@ -454,6 +460,8 @@ class GradwireState:
             "layer": g.layer,
             "num_layers": self.num_layers,
         }
+        if self.verify_results:
+            o["verify_results"] = True
         if g.loss_bound > 0 and len(g.params) > 1 and self.session.message_layer:
             # Every parameter held to the bound on its own, not the slice as a whole.
             o["ranges"] = [(a - g.start, b - g.start) for _, a, b in g.params]

@@ -96,7 +96,9 @@ def scenario_exact(a) -> dict:
     A, B = make_model(), make_model()
     ddp_a, ddp_b = DDP(A), DDP(B)
     seen = []
-    state = gwddp.GradwireState(ddp_b, loss_bound=0.0, timeout=20, on_report=lambda *r: seen.append(r))
+    state = gwddp.GradwireState(
+        ddp_b, loss_bound=0.0, timeout=20, on_report=lambda *r: seen.append(r), verify_results=a.verify
+    )
     ddp_b.register_comm_hook(state, gwddp.allreduce_hook)
     names = [n for n, _ in A.named_parameters()]
     steps = []
@@ -336,6 +338,7 @@ def _worker_main(argv: list[str]) -> int:
     ap.add_argument("--die-at", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=5.0)
     ap.add_argument("--stall", action="store_true", help="the victim stops instead of dying")
+    ap.add_argument("--verify", action="store_true", help="GradwireState(verify_results=True)")
     a = ap.parse_args(argv)
     result = {
         "exact": scenario_exact,
@@ -392,7 +395,9 @@ def test_p0_is_bit_exact_with_gloo_on_2_ranks(job):
 
 
 def test_p0_matches_gloo_within_rounding_on_4_ranks(job):
-    outs = _run_ok(job, "exact", 4, 180)
+    # With the results checked too (verify_results: ring chunks against their owners'
+    # digests; the check itself is tested in Rust and test_native).
+    outs = _run_ok(job, "exact", 4, 180, "--verify")
     exact = 0
     for out in outs:
         for step in out["steps"]:
