@@ -240,7 +240,7 @@ struct Endpoint {
 }
 
 /// Bytes of a plain link's token (a handshake nonce).
-pub const LINK_TOKEN_LEN: usize = 32;
+pub const LINK_TOKEN_LEN: usize = gradwire::auth::NONCE_LEN;
 
 impl Links {
     fn empty(rank: usize, world: usize) -> Links {

@@ -35,8 +35,9 @@ use std::ops::Range;
 use std::time::Duration;
 
 use gradwire::tensor::DType;
-use gradwire_msg::core::Ended;
-use gradwire_msg::mem::Region;
+use gradwire_msg::core::{Ended, RecvOpts, SendOpts};
+use gradwire_msg::mem::{BufId, Region};
+use gradwire_msg::op::{OpCx, OpError};
 
 use crate::aggregate::{finish_block, Contributors, ReduceOp};
 
@@ -256,10 +257,10 @@ pub(crate) const DIGEST_LEN: usize = 32;
 /// The digest an owner sends of what it finished ([`ReduceSpec::verify_results`]): part
 /// `index` of an operation (`label` says which kind), its values and, under a loss bound,
 /// its contributor sets.
-pub(crate) fn digest(label: &[u8], index: usize, values: &[u8], sets: &[u64]) -> [u8; DIGEST_LEN] {
+pub(crate) fn digest(label: &[u8], index: u64, values: &[u8], sets: &[u64]) -> [u8; DIGEST_LEN] {
     let mut h = ::ring::digest::Context::new(&::ring::digest::SHA256);
     h.update(label);
-    h.update(&(index as u64).to_le_bytes());
+    h.update(&index.to_le_bytes());
     h.update(&(values.len() as u64).to_le_bytes());
     h.update(values);
     for w in sets {
@@ -268,6 +269,34 @@ pub(crate) fn digest(label: &[u8], index: usize, values: &[u8], sets: &[u64]) ->
     let mut out = [0u8; DIGEST_LEN];
     out.copy_from_slice(h.finish().as_ref());
     out
+}
+
+/// Reserves and posts the receive of one digest message from `peer` (reliable, into a
+/// buffer of its own): its message number and buffer.
+pub(crate) fn post_digest(cx: &mut OpCx<'_>, peer: u16) -> Result<(u32, BufId), OpError> {
+    let msg = cx.reserve_recvs(peer, 1)?;
+    let buf = cx.register(Region::owned(vec![0u8; DIGEST_LEN]));
+    cx.recv(peer, msg, buf, 0..DIGEST_LEN, RecvOpts::default())?;
+    Ok((msg, buf))
+}
+
+/// Sends `d` as message `msg` to `peer` (reliable).
+pub(crate) fn send_digest(
+    cx: &mut OpCx<'_>,
+    peer: u16,
+    msg: u32,
+    d: &[u8; DIGEST_LEN],
+) -> Result<(), OpError> {
+    let buf = cx.register(Region::owned(d.to_vec()));
+    cx.send(peer, msg, buf, 0..DIGEST_LEN, SendOpts::default())
+}
+
+/// The digest a posted receive got, its buffer released.
+pub(crate) fn take_digest(cx: &mut OpCx<'_>, buf: BufId) -> [u8; DIGEST_LEN] {
+    let mut d = [0u8; DIGEST_LEN];
+    d.copy_from_slice(cx.buf(buf).get(..DIGEST_LEN).unwrap_or(&[0; DIGEST_LEN]));
+    cx.unregister(buf);
+    d
 }
 
 /// Checks a contributor set that arrived from `peer` for a block: within the world, naming

@@ -12,12 +12,15 @@
 //! breaks that chain: a late reduce-scatter segment could then be added onto the finished
 //! values, and that rank would end with values the others do not have.
 
-use gradwire_msg::core::{RecvOpts, SendOpts};
+use gradwire_msg::core::SendOpts;
 use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use super::reduction::Reduction;
-use super::{check_mask, digest, finish_chunk, ReduceOutcome, ReduceSpec, DIGEST_LEN};
+use super::{
+    check_mask, digest, finish_chunk, post_digest, send_digest, take_digest, ReduceOutcome,
+    ReduceSpec, DIGEST_LEN,
+};
 
 /// Which halves of the ring run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,7 +122,7 @@ impl Ring {
             .as_ref()
             .map(|m| m.meta(self.r.chunks.block_range(c)))
             .unwrap_or_default();
-        Ok(digest(b"gradwire ring chunk v1", c, values, &sets))
+        Ok(digest(b"gradwire ring chunk v1", c as u64, values, &sets))
     }
 
     /// Reserves and posts the check's messages (after the ring's own, on every pair).
@@ -134,10 +137,7 @@ impl Ring {
         for q in (0..w).filter(|&q| q != rank) {
             let peer = q as u16;
             check.send[q] = Some(cx.reserve_sends(peer, 1)?);
-            let msg = cx.reserve_recvs(peer, 1)?;
-            let buf = cx.register(Region::owned(vec![0u8; DIGEST_LEN]));
-            cx.recv(peer, msg, buf, 0..DIGEST_LEN, RecvOpts::default())?;
-            check.recv[q] = Some((msg, buf));
+            check.recv[q] = Some(post_digest(cx, peer)?);
         }
         self.r.sends_left += w - 1;
         self.r.recvs_left += w - 1;
@@ -153,8 +153,7 @@ impl Ring {
         let d = self.digest_of(cx, self.r.rank)?;
         for (q, msg) in sends.iter().enumerate() {
             if let Some(msg) = msg {
-                let buf = cx.register(Region::owned(d.to_vec()));
-                cx.send(q as u16, *msg, buf, 0..DIGEST_LEN, SendOpts::default())?;
+                send_digest(cx, q as u16, *msg, &d)?;
             }
         }
         Ok(())
@@ -172,10 +171,7 @@ impl Ring {
         if m != msg {
             return Ok(false);
         }
-        let mut d = [0u8; DIGEST_LEN];
-        d.copy_from_slice(cx.buf(buf).get(..DIGEST_LEN).unwrap_or(&[0; DIGEST_LEN]));
-        cx.unregister(buf);
-        check.owner[q] = Some(d);
+        check.owner[q] = Some(take_digest(cx, buf));
         self.compare(q)?;
         Ok(true)
     }

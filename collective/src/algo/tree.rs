@@ -5,12 +5,15 @@
 //! up while chunk k + 1 still arrives, and results flow down while later chunks go up.
 //! Every receive is posted when the operation starts.
 
-use gradwire_msg::core::{RecvOpts, SendOpts};
+use gradwire_msg::core::SendOpts;
 use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use super::reduction::Reduction;
-use super::{check_mask, digest, finish_blocks, ReduceOutcome, ReduceSpec, DIGEST_LEN};
+use super::{
+    check_mask, digest, finish_blocks, post_digest, send_digest, take_digest, ReduceOutcome,
+    ReduceSpec, DIGEST_LEN,
+};
 use crate::tree::Tree;
 
 /// Blocks per pipeline chunk.
@@ -93,10 +96,7 @@ impl TreeAllReduce {
             }
             self.r.sends_left += check.sends.len();
         } else if below_children(self.r.rank) {
-            let msg = cx.reserve_recvs(root as u16, 1)?;
-            let buf = cx.register(Region::owned(vec![0u8; DIGEST_LEN]));
-            cx.recv(root as u16, msg, buf, 0..DIGEST_LEN, RecvOpts::default())?;
-            check.recv = Some((msg, buf));
+            check.recv = Some(post_digest(cx, root as u16)?);
             self.r.recvs_left += 1;
         }
         self.check = Some(check);
@@ -122,8 +122,7 @@ impl TreeAllReduce {
                 .map(|c| c.sends.clone())
                 .unwrap_or_default();
             for (q, msg) in sends {
-                let buf = cx.register(Region::owned(d.to_vec()));
-                cx.send(q, msg, buf, 0..DIGEST_LEN, SendOpts::default())?;
+                send_digest(cx, q, msg, &d)?;
             }
             return Ok(());
         }
@@ -307,9 +306,7 @@ impl Op for TreeAllReduce {
                 if let Some((_, dbuf)) =
                     digest_msg.filter(|&(m, _)| usize::from(peer) == self.tree.root() && m == msg)
                 {
-                    let mut d = [0u8; DIGEST_LEN];
-                    d.copy_from_slice(cx.buf(dbuf).get(..DIGEST_LEN).unwrap_or(&[0; DIGEST_LEN]));
-                    cx.unregister(dbuf);
+                    let d = take_digest(cx, dbuf);
                     if let Some(c) = self.check.as_mut() {
                         c.want = Some(d);
                     }

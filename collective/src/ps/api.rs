@@ -14,7 +14,7 @@ use gradwire_msg::core::CoreConfig;
 use super::core::AggIn;
 use super::io::{bind, node_main};
 use super::repair::fault_tolerant_edges;
-use super::state::{describe, take_error, Ctx, Shared, State};
+use super::state::{describe, digest_takers, take_error, Ctx, Shared, State};
 use super::types::{PsConfig, PsError, PsStats, PullReport};
 use crate::clock::pull_allowed;
 use crate::error::CollectiveError;
@@ -135,16 +135,13 @@ impl PsNode {
                 }
             }
         }
-        if cfg.verify_versions {
-            // The server's digests go straight to every worker below its children.
+        {
+            // The server's digests go straight to every worker that checks versions.
             let root = tree.root();
-            let deep = |r: usize| tree.depth(r).is_some_and(|d| d >= 2);
+            let takers = digest_takers(&tree, cfg.verify_versions);
             let missing: Vec<usize> = if rank == root {
-                tree.members()
-                    .into_iter()
-                    .filter(|&r| deep(r) && !peers.contains(&r))
-                    .collect()
-            } else if deep(rank) && !peers.contains(&root) {
+                takers.into_iter().filter(|r| !peers.contains(r)).collect()
+            } else if takers.contains(&rank) && !peers.contains(&root) {
                 vec![root]
             } else {
                 Vec::new()

@@ -115,9 +115,10 @@ fn run_with(cfg: PsConfig, attacker: usize, attack: &(dyn Fn(&PsNode) + Sync)) -
     })
 }
 
-fn forged_version() -> Out {
+/// A weights version of `clock` holding [`FORGED`] everywhere.
+fn forged_version(clock: u64) -> Out {
     Out::Weights(Arc::new(VersionMsg {
-        clock: 1_000,
+        clock,
         weights: Tensor::from_f32(&vec![FORGED; ELEMS]),
         block_clocks: None,
     }))
@@ -126,8 +127,8 @@ fn forged_version() -> Out {
 #[test]
 fn a_leaf_cannot_replace_the_servers_model() {
     let seen = run(ATTACKER, &|node| {
-        node.forge(0, forged_version()); // to the server
-        node.forge(1, forged_version()); // to its own aggregator
+        node.forge(0, forged_version(1_000)); // to the server
+        node.forge(1, forged_version(1_000)); // to its own aggregator
     });
     for s in &seen {
         assert!(
@@ -203,8 +204,8 @@ fn an_aggregator_cannot_send_a_version_from_the_future() {
     // is newer than a worker's own clocks.
     assert_eq!(tree().children(1), &[2, 3]);
     let seen = run(1, &|node| {
-        node.forge(2, forged_version());
-        node.forge(3, forged_version());
+        node.forge(2, forged_version(1_000));
+        node.forge(3, forged_version(1_000));
     });
     for s in &seen {
         assert!(
@@ -227,18 +228,8 @@ fn an_aggregator_cannot_send_a_version_from_the_future() {
 fn forge_next_version(node: &PsNode) {
     // The children push clock 0 meanwhile: version 1 is then not ahead of their clocks.
     std::thread::sleep(Duration::from_millis(200));
-    let v1 = Out::Weights(Arc::new(VersionMsg {
-        clock: 1,
-        weights: Tensor::from_f32(&vec![FORGED; ELEMS]),
-        block_clocks: None,
-    }));
-    node.forge(2, v1);
-    let v1 = Out::Weights(Arc::new(VersionMsg {
-        clock: 1,
-        weights: Tensor::from_f32(&vec![FORGED; ELEMS]),
-        block_clocks: None,
-    }));
-    node.forge(3, v1);
+    node.forge(2, forged_version(1));
+    node.forge(3, forged_version(1));
 }
 
 #[test]

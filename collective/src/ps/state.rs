@@ -10,7 +10,7 @@ use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 use gradwire::transport::TransferConfig;
 
-use super::core::hop_bound;
+use super::core::{hop_bound, merge_blocks};
 use super::types::{PsConfig, PsError, UpdateRecord};
 use super::wire::DIGEST_LEN;
 use crate::aggregate::{BlockLayout, Contributors};
@@ -50,20 +50,49 @@ pub(super) struct State {
     pub(super) digests: BTreeMap<u64, [u8; DIGEST_LEN]>,
 }
 
+impl State {
+    /// Takes version `clock` into the cache: each block that arrived, the sender held
+    /// (`clocks`) and is newer than the cache's ([`merge_blocks`]).
+    pub(super) fn take_version(
+        &mut self,
+        clock: u64,
+        values: &[u8],
+        clocks: &[u64],
+        arrived: &[bool],
+        bb: usize,
+    ) {
+        merge_blocks(
+            self.weights.as_bytes_mut(),
+            &mut self.have,
+            values,
+            clocks,
+            arrived,
+            bb,
+        );
+        self.cache.on_weights(clock);
+    }
+}
+
 /// Versions, and digests, a worker keeps unchecked at most (the oldest go first): versions
 /// come one at a time per link and a digest soon after its version.
 pub(super) const MAX_UNCHECKED: usize = 8;
 
-/// The server's digest of version `clock` of the weights.
+/// [`PsConfig::verify_versions`]: the workers that check every version against the
+/// server's digest, sent to them directly: those below the server's children, whose
+/// versions come through aggregators (none when it is off).
+pub(super) fn digest_takers(tree: &Tree, verify: bool) -> Vec<usize> {
+    if !verify {
+        return Vec::new();
+    }
+    tree.members()
+        .into_iter()
+        .filter(|&r| tree.depth(r).is_some_and(|d| d >= 2))
+        .collect()
+}
+
+/// The server's digest of version `clock` of the weights (the collectives' result digest).
 pub(super) fn version_digest(clock: u64, weights: &[u8]) -> [u8; DIGEST_LEN] {
-    let mut h = ring::digest::Context::new(&ring::digest::SHA256);
-    h.update(b"gradwire ps version v1");
-    h.update(&clock.to_le_bytes());
-    h.update(&(weights.len() as u64).to_le_bytes());
-    h.update(weights);
-    let mut out = [0u8; DIGEST_LEN];
-    out.copy_from_slice(h.finish().as_ref());
-    out
+    crate::algo::digest(b"gradwire ps version v1", clock, weights, &[])
 }
 
 #[derive(Debug, Default)]
@@ -237,13 +266,13 @@ impl Ctx {
         let subtree0: Vec<Contributors> = (0..world).map(subtree_of).collect();
         let ancestors0: Vec<usize> =
             std::iter::successors(tree.parent(rank), |&a| tree.parent(a)).collect();
-        let deep = |r: usize| tree.depth(r).is_some_and(|d| d >= 2);
-        let digest_to: Vec<usize> = if cfg.verify_versions && tree.parent(rank).is_none() {
-            tree.members().into_iter().filter(|&r| deep(r)).collect()
+        let takers = digest_takers(&tree, cfg.verify_versions);
+        let verify_here = takers.contains(&rank);
+        let digest_to = if tree.parent(rank).is_none() {
+            takers
         } else {
             Vec::new()
         };
-        let verify_here = cfg.verify_versions && deep(rank);
         let hop = hop_bound(cfg.loss_bound, tree.height());
         let heartbeat = cfg.heartbeat;
         let server = tree.parent(rank).is_none();

@@ -12,8 +12,8 @@ pub(super) const F_EMPTY: u8 = 2;
 pub(super) const MAX_REASON: usize = 2048;
 /// A block the sender does not hold (weights block clocks).
 pub(super) const NOT_HELD: u64 = u64::MAX;
-/// Bytes of a version digest (SHA-256).
-pub(super) const DIGEST_LEN: usize = 32;
+/// Bytes of a version digest (SHA-256, as the collectives' result digests).
+pub(super) const DIGEST_LEN: usize = crate::algo::DIGEST_LEN;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kind {

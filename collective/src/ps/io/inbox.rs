@@ -9,7 +9,7 @@ use gradwire_msg::mem::{BufId, Region};
 use gradwire_msg::op::{Op, OpCx, OpError, OpEvent, Step};
 
 use crate::aggregate::{arrived_blocks, Contributors};
-use crate::ps::core::{merge_blocks, sets_within, AggIn, ChildSum};
+use crate::ps::core::{sets_within, AggIn, ChildSum};
 use crate::ps::state::{tensor_of, version_digest, Ctx, MAX_UNCHECKED};
 use crate::ps::types::PsError;
 use crate::ps::wire::{
@@ -123,15 +123,7 @@ impl Inbox {
                     break;
                 }
                 let n = st.have.len();
-                merge_blocks(
-                    st.weights.as_bytes_mut(),
-                    &mut st.have,
-                    values.as_bytes(),
-                    &vec![c; n],
-                    &vec![true; n],
-                    ctx.bb,
-                );
-                st.cache.on_weights(c);
+                st.take_version(c, values.as_bytes(), &vec![c; n], &vec![true; n], ctx.bb);
                 taken += 1;
             }
             while st.staged.len() > MAX_UNCHECKED {
@@ -157,9 +149,15 @@ impl Inbox {
                 .counters
                 .versions_verified
                 .fetch_add(taken, Ordering::Relaxed);
-            ctx.shared.cv.notify_all();
-            self.tell(AggIn::Version);
+            self.version_taken();
         }
+    }
+
+    /// A new version is in the cache: wake the pulls, tell the aggregator (it passes the
+    /// version on).
+    fn version_taken(&self) {
+        self.ctx.shared.cv.notify_all();
+        self.tell(AggIn::Version);
     }
 
     /// A tree update or failure report from a peer without standing to make it: logged and
@@ -422,21 +420,14 @@ impl Inbox {
                 }
                 self.take_checked();
             } else {
-                {
-                    let mut st = ctx.shared.lock();
-                    let st = &mut *st;
-                    merge_blocks(
-                        st.weights.as_bytes_mut(),
-                        &mut st.have,
-                        values.as_bytes(),
-                        &clocks,
-                        &arrived,
-                        ctx.bb,
-                    );
-                    st.cache.on_weights(h.clock);
-                }
-                ctx.shared.cv.notify_all();
-                self.tell(AggIn::Version);
+                ctx.shared.lock().take_version(
+                    h.clock,
+                    values.as_bytes(),
+                    &clocks,
+                    &arrived,
+                    ctx.bb,
+                );
+                self.version_taken();
             }
         }
         cx.unregister(d.values.1);
