@@ -60,6 +60,20 @@ pub const JOIN_WAIT: Duration = Duration::from_secs(5);
 pub const MAX_PENDING: usize = 256;
 /// A pending connection silent this long gives its slot to a new one when all are taken.
 pub const EVICT_IDLE: Duration = Duration::from_millis(200);
+
+/// Which of a service's connections makes room for a new one when every place is taken:
+/// the index of the one silent longest, for at least [`EVICT_IDLE`], among those `heard`
+/// gives a last-heard time for (`None`: never evicted); `None` when none has been silent
+/// that long. The rendezvous and NetStorm's scheduler evict by this one rule.
+pub fn stalest<T>(items: &[T], heard: impl Fn(&T) -> Option<Instant>) -> Option<usize> {
+    items
+        .iter()
+        .enumerate()
+        .filter_map(|(i, x)| heard(x).map(|t| (i, t)))
+        .min_by_key(|&(_, t)| t)
+        .filter(|&(_, t)| t.elapsed() >= EVICT_IDLE)
+        .map(|(i, _)| i)
+}
 /// How long rank 0 may take to write the table to every rank, all together: a rank that
 /// reads it slower is left to fail on its own side (a client draining a few kilobytes every
 /// few seconds would otherwise hold rank 0 for as long as it likes).
@@ -467,13 +481,9 @@ fn serve(
             // room, so a flood of idle connections cannot keep a real rank waiting for
             // JOIN_WAIT; a real join arrives at once and is read within a round.
             if pending.len() >= MAX_PENDING {
-                let stalest = pending
-                    .iter()
-                    .enumerate()
-                    .min_by_key(|(_, p)| p.heard)
-                    .filter(|(_, p)| p.heard.elapsed() >= EVICT_IDLE)
-                    .map(|(i, _)| i);
-                let Some(i) = stalest else { break };
+                let Some(i) = stalest(&pending, |p| Some(p.heard)) else {
+                    break;
+                };
                 let p = pending.swap_remove(i);
                 log::warn!(
                     "rendezvous: dropping connection from {}: silent for {:?} while {MAX_PENDING} \

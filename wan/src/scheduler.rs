@@ -407,8 +407,9 @@ pub const CONNECTIONS_PER_NODE: usize = 4;
 /// frame), so a connection silent this long is no node's, and its place is freed.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Least silence of a connection that gives its place to a new one when all are taken:
-/// longer than a node takes from connecting to its first frame.
-pub const EVICT_IDLE: Duration = Duration::from_millis(200);
+/// longer than a node takes from connecting to its first frame. The rendezvous's, as the
+/// rule is ([`gradwire_rendezvous::stalest`]).
+pub const EVICT_IDLE: Duration = gradwire_rendezvous::EVICT_IDLE;
 
 /// A live connection, as the accept loop sees it.
 #[derive(Debug)]
@@ -500,12 +501,7 @@ fn make_room(registry: &Mutex<Vec<Live>>, cap: usize) -> bool {
     if r.len() < cap {
         return true;
     }
-    let victim = r
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| l.node.is_none() && l.heard.elapsed() >= EVICT_IDLE)
-        .min_by_key(|(_, l)| l.heard)
-        .map(|(i, _)| i);
+    let victim = gradwire_rendezvous::stalest(&r, |l| l.node.is_none().then_some(l.heard));
     let Some(i) = victim else { return false };
     let l = r.swap_remove(i);
     // Its thread sees the socket shut down at its next read or write (within IDLE_POLL) and
