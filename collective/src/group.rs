@@ -177,7 +177,8 @@ fn bind_afxdp(cfg: &GroupConfig, ifname: &str) -> Result<Bound, CollectiveError>
         }
         Err(e) => return Err(CollectiveError::Setup(format!("AF_XDP on {ifname}: {e}"))),
     };
-    Ok(Endpoint::with_io(cfg.endpoint.clone(), Box::new(io)))
+    Endpoint::with_io(cfg.endpoint.clone(), Box::new(io))
+        .map_err(|e| CollectiveError::Setup(e.to_string()))
 }
 
 #[cfg(not(feature = "afxdp"))]

@@ -6,6 +6,11 @@
 //! progress thread. A datagram is handed to the core only if its source address is a
 //! peer's; anything else is counted and dropped.
 //!
+//! In an authenticated job ([`EndpointConfig::auth`]) each rank also draws a member key when
+//! it binds and publishes its [`Bound::member`] entry with its address; [`Bound::start_sealed`]
+//! takes every rank's entry, and from then on every datagram is sealed with the key of its
+//! pair of ranks and opened before the core sees it ([`crate::seal`]).
+//!
 //! The progress thread sends every batch the core produced before it receives again, so a
 //! message's memory is never read after its operation ended. It blocks in `poll(2)` when
 //! there is nothing to do (several ranks share a core on small machines).
@@ -16,6 +21,8 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
+
+use gradwire_proto::auth::{JobKey, MemberEntry, MemberKey};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -23,6 +30,7 @@ use crate::core::{Core, CoreConfig, Event, Stats, TxBatch};
 use crate::io::udp::{IoError, UdpConfig, UdpIo};
 use crate::io::{BoxError, DatagramIo, Transmit, Waker};
 use crate::op::{Erased, Handle, Op, OpCx, OpError, OpEvent, Route, Slot, Typed};
+use crate::seal::{OpenError, Sealing};
 use crate::wire;
 
 /// How an endpoint is set up.
@@ -40,6 +48,10 @@ pub struct EndpointConfig {
     pub inject_loss: f64,
     /// Seed of `inject_loss`.
     pub seed: u64,
+    /// The job key of an authenticated job: every datagram is sealed with the key of its pair
+    /// of ranks ([`crate::seal`]), and the endpoint starts only with every rank's proven
+    /// member key ([`Bound::start_sealed`]). `None`: plain datagrams, peers bound by address.
+    pub auth: Option<Arc<JobKey>>,
 }
 
 impl EndpointConfig {
@@ -52,6 +64,7 @@ impl EndpointConfig {
             udp: UdpConfig::default(),
             inject_loss: 0.0,
             seed: 0,
+            auth: None,
         }
     }
 }
@@ -72,6 +85,10 @@ pub enum EndpointError {
     /// allowlist map).
     #[error("letting the peers in: {0} (check that every peer's address is reachable from this host's interface)")]
     Admit(#[source] crate::io::BoxError),
+    /// Authentication: a member key could not be made, a peer's is not proven, or the
+    /// endpoint was started the wrong way for its configuration.
+    #[error("message-layer authentication: {0}")]
+    Auth(String),
 }
 
 /// A bound, not yet started endpoint.
@@ -79,6 +96,8 @@ pub enum EndpointError {
 pub struct Bound {
     cfg: EndpointConfig,
     io: Box<dyn DatagramIo>,
+    /// This rank's member key (authenticated jobs).
+    member: Option<MemberKey>,
 }
 
 impl std::fmt::Debug for dyn DatagramIo {
@@ -94,6 +113,11 @@ pub struct EndpointStats {
     pub core: Stats,
     /// Datagrams from an address that is no peer's.
     pub unknown_source: u64,
+    /// Authenticated jobs: datagrams from a peer's address that did not open (plain, forged,
+    /// altered, or sealed for another job or pair of ranks).
+    pub unauthenticated: u64,
+    /// Authenticated jobs: sealed datagrams whose packet number was taken already (replays).
+    pub replayed: u64,
     /// Data segments dropped by `inject_loss`.
     pub injected_drops: u64,
     /// Peers' hosts reporting their socket closed (ICMP port unreachable).
@@ -148,15 +172,34 @@ impl Endpoint {
     /// Binds a kernel UDP socket.
     pub fn bind(cfg: EndpointConfig) -> Result<Bound, EndpointError> {
         let io = UdpIo::bind(cfg.bind, &cfg.udp)?;
-        Ok(Endpoint::with_io(cfg, Box::new(io)))
+        Endpoint::with_io(cfg, Box::new(io))
     }
 
     /// An endpoint over a datagram socket of any kind (AF_XDP, ...), bound already;
-    /// `cfg.bind` and `cfg.udp` are not used.
-    pub fn with_io(mut cfg: EndpointConfig, io: Box<dyn DatagramIo>) -> Bound {
-        cfg.core.seg_payload = CoreConfig::seg_payload_for_mtu(cfg.mtu, io.local_addr().is_ipv6());
+    /// `cfg.bind` and `cfg.udp` are not used. Sealed datagrams carry
+    /// [`crate::seal::OVERHEAD`] more bytes, taken from the segments' payload.
+    pub fn with_io(
+        mut cfg: EndpointConfig,
+        io: Box<dyn DatagramIo>,
+    ) -> Result<Bound, EndpointError> {
+        let member = match cfg.auth {
+            None => None,
+            Some(_) => Some(
+                MemberKey::generate(&ring::rand::SystemRandom::new())
+                    .map_err(|e| EndpointError::Auth(e.to_string()))?,
+            ),
+        };
+        let overhead = if member.is_some() {
+            crate::seal::OVERHEAD
+        } else {
+            0
+        };
+        cfg.core.seg_payload = CoreConfig::seg_payload_for_mtu(
+            cfg.mtu.saturating_sub(overhead),
+            io.local_addr().is_ipv6(),
+        );
         cfg.core.max_bundle = io.max_segments().max(1);
-        Bound { cfg, io }
+        Ok(Bound { cfg, io, member })
     }
 }
 
@@ -166,9 +209,58 @@ impl Bound {
         self.io.local_addr()
     }
 
+    /// Authenticated jobs: this rank's member entry (its public key, proven with the job
+    /// key), to publish with its address. `None` in a plain job.
+    pub fn member(&self) -> Option<MemberEntry> {
+        let (m, key) = (self.member.as_ref()?, self.cfg.auth.as_ref()?);
+        Some(m.entry(key, self.cfg.core.job, self.cfg.core.rank))
+    }
+
     /// Starts the progress thread with every rank's address (`peers[rank]`; this rank's own
-    /// entry is ignored).
+    /// entry is ignored). Plain jobs only: an authenticated endpoint starts with
+    /// [`Bound::start_sealed`].
     pub fn start(self, peers: Vec<SocketAddr>) -> Result<Endpoint, EndpointError> {
+        if self.cfg.auth.is_some() {
+            return Err(EndpointError::Auth(
+                "this endpoint has a job key: start it with start_sealed and every rank's \
+                 member entry"
+                    .into(),
+            ));
+        }
+        self.launch(peers, None)
+    }
+
+    /// Starts an authenticated endpoint with every rank's address and member entry
+    /// (`members[rank]` from rank `rank`, as published; this rank's own is ignored). Fails
+    /// naming the first rank whose entry is not proven with this job's key.
+    pub fn start_sealed(
+        self,
+        peers: Vec<SocketAddr>,
+        members: &[MemberEntry],
+    ) -> Result<Endpoint, EndpointError> {
+        let (Some(key), Some(member)) = (self.cfg.auth.as_ref(), self.member.as_ref()) else {
+            return Err(EndpointError::Auth(
+                "this endpoint has no job key (EndpointConfig::auth): start it with start".into(),
+            ));
+        };
+        let (job, rank, world) = (self.cfg.core.job, self.cfg.core.rank, self.cfg.core.world);
+        if members.len() != usize::from(world) {
+            return Err(EndpointError::Peers(format!(
+                "{} member keys for a world of {world}",
+                members.len()
+            )));
+        }
+        let sealing = Sealing::new(key, job, rank, member, members).map_err(|(r, e)| {
+            EndpointError::Auth(format!("rank {r}'s member key is refused: {e}"))
+        })?;
+        self.launch(peers, Some(sealing))
+    }
+
+    fn launch(
+        self,
+        peers: Vec<SocketAddr>,
+        seal: Option<Sealing>,
+    ) -> Result<Endpoint, EndpointError> {
         let world = self.cfg.core.world;
         let rank = self.cfg.core.rank;
         if peers.len() != usize::from(world) {
@@ -214,6 +306,9 @@ impl Bound {
             shared: shared.clone(),
             inject_loss: self.cfg.inject_loss,
             rng: fastrand::Rng::with_seed(self.cfg.seed ^ u64::from(rank)),
+            seal,
+            scratch: Vec::new(),
+            arena: Vec::new(),
         };
         let sh = shared.clone();
         let thread = std::thread::Builder::new()
@@ -383,6 +478,12 @@ struct Driver {
     shared: Arc<Shared>,
     inject_loss: f64,
     rng: fastrand::Rng,
+    /// Authenticated jobs: the pair keys, packet numbers and replay windows.
+    seal: Option<Sealing>,
+    /// Where a sealed datagram is opened.
+    scratch: Vec<u8>,
+    /// Where a batch's datagrams are sealed before they are sent.
+    arena: Vec<u8>,
 }
 
 /// After the endpoint is dropped its progress thread goes on answering until nothing has
@@ -445,14 +546,24 @@ impl Driver {
             for _ in 0..8 {
                 let (core, by_addr, stats) = (&mut self.core, &self.by_addr, &mut self.stats);
                 let (loss, rng) = (self.inject_loss, &mut self.rng);
-                let n = self.io.recv(&mut |meta, d| match by_addr.get(&meta.src) {
-                    Some(_)
-                        if loss > 0.0 && d.get(1) == Some(&wire::KIND_DATA) && rng.f64() < loss =>
-                    {
-                        stats.injected_drops += 1
+                let (seal, scratch) = (&mut self.seal, &mut self.scratch);
+                let n = self.io.recv(&mut |meta, d| {
+                    let Some(&r) = by_addr.get(&meta.src) else {
+                        stats.unknown_source += 1;
+                        return;
+                    };
+                    let d = match seal.as_mut() {
+                        None => d,
+                        Some(s) => match s.open(r, d, scratch) {
+                            Ok(inner) => inner,
+                            Err(e) => return refused(stats, r, meta.src, e),
+                        },
+                    };
+                    if loss > 0.0 && d.get(1) == Some(&wire::KIND_DATA) && rng.f64() < loss {
+                        stats.injected_drops += 1;
+                    } else {
+                        core.handle_datagram(now, r, meta.tos, d);
                     }
-                    Some(&r) => core.handle_datagram(now, r, meta.tos, d),
-                    None => stats.unknown_source += 1,
                 })?;
                 if n == 0 {
                     drained = true;
@@ -656,25 +767,10 @@ impl Driver {
                 return Ok(total);
             }
             let bufs = self.core.buffers();
-            let mut iov: Vec<IoSlice<'_>> =
-                Vec::with_capacity(self.batch.headers.len() * 2 + self.batch.ctrl.len());
-            let mut spans = Vec::with_capacity(self.batch.bundles.len() + self.batch.ctrl.len());
-            for c in &self.batch.ctrl {
-                spans.push((c.peer, c.tos, c.bytes.len(), iov.len()..iov.len() + 1));
-                iov.push(IoSlice::new(&c.bytes));
-            }
-            for b in &self.batch.bundles {
-                let start = iov.len();
-                for s in b.segs.clone() {
-                    iov.push(IoSlice::new(&self.batch.headers[s]));
-                    let (buf, range) = &self.batch.payloads[s];
-                    let payload = bufs.get(*buf, range.clone()).unwrap_or(&[]);
-                    if !payload.is_empty() {
-                        iov.push(IoSlice::new(payload));
-                    }
-                }
-                spans.push((b.peer, b.tos, b.segment_size, start..iov.len()));
-            }
+            let (iov, spans) = match self.seal.as_mut() {
+                None => gather(&self.batch, bufs),
+                Some(seal) => gather_sealed(&self.batch, bufs, seal, &mut self.arena),
+            };
             let tx: Vec<Transmit<'_>> = spans
                 .iter()
                 .map(|(peer, tos, seg, r)| Transmit {
@@ -709,5 +805,100 @@ impl Driver {
                 op.fail(OpError::Down(why.to_string()));
             }
         }
+    }
+}
+
+/// Where each datagram of a batch goes: `(peer, TOS, GSO segment size, its slices in the iov)`.
+type Spans = Vec<(u16, u8, usize, std::ops::Range<usize>)>;
+
+/// A batch's datagrams as they are: headers and payloads straight from registered memory.
+fn gather<'a>(batch: &'a TxBatch, bufs: &'a crate::mem::Buffers) -> (Vec<IoSlice<'a>>, Spans) {
+    let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(batch.headers.len() * 2 + batch.ctrl.len());
+    let mut spans = Vec::with_capacity(batch.bundles.len() + batch.ctrl.len());
+    for c in &batch.ctrl {
+        spans.push((c.peer, c.tos, c.bytes.len(), iov.len()..iov.len() + 1));
+        iov.push(IoSlice::new(&c.bytes));
+    }
+    for b in &batch.bundles {
+        let start = iov.len();
+        for s in b.segs.clone() {
+            iov.push(IoSlice::new(&batch.headers[s]));
+            let (buf, range) = &batch.payloads[s];
+            let payload = bufs.get(*buf, range.clone()).unwrap_or(&[]);
+            if !payload.is_empty() {
+                iov.push(IoSlice::new(payload));
+            }
+        }
+        spans.push((b.peer, b.tos, b.segment_size, start..iov.len()));
+    }
+    (iov, spans)
+}
+
+/// A batch's datagrams sealed into `arena`, one slice each (the payload's one copy is the
+/// one encryption needs anyway: the tensor is never written).
+fn gather_sealed<'a>(
+    batch: &TxBatch,
+    bufs: &crate::mem::Buffers,
+    seal: &mut Sealing,
+    arena: &'a mut Vec<u8>,
+) -> (Vec<IoSlice<'a>>, Spans) {
+    arena.clear();
+    let mut dgrams = Vec::with_capacity(batch.headers.len() + batch.ctrl.len());
+    let mut spans = Vec::with_capacity(batch.bundles.len() + batch.ctrl.len());
+    let mut seal_one = |peer: u16, parts: &[&[u8]], arena: &mut Vec<u8>| {
+        let at = arena.len();
+        seal.seal(peer, parts, arena);
+        dgrams.push(at..arena.len());
+        dgrams.len() - 1
+    };
+    for c in &batch.ctrl {
+        let i = seal_one(c.peer, &[&c.bytes], arena);
+        spans.push((
+            c.peer,
+            c.tos,
+            c.bytes.len() + crate::seal::OVERHEAD,
+            i..i + 1,
+        ));
+    }
+    for b in &batch.bundles {
+        let mut sealed: Option<std::ops::Range<usize>> = None;
+        for s in b.segs.clone() {
+            let (buf, range) = &batch.payloads[s];
+            let payload = bufs.get(*buf, range.clone()).unwrap_or(&[]);
+            let i = seal_one(b.peer, &[&batch.headers[s], payload], arena);
+            sealed = Some(sealed.map_or(i..i + 1, |r| r.start..i + 1));
+        }
+        if let Some(r) = sealed {
+            spans.push((b.peer, b.tos, b.segment_size + crate::seal::OVERHEAD, r));
+        }
+    }
+    let arena: &'a [u8] = arena;
+    (
+        dgrams
+            .into_iter()
+            .map(|r| IoSlice::new(&arena[r]))
+            .collect(),
+        spans,
+    )
+}
+
+/// Counts a datagram from `r`'s address that did not open, with one log line for the first
+/// of each kind and then every 10,000th (a flood must not flood the log).
+fn refused(stats: &mut EndpointStats, r: u16, src: SocketAddr, e: OpenError) {
+    let n = match e {
+        OpenError::Replayed => {
+            stats.replayed += 1;
+            stats.replayed
+        }
+        _ => {
+            stats.unauthenticated += 1;
+            stats.unauthenticated
+        }
+    };
+    if n % 10_000 == 1 {
+        log::warn!(
+            "message layer: refused a datagram from {src} (rank {r}'s address): {e} \
+             ({n} so far)"
+        );
     }
 }

@@ -7,6 +7,8 @@
 //! - [`io`]: the datagram sockets (kernel UDP with GSO/GRO and `sendmmsg`/`recvmmsg`; AF_XDP
 //!   with the `afxdp` feature).
 //! - [`op`]: operations (state machines on the progress thread) and their handles.
+//! - [`seal`]: authenticated jobs' sealing of every datagram with its pair of ranks' key,
+//!   and the replay windows.
 //! - [`endpoint`]: one endpoint per rank: the socket, the core and the progress thread.
 //! - [`p2p`]: the simplest operations: one message to or from one peer (fixed or variable
 //!   length), for anything built on the layer that is not a collective.
@@ -19,4 +21,5 @@ pub mod mem;
 pub mod op;
 pub mod p2p;
 pub mod reduce;
+pub mod seal;
 pub mod wire;

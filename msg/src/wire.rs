@@ -4,7 +4,7 @@
 //!
 //! Every gradwire datagram starts with the same 8-byte prefix (`version`, `kind`, one byte
 //! the kind defines, one more, `job`); the flow protocol's data header
-//! (`gradwire_proto::wire::header`) uses kinds 1 and 2, the message layer kinds 3 and 5.
+//! (`gradwire_proto::wire::header`) uses kinds 1 and 2, the message layer kinds 3, 5 and 6.
 //!
 //! ```text
 //! Data segment (kind 3), 40-byte header then `length` payload bytes:
@@ -42,6 +42,19 @@
 //! 28  2    bitmap_len
 //! 30  2    reserved  0
 //! 32  ..   bitmap    NACK: bit i (LSB first in byte i/8) set = segment a+i is missing
+//!
+//! Sealed datagram (kind 6, authenticated jobs), 24-byte header (the AEAD's associated data),
+//! then one data segment or control frame encrypted, then a 16-byte tag:
+//! 0   1    version   1
+//! 1   1    kind      6
+//! 2   2    reserved  0
+//! 4   4    job
+//! 8   2    src       sender's rank (its pair key opens the datagram)
+//! 10  2    dst       receiver's rank
+//! 12  4    reserved  0
+//! 16  8    pn        packet number on the src -> dst direction: the GCM nonce, never reused
+//! 24  ..   sealed    the inner datagram (kind 3 or 5), AES-128-GCM ciphertext
+//! ..  16   tag
 //! ```
 
 use gradwire_proto::wire::Error;
@@ -55,8 +68,16 @@ pub const VERSION: u8 = 1;
 pub const KIND_DATA: u8 = 3;
 /// Kind of a control frame.
 pub const KIND_CTRL: u8 = 5;
+/// Kind of a sealed datagram.
+pub const KIND_SEALED: u8 = 6;
 /// Data header length.
 pub const DATA_HEADER_LEN: usize = 40;
+/// Sealed header length.
+pub const SEALED_HEADER_LEN: usize = 24;
+/// Authentication tag after a sealed datagram's body.
+pub const SEALED_TAG_LEN: usize = 16;
+/// Bytes sealing adds to a datagram.
+pub const SEALED_OVERHEAD: usize = SEALED_HEADER_LEN + SEALED_TAG_LEN;
 /// Control header length.
 pub const CTRL_HEADER_LEN: usize = 32;
 /// A NACK's `c`: a gap seen within the sender's first pass, not the end of a pass (the
@@ -317,6 +338,58 @@ impl Ctrl {
     }
 }
 
+/// A sealed datagram's header (its body and tag follow).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SealedHeader {
+    /// Job id.
+    pub job: u32,
+    /// Sender's rank.
+    pub src: u16,
+    /// Receiver's rank.
+    pub dst: u16,
+    /// Packet number on the src -> dst direction.
+    pub pn: u64,
+}
+
+impl SealedHeader {
+    /// Parses a sealed datagram: returns its header and the rest (sealed body and tag), which
+    /// holds at least a control header and the tag. The header bytes are `d[..24]`, the
+    /// associated data to open it with.
+    pub fn parse(d: &[u8]) -> Result<(SealedHeader, &[u8])> {
+        if d.len() < SEALED_HEADER_LEN + CTRL_HEADER_LEN + SEALED_TAG_LEN {
+            return Err(Error::Truncated);
+        }
+        if d[0] != VERSION {
+            return Err(Error::BadVersion);
+        }
+        if d[1] != KIND_SEALED {
+            return Err(Error::UnknownKind);
+        }
+        if d[2..4] != [0, 0] || d[12..16] != [0; 4] {
+            return Err(Error::LengthMismatch);
+        }
+        let h = SealedHeader {
+            job: be32(d, 4),
+            src: be16(d, 8),
+            dst: be16(d, 10),
+            pn: be64(d, 16),
+        };
+        Ok((h, &d[SEALED_HEADER_LEN..]))
+    }
+
+    /// Writes the header into `out[..24]`.
+    pub fn emit(&self, out: &mut [u8; SEALED_HEADER_LEN]) {
+        out[0] = VERSION;
+        out[1] = KIND_SEALED;
+        out[2..4].copy_from_slice(&[0, 0]);
+        out[4..8].copy_from_slice(&self.job.to_be_bytes());
+        out[8..10].copy_from_slice(&self.src.to_be_bytes());
+        out[10..12].copy_from_slice(&self.dst.to_be_bytes());
+        out[12..16].copy_from_slice(&[0; 4]);
+        out[16..24].copy_from_slice(&self.pn.to_be_bytes());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -396,11 +469,39 @@ mod tests {
         assert_eq!(ack.emit(&[], &mut [0u8; 8]), Err(Error::Truncated));
     }
 
+    #[test]
+    fn sealed_header_round_trips_and_refuses_what_does_not_fit() {
+        let h = SealedHeader {
+            job: 9,
+            src: 2,
+            dst: 5,
+            pn: u64::MAX - 1,
+        };
+        let mut d = vec![0u8; SEALED_HEADER_LEN + CTRL_HEADER_LEN + SEALED_TAG_LEN];
+        let mut hdr = [0u8; SEALED_HEADER_LEN];
+        h.emit(&mut hdr);
+        d[..SEALED_HEADER_LEN].copy_from_slice(&hdr);
+        let (got, rest) = SealedHeader::parse(&d).expect("parses");
+        assert_eq!(got, h);
+        assert_eq!(rest.len(), CTRL_HEADER_LEN + SEALED_TAG_LEN);
+        assert_eq!(
+            SealedHeader::parse(&d[..d.len() - 1]),
+            Err(Error::Truncated)
+        );
+        let mut r = d.clone();
+        r[13] = 1;
+        assert_eq!(SealedHeader::parse(&r), Err(Error::LengthMismatch));
+        r = d.clone();
+        r[1] = KIND_DATA;
+        assert_eq!(SealedHeader::parse(&r), Err(Error::UnknownKind));
+    }
+
     proptest! {
         #[test]
         fn parsers_never_panic(d in proptest::collection::vec(any::<u8>(), 0..1600)) {
             let _ = DataHeader::parse(&d);
             let _ = Ctrl::parse(&d);
+            let _ = SealedHeader::parse(&d);
             let _ = kind(&d);
         }
 

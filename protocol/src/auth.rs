@@ -80,6 +80,9 @@ use zeroize::Zeroizing;
 
 use crate::wire::{self, header};
 
+mod members;
+pub use members::{MemberEntry, MemberKey, PacketKey, PairKeys, MEMBER_PROOF_LEN, PACKET_TAG_LEN};
+
 pub use crate::wire::header::TAG_LEN as DATA_TAG_LEN;
 
 /// Shortest job secret accepted, in bytes (128 bits).
@@ -158,10 +161,17 @@ pub enum AuthError {
     /// The random number generator failed while making an ephemeral key.
     #[error("the system random number generator failed: check that getrandom(2) works")]
     Random,
-    /// The peer's ephemeral public key is unusable (a low-order point: the shared secret would
-    /// be zero). Close the connection.
-    #[error("the peer's ephemeral X25519 public key is invalid (low-order point)")]
+    /// The peer's X25519 public key is unusable (a low-order point: the shared secret would
+    /// be zero). Close the connection, or refuse the peer's table entry.
+    #[error("the peer's X25519 public key is invalid (low-order point)")]
     BadPublicKey,
+    /// A rank's member key in the table is not proven with this job's key: it was forged
+    /// or altered on its way, or that rank holds another job secret.
+    #[error(
+        "the member key is not proven with this job's secret (forged or altered in the \
+         table, or that rank holds another secret): give every rank the same secret"
+    )]
+    BadMemberProof,
 }
 
 /// A [`hkdf::KeyType`] for HKDF output of any length (only [`expand_bytes`] uses it).
