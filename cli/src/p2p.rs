@@ -416,8 +416,8 @@ pub fn demo(c: &Common) -> Res<Summary> {
             let rx = Endpoint::with_io(
                 endpoint_config(c, RECEIVER, b, c.inject_loss),
                 Box::new(rx_io),
-            );
-            let tx = Endpoint::with_io(endpoint_config(c, SENDER, a, 0.0), Box::new(tx_io));
+            )?;
+            let tx = Endpoint::with_io(endpoint_config(c, SENDER, a, 0.0), Box::new(tx_io))?;
             let peers = vec![b, a];
             run_local(c, tx.start(peers.clone())?, rx.start(peers)?, "loopback")
         }
@@ -453,7 +453,7 @@ fn xdp_endpoint(
     let mut peers = vec![local, local];
     peers[usize::from(rank)] = io.local_addr();
     peers[usize::from(1 - rank)] = peer;
-    let ep = Endpoint::with_io(endpoint_config(c, rank, local, 0.0), Box::new(io)).start(peers)?;
+    let ep = Endpoint::with_io(endpoint_config(c, rank, local, 0.0), Box::new(io))?.start(peers)?;
     Ok((ep, monitor))
 }
 
@@ -674,7 +674,7 @@ impl Opened {
             Opened::Xdp(mut io, cfg) => {
                 io.allow_peers(&[peer])?;
                 let m = io.monitor();
-                (Endpoint::with_io(cfg, io).start(peers)?, Some(m))
+                (Endpoint::with_io(cfg, io)?.start(peers)?, Some(m))
             }
         })
     }

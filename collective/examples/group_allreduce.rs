@@ -1,11 +1,12 @@
 //! All-reduce on the message layer over 127.0.0.1, one thread per rank, for profiling:
 //!
 //! ```text
-//! cargo run --release -p gradwire-collective --example group_allreduce -- [ranks] [MiB] [iters] [ring|direct] [verify]
+//! cargo run --release -p gradwire-collective --example group_allreduce -- [ranks] [MiB] [iters] [ring|direct] [verify] [sealed]
 //! ```
 //!
 //! `verify`: the ring checks every chunk against its owner's digest
-//! (`GroupReduceOptions::verify_results`).
+//! (`GroupReduceOptions::verify_results`). `sealed`: an authenticated job, every datagram
+//! sealed with its pair of ranks' key (`EndpointConfig::auth`).
 //!
 //! Prints the median time per operation and the endpoint counters of rank 0.
 
@@ -13,6 +14,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use gradwire::auth::MemberEntry;
 use gradwire::tensor::DType;
 use gradwire_collective::comm::TensorMut;
 use gradwire_collective::group::{AllReduceAlgo, GroupConfig, GroupReduceOptions, PendingGroup};
@@ -24,20 +26,31 @@ fn main() {
     let mib: usize = arg(1, "64").parse().expect("MiB");
     let iters: usize = arg(2, "5").parse().expect("iterations");
     let algo = AllReduceAlgo::parse(&arg(3, "ring")).expect("ring or direct");
-    let verify_results = arg(4, "") == "verify";
+    let flags = &args[args.len().min(4)..];
+    let verify_results = flags.iter().any(|f| f == "verify");
+    let key = flags.iter().any(|f| f == "sealed").then(|| {
+        let secret = gradwire::auth::JobSecret::new(vec![7; 32]).expect("secret");
+        std::sync::Arc::new(gradwire::auth::JobKey::new(&secret))
+    });
     let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
     let (atx, arx) = mpsc::channel();
     let mut ttx = Vec::new();
     let mut threads = Vec::new();
     for rank in 0..world {
-        let (tx, rx) = mpsc::channel::<Vec<SocketAddr>>();
+        let (tx, rx) = mpsc::channel::<(Vec<SocketAddr>, Vec<Option<MemberEntry>>)>();
         ttx.push(tx);
-        let atx = atx.clone();
+        let (atx, key) = (atx.clone(), key.clone());
         threads.push(std::thread::spawn(move || {
-            let cfg = GroupConfig::new(1, rank, world, lo, Duration::from_secs(10));
+            let mut cfg = GroupConfig::new(1, rank, world, lo, Duration::from_secs(10));
+            cfg.endpoint.auth = key;
             let p = PendingGroup::bind(cfg).expect("bind");
-            atx.send((rank, p.address())).expect("address");
-            let g = p.start(rx.recv().expect("table")).expect("start");
+            atx.send((rank, p.address(), p.member())).expect("address");
+            let (table, members) = rx.recv().expect("table");
+            let g = match members.into_iter().collect::<Option<Vec<_>>>() {
+                Some(m) => p.start_sealed(table, &m),
+                None => p.start(table),
+            }
+            .expect("start");
             let n = mib * (1 << 20) / 4;
             let mut buf: Vec<u8> = vec![0; n * 4];
             let o = GroupReduceOptions {
@@ -62,12 +75,14 @@ fn main() {
         }));
     }
     let mut table = vec![SocketAddr::new(lo, 0); world];
+    let mut members = vec![None; world];
     for _ in 0..world {
-        let (r, a) = arx.recv().expect("address");
+        let (r, a, m) = arx.recv().expect("address");
         table[r] = a;
+        members[r] = m;
     }
     for t in &ttx {
-        t.send(table.clone()).expect("table");
+        t.send((table.clone(), members.clone())).expect("table");
     }
     let out: Vec<_> = threads
         .into_iter()

@@ -9,9 +9,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use gradwire::auth::MemberEntry;
 use gradwire::tensor::DType;
 use gradwire_msg::core::{RecvOpts, RecvReport, SendOpts};
-use gradwire_msg::endpoint::{Bound, Endpoint, EndpointConfig, EndpointStats};
+use gradwire_msg::endpoint::{Bound, Endpoint, EndpointConfig, EndpointError, EndpointStats};
 use gradwire_msg::mem::Region;
 use gradwire_msg::op::{Handle, OpError};
 
@@ -146,18 +147,104 @@ impl PendingGroup {
         self.bound.local_addr()
     }
 
-    /// Starts the endpoint with `table[r]` = rank r's address.
+    /// Authenticated groups (`cfg.endpoint.auth`): this rank's member entry, to publish with
+    /// its address.
+    pub fn member(&self) -> Option<MemberEntry> {
+        self.bound.member()
+    }
+
+    /// Starts the endpoint with `table[r]` = rank r's address (plain groups).
     pub fn start(self, table: Vec<SocketAddr>) -> Result<Group, CollectiveError> {
         let ep = self
             .bound
             .start(table)
             .map_err(|e| CollectiveError::Setup(e.to_string()))?;
-        Ok(Group {
+        Ok(self.cfg.group(ep))
+    }
+
+    /// Starts an authenticated group's endpoint with every rank's address and member entry
+    /// (`members[r]` as rank r published it): every datagram sealed with its pair of ranks'
+    /// key.
+    pub fn start_sealed(
+        self,
+        table: Vec<SocketAddr>,
+        members: &[MemberEntry],
+    ) -> Result<Group, CollectiveError> {
+        let ep = self
+            .bound
+            .start_sealed(table, members)
+            .map_err(|e| match e {
+                EndpointError::Member { rank, source } => CollectiveError::PeerSetup {
+                    peer: usize::from(rank),
+                    reason: format!("its message-layer member key is refused: {source}"),
+                },
+                e => CollectiveError::Setup(e.to_string()),
+            })?;
+        Ok(self.cfg.group(ep))
+    }
+}
+
+impl PendingGroup {
+    /// Starts the endpoint from the message-layer entries of a links table (every rank's
+    /// address, and in an authenticated group every rank's member key): sealed when this
+    /// group has a job key. A rank that published no address, or whose authentication
+    /// differs from this one's (a member key where this rank has no secret, or none where
+    /// it has one), fails the set-up naming it.
+    pub fn start_from(self, links: &crate::link::Links) -> Result<Group, CollectiveError> {
+        let setup = |peer: usize, reason: &str| CollectiveError::PeerSetup {
+            peer,
+            reason: reason.into(),
+        };
+        let table = links
+            .msg_addrs()
+            .iter()
+            .enumerate()
+            .map(|(r, a)| {
+                a.ok_or_else(|| {
+                    setup(
+                        r,
+                        "it runs no message layer: it has the message layer off, or runs an \
+                         older gradwire; give every rank the same settings",
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let members = links.msg_members();
+        if self.cfg.endpoint.auth.is_none() {
+            if let Some(r) = members.iter().position(Option::is_some) {
+                return Err(setup(
+                    r,
+                    "it is authenticated (a job secret there, none here): give every rank \
+                     the same secret",
+                ));
+            }
+            return self.start(table);
+        }
+        let members = members
+            .iter()
+            .enumerate()
+            .map(|(r, m)| {
+                m.ok_or_else(|| {
+                    setup(
+                        r,
+                        "it published no message-layer member key: it runs without the job \
+                         secret, or an older gradwire; give every rank the same secret",
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.start_sealed(table, &members)
+    }
+}
+
+impl GroupConfig {
+    fn group(self, ep: Endpoint) -> Group {
+        Group {
             ep,
-            cfg: self.cfg,
+            cfg: self,
             failed: Arc::new(Mutex::new(None)),
             steps: std::sync::Mutex::new(StepTimes::default()),
-        })
+        }
     }
 }
 
@@ -602,10 +689,7 @@ impl Group {
     }
 
     fn cfg_seg_payload(&self) -> usize {
-        gradwire_msg::core::CoreConfig::seg_payload_for_mtu(
-            self.cfg.endpoint.mtu,
-            self.ep.local_addr().is_ipv6(),
-        )
+        self.ep.seg_payload()
     }
 
     /// Broadcast from `root` in place, each hop under `loss_bound` (0: reliable). Returns,

@@ -17,7 +17,7 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use gradwire::auth::{JobKey, JobSecret};
+use gradwire::auth::{JobKey, JobSecret, MemberEntry, MEMBER_PROOF_LEN, PUBLIC_LEN};
 use gradwire::ctrl_channel::{fresh_link_token, CtrlChannel, MemCtrl, TcpCtrl};
 use gradwire::ctrl_listener::{CtrlListener, ListenerConfig};
 use gradwire::datapath::fault::{FaultConfig, FaultInjector};
@@ -166,6 +166,8 @@ pub struct Links {
     inn: Vec<Option<InLink>>,
     /// Each rank's message-layer socket, as its endpoint published it.
     msg_addrs: Vec<Option<SocketAddr>>,
+    /// Each rank's message-layer member key (authenticated jobs), as published.
+    msg_members: Vec<Option<MemberEntry>>,
 }
 
 /// How in-memory links behave.
@@ -205,6 +207,9 @@ pub struct NetLinkConfig {
     pub fault: Option<FaultConfig>,
     /// The port of this rank's message-layer socket, published with its endpoint.
     pub msg_port: Option<u16>,
+    /// Authenticated jobs: this rank's message-layer member key, published with its
+    /// endpoint ([`gradwire_msg::endpoint::Bound::member`]).
+    pub msg_member: Option<MemberEntry>,
 }
 
 impl Default for NetLinkConfig {
@@ -216,6 +221,7 @@ impl Default for NetLinkConfig {
             rendezvous: RendezvousConfig::default(),
             fault: None,
             msg_port: None,
+            msg_member: None,
         }
     }
 }
@@ -232,6 +238,10 @@ struct Endpoint {
     /// The message layer's UDP port (on `ip`), if the rank runs one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     msg_port: Option<u16>,
+    /// Authenticated jobs: the message layer's member key and its proof (checked when the
+    /// endpoint starts: a forged one fails the set-up naming this rank).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    msg_member: Option<([u8; PUBLIC_LEN], [u8; MEMBER_PROOF_LEN])>,
     /// Plain jobs: `(from rank, token)` of each incoming link; rank `from` sends it in its
     /// `Hello`, so another process at its address cannot take the link (authenticated
     /// jobs prove the secret instead).
@@ -250,12 +260,19 @@ impl Links {
             out: (0..world).map(|_| None).collect(),
             inn: (0..world).map(|_| None).collect(),
             msg_addrs: vec![None; world],
+            msg_members: vec![None; world],
         }
     }
 
     /// Each rank's message-layer socket (`None` where its endpoint published none).
     pub fn msg_addrs(&self) -> &[Option<SocketAddr>] {
         &self.msg_addrs
+    }
+
+    /// Each rank's message-layer member key (`None` where its endpoint published none: a
+    /// plain job).
+    pub fn msg_members(&self) -> &[Option<MemberEntry>] {
+        &self.msg_members
     }
 
     /// This rank.
@@ -512,6 +529,7 @@ impl Links {
                 .map(|(p, l, _)| (*p, l.local_addr().port()))
                 .collect(),
             msg_port: cfg.msg_port,
+            msg_member: cfg.msg_member.map(|m| (m.public, m.proof)),
             tokens,
         };
         let endpoint = serde_json::to_vec(&me)
@@ -633,6 +651,9 @@ pub fn parse_endpoint_table(
             ip: e.ip,
             listeners: e.listeners,
             msg: e.msg_port.map(|p| SocketAddr::new(e.ip, p)),
+            msg_member: e
+                .msg_member
+                .map(|(public, proof)| MemberEntry { public, proof }),
             tokens: e.tokens,
         });
     }
@@ -648,6 +669,8 @@ pub struct EndpointInfo {
     pub listeners: Vec<(usize, u16)>,
     /// Its message-layer socket, if it published one.
     pub msg: Option<SocketAddr>,
+    /// Its message-layer member key (authenticated jobs), if it published one.
+    pub msg_member: Option<MemberEntry>,
     /// Plain jobs: `(from rank, token)` its listeners want in the `Hello` of each incoming
     /// link.
     pub tokens: Vec<(usize, [u8; LINK_TOKEN_LEN])>,
@@ -678,6 +701,7 @@ impl PendingLinks {
         }
         let mut links = Links::empty(rank, world);
         links.msg_addrs = endpoints.iter().map(|e| e.msg).collect();
+        links.msg_members = endpoints.iter().map(|e| e.msg_member).collect();
         // Outgoing first: the peers' listeners run handshakes in the background, so connects
         // complete without the peers calling accept, and nobody waits on anybody in a cycle.
         for &q in &self.outgoing {
@@ -776,6 +800,7 @@ mod tests {
             ip: "198.18.0.1".parse().unwrap(),
             listeners: listeners.to_vec(),
             msg_port: None,
+            msg_member: None,
             tokens: listeners
                 .iter()
                 .map(|&(from, _)| (from, [from as u8; 32]))

@@ -294,56 +294,34 @@ pub fn run_worker(w: &WorkerSpec, mut progress: impl FnMut(&str)) -> Result<Work
         .collect();
     let elements: u64 = layers.iter().map(|l| l.elems as u64).sum();
 
-    // A plain job runs on the message layer (ring, two-phase, or the tree); an authenticated
-    // one, whose packets are sealed, on the flow transport (ring or tree).
+    // Every job runs on the message layer (ring, two-phase, or the tree); an authenticated
+    // one seals every datagram with its pair of ranks' key.
     let layer_algo = match o.algorithm {
-        _ if secret.is_some() => None,
         JobAlgorithm::Ring | JobAlgorithm::Tree(_) => Some(AllReduceAlgo::Ring),
         JobAlgorithm::Direct => Some(AllReduceAlgo::Direct),
         JobAlgorithm::Auto => Some(AllReduceAlgo::Auto),
     };
-    if layer_algo.is_none() && matches!(o.algorithm, JobAlgorithm::Direct | JobAlgorithm::Auto) {
-        return Err(Error::Collective {
-            rank,
-            world,
-            source: gradwire_collective::error::CollectiveError::Config(format!(
-                "the {} all-reduce runs on the message layer, which does not yet seal packets: \
-                 use \"ring\" or a tree in an authenticated job",
-                o.algorithm
-            )),
-        });
-    }
     let pending_group = match layer_algo {
-        Some(_) => Some(
-            PendingGroup::bind(GroupConfig::new(job, rank, world, ip, timeout)).map_err(coll)?,
-        ),
+        Some(_) => {
+            let mut g = GroupConfig::new(job, rank, world, ip, timeout);
+            g.endpoint.auth = secret
+                .as_ref()
+                .map(|s| std::sync::Arc::new(gradwire::auth::JobKey::new(s)));
+            Some(PendingGroup::bind(g).map_err(coll)?)
+        }
         None => None,
     };
     let net = NetLinkConfig {
         connect_timeout: timeout,
         msg_port: pending_group.as_ref().map(|g| g.address().port()),
+        msg_member: pending_group.as_ref().and_then(PendingGroup::member),
         ..NetLinkConfig::default()
     };
     let links = Links::connect(job, rank, world, ip, master, &edges, secret.as_ref(), &net)
         .map_err(coll)?;
     let group = match pending_group {
         None => None,
-        Some(g) => {
-            let table = links
-                .msg_addrs()
-                .iter()
-                .enumerate()
-                .map(|(r, a)| {
-                    a.ok_or_else(|| {
-                        coll(gradwire_collective::error::CollectiveError::Setup(format!(
-                            "rank {r} published no message-layer socket: do all ranks run \
-                             the same gradwire and algorithm?"
-                        )))
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            Some(g.start(table).map_err(coll)?)
-        }
+        Some(g) => Some(g.start_from(&links).map_err(coll)?),
     };
     // The job's priority (job file; 0 = most urgent) picks the switch queue of its data and
     // its receivers' class in their host's grant pool (MLNET §3.2).

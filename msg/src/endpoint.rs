@@ -89,6 +89,15 @@ pub enum EndpointError {
     /// endpoint was started the wrong way for its configuration.
     #[error("message-layer authentication: {0}")]
     Auth(String),
+    /// A peer's member key is not proven with this job's key, or unusable.
+    #[error("rank {rank}'s message-layer member key is refused: {source}")]
+    Member {
+        /// The peer.
+        rank: u16,
+        /// Why.
+        #[source]
+        source: gradwire_proto::auth::AuthError,
+    },
 }
 
 /// A bound, not yet started endpoint.
@@ -154,6 +163,7 @@ pub struct Endpoint {
     local: SocketAddr,
     rank: u16,
     world: u16,
+    seg_payload: usize,
     next_id: AtomicU64,
     shared: Arc<Shared>,
 }
@@ -250,9 +260,8 @@ impl Bound {
                 members.len()
             )));
         }
-        let sealing = Sealing::new(key, job, rank, member, members).map_err(|(r, e)| {
-            EndpointError::Auth(format!("rank {r}'s member key is refused: {e}"))
-        })?;
+        let sealing = Sealing::new(key, job, rank, member, members)
+            .map_err(|(rank, source)| EndpointError::Member { rank, source })?;
         self.launch(peers, Some(sealing))
     }
 
@@ -331,6 +340,7 @@ impl Bound {
             local,
             rank,
             world,
+            seg_payload: self.cfg.core.seg_payload,
             next_id: AtomicU64::new(1),
             shared,
         })
@@ -351,6 +361,12 @@ impl Endpoint {
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.local
+    }
+
+    /// Payload bytes per data segment: what the MTU leaves after the headers (and, in an
+    /// authenticated job, the seal).
+    pub fn seg_payload(&self) -> usize {
+        self.seg_payload
     }
 
     /// Counters as of the progress thread's last loop, or of the last operation to complete,

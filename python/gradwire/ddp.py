@@ -38,8 +38,9 @@ completes the bucket's future, so communication overlaps the rest of the backwar
 failed peer makes ``loss.backward()`` raise the RuntimeError torch makes of a failed
 communication future, its message carrying gradwire's (``PeerError: rank N ...``);
 ``state.failed`` holds the ``gradwire.PeerError`` itself (``peer``, ``kind``, a note naming
-the parameters), and every later hook call raises it. On the flow transport (a job secret)
-a bucket is reduced inside the hook and the PeerError propagates unchanged.
+the parameters), and every later hook call raises it. On the flow transport (a session with
+the message layer off) a bucket is reduced inside the hook and the PeerError propagates
+unchanged.
 """
 
 from __future__ import annotations
@@ -495,8 +496,8 @@ class GradwireState:
     def start_bucket(self, bucket) -> torch.futures.Future:
         """Starts the all-reduces of `bucket` (one per group, all in flight together) and
         returns a future of its buffer that gradwire's completion thread completes, so
-        communication overlaps the rest of the backward pass. On the flow transport (a job
-        secret) the bucket is reduced before this returns."""
+        communication overlaps the rest of the backward pass. On the flow transport (the
+        message layer off) the bucket is reduced before this returns."""
         if not self.session.message_layer:
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_result(self.reduce_bucket(bucket))

@@ -29,8 +29,8 @@ with ``gradwire.PeerError`` naming it, raised from ``wait()``.
 
 Reductions take float32, float16 and bfloat16 (integers and float64 are reduced exactly after
 a reliable all-gather, for the small bookkeeping tensors DDP reduces); data movement takes
-any dtype. Tensors must be on the CPU. Jobs with a job secret (``Options(secret=...)``) run on the flow transport,
-where operations complete before the call returns.
+any dtype. Tensors must be on the CPU. With a job secret (``Options(secret=...)``) every datagram is
+sealed with the key of its pair of ranks, so no stranger and no other member can speak as a rank.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import math
 import os
 import secrets as _secrets
 import threading
+import weakref
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
@@ -74,8 +75,8 @@ class Options:
 
     ``loss_bound``: DLCP's bound for sum/average reductions and broadcasts (0: reliable).
     ``ip``: this rank's address (default: ``GRADWIRE_IP``, else the local address towards
-    ``MASTER_ADDR``). ``secret``: a job secret (bytes) every rank shares: authenticated
-    packets, on the flow transport. ``rate_bps``: a sending rate cap. ``inject_loss``: drop
+    ``MASTER_ADDR``). ``secret``: a job secret (bytes) every rank shares: every datagram
+    sealed with its pair of ranks' key. ``rate_bps``: a sending rate cap. ``inject_loss``: drop
     this fraction of incoming data packets (tests and experiments). ``mtu``: the network's
     MTU, the same on every rank (default 1500; 9000 with jumbo frames; up to 65535 for a
     one-host job on loopback). ``verify_results``: all-reduces check every chunk that came
@@ -270,6 +271,7 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         self._async = self._session.message_layer
         self._block = self._session.block_bytes if self._async else 0
         self._completer = Completer(f"gradwire-pg{rank}")
+        _groups.append(weakref.ref(self))
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -548,7 +550,8 @@ class ProcessGroupGradwire(dist.ProcessGroup):
         op = _op_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if not self._async:
             raise gradwire.ConfigError(
-                "reduce_scatter needs the message layer: run the job without a job secret"
+                "reduce_scatter needs the message layer, and this session runs on the flow "
+                "transport"
             )
         n = out.numel()
         if n == 0:
@@ -615,9 +618,22 @@ def _as_float_view(t: torch.Tensor) -> torch.Tensor:
     if t.numel() % 2 == 0:
         return t.view(torch.float16)
     raise gradwire.ConfigError(
-        "on the flow transport (a job with a secret) gradwire moves tensors of an even number "
-        "of bytes only: run the job without a secret, or pad the tensor"
+        "on the flow transport gradwire moves tensors of an even number of bytes only: pad "
+        "the tensor"
     )
+
+
+# Every gradwire process group this process made, oldest first (the default group's first).
+_groups: List["weakref.ReferenceType[ProcessGroupGradwire]"] = []
+
+
+def message_stats() -> List[Optional[dict]]:
+    """The message layer's counters (``gradwire.Session.message_stats``) of every gradwire
+    process group of this process that is still alive, oldest first: the default group's
+    first. Where a monitoring loop or a test reads frames sent, resends and refusals
+    (``unauthenticated`` and ``replayed`` count the datagrams a job with a secret refused)."""
+    live = [g() for g in _groups]
+    return [g._session.message_stats() for g in live if g is not None]
 
 
 def _create(dist_opts: Any, options: Any) -> ProcessGroupGradwire:

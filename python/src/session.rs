@@ -820,16 +820,17 @@ impl Session {
         Ok((r.start, r.end))
     }
 
-    /// Whether the session runs on the message layer (started operations need it; an
-    /// authenticated job runs on the flow transport).
+    /// Whether the session runs on the message layer (started operations need it; a session
+    /// with `message_layer` off runs on the flow transport).
     #[getter]
     fn message_layer(&self, py: Python<'_>) -> PyResult<bool> {
         self.run(py, "message_layer", |s| Ok(s.message_layer()))
     }
 
     /// The message layer's counters as a dict of ints (frames, resends, refusals, system
-    /// calls: what a benchmark compares), or None when the session does not run on the layer
-    /// (an authenticated job).
+    /// calls: what a benchmark compares; in an authenticated job also the datagrams that did
+    /// not open, `unauthenticated`, and the replays, `replayed`), or None when the session
+    /// does not run on the layer.
     fn message_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(s) = self.run(py, "message_stats", |s| Ok(s.message_stats()))? else {
             return Ok(None);
@@ -854,6 +855,8 @@ impl Session {
             ("grants", c.grants),
             ("tail_copies", c.tail_copies),
             ("unknown_source", s.unknown_source),
+            ("unauthenticated", s.unauthenticated),
+            ("replayed", s.replayed),
             ("injected_drops", s.injected_drops),
             ("unreachable_reports", s.unreachable_reports),
             ("datagrams_in", s.datagrams_in),

@@ -20,15 +20,15 @@ mod error;
 mod work;
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
-use gradwire::auth::JobSecret;
+use gradwire::auth::{JobKey, JobSecret};
 use gradwire::flow::SenderConfig;
 use gradwire::message::LossBound;
 use gradwire::tagging::DlcpTagger;
 use gradwire::transport::TransferConfig;
 use gradwire_collective::comm::{Algorithm, AllReduceOptions, CommConfig, Communicator, TensorMut};
-use gradwire_collective::error::CollectiveError;
 use gradwire_collective::group::{Group, GroupConfig, PendingGroup};
 use gradwire_collective::job::MAX_RANKS;
 use gradwire_collective::link::{Links, NetLinkConfig, PendingLinks};
@@ -92,8 +92,8 @@ pub struct SessionConfig {
     /// larger segments cost less per byte. Every rank gives the same.
     pub mtu: usize,
     /// Run all-reduce, broadcast and barrier on the message layer (one socket per rank, no
-    /// handshake per message; docs/design.md). An authenticated job (`secret`) runs them on
-    /// the flow transport, which seals its packets.
+    /// handshake per message; docs/design.md). In an authenticated job (`secret`) every
+    /// datagram is sealed with its pair of ranks' key.
     pub message_layer: bool,
 }
 
@@ -182,11 +182,12 @@ impl SessionConfig {
 
     /// Whether this session runs its collectives on the message layer.
     fn uses_message_layer(&self) -> bool {
-        self.message_layer && self.secret.is_none()
+        self.message_layer
     }
 
-    /// Binds the message layer's socket if the session uses it.
-    fn bind_group(&self) -> Result<Option<PendingGroup>, SessionError> {
+    /// Binds the message layer's socket if the session uses it (sealed with the job key in
+    /// an authenticated job).
+    fn bind_group(&self, secret: Option<&JobSecret>) -> Result<Option<PendingGroup>, SessionError> {
         if !self.uses_message_layer() {
             return Ok(None);
         }
@@ -194,7 +195,16 @@ impl SessionConfig {
         g.endpoint.inject_loss = self.inject_loss;
         g.endpoint.mtu = self.mtu;
         g.endpoint.seed = self.seed;
+        g.endpoint.auth = secret.map(|s| Arc::new(JobKey::new(s)));
         Ok(Some(PendingGroup::bind(g)?))
+    }
+
+    /// The link configuration with what the message layer publishes.
+    fn link_config_with(&self, group: Option<&PendingGroup>) -> NetLinkConfig {
+        let mut c = self.link_config();
+        c.msg_port = group.map(|g| g.address().port());
+        c.msg_member = group.and_then(PendingGroup::member);
+        c
     }
 
     fn link_config(&self) -> NetLinkConfig {
@@ -261,9 +271,8 @@ impl Endpoint {
     pub fn bind(cfg: SessionConfig) -> Result<Endpoint, SessionError> {
         cfg.check()?;
         let secret = cfg.secret()?;
-        let group = cfg.bind_group()?;
-        let mut link_cfg = cfg.link_config();
-        link_cfg.msg_port = group.as_ref().map(|g| g.address().port());
+        let group = cfg.bind_group(secret.as_ref())?;
+        let link_cfg = cfg.link_config_with(group.as_ref());
         let pending = Links::bind(
             cfg.job,
             cfg.rank,
@@ -436,9 +445,8 @@ impl Session {
         cfg.check()?;
         let secret = cfg.secret()?;
         let comm_cfg = cfg.comm_config()?;
-        let group = cfg.bind_group()?;
-        let mut link_cfg = cfg.link_config();
-        link_cfg.msg_port = group.as_ref().map(|g| g.address().port());
+        let group = cfg.bind_group(secret.as_ref())?;
+        let link_cfg = cfg.link_config_with(group.as_ref());
         let links = Links::connect(
             cfg.job,
             cfg.rank,
@@ -461,24 +469,7 @@ impl Session {
         let group = match group {
             None => None,
             Some(g) => {
-                let table = links
-                    .msg_addrs()
-                    .iter()
-                    .enumerate()
-                    .map(|(r, a)| {
-                        a.ok_or_else(|| {
-                            SessionError::from(CollectiveError::PeerSetup {
-                                peer: r,
-                                reason: "it runs no message layer: it is authenticated (a job \
-                                         secret there, none here), has message_layer off, or \
-                                         runs an older gradwire; give every rank the same \
-                                         secret and settings"
-                                    .into(),
-                            })
-                        })
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                let g = g.start(table)?;
+                let g = g.start_from(&links)?;
                 // No connection is made on the layer: a barrier proves every rank is there
                 // (a rank whose socket is gone is named at once, a silent one after the
                 // timeout).
@@ -538,8 +529,8 @@ impl Session {
         if !opts.ranges.is_empty() && opts.loss_bound.unwrap_or(self.cfg.loss_bound) > 0.0 {
             return Err(SessionError::InvalidArgument(
                 "a loss bound per range (per parameter) needs the message layer, and this \
-                 session runs on the flow transport (a job secret): all-reduce without ranges, \
-                 or run the job without a secret"
+                 session runs on the flow transport (message_layer off): all-reduce without \
+                 ranges, or turn the message layer on"
                     .into(),
             ));
         }

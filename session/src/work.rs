@@ -273,8 +273,8 @@ impl Session {
         self.group.as_ref().ok_or_else(|| {
             SessionError::InvalidArgument(
                 "operations started without waiting need the message layer, and this session \
-                 runs on the flow transport (a job secret, or message_layer off): use the \
-                 blocking calls, or run the job without a secret"
+                 runs on the flow transport (message_layer off): use the \
+                 blocking calls, or turn the message layer on"
                     .into(),
             )
         })

@@ -361,16 +361,28 @@ fn loss_within_the_bound_is_reported_per_block() {
 /// retransmit until each transfer meets its bound, and no further. On the message layer.
 #[test]
 fn loss_above_the_bound_is_cut_to_the_bound_per_transfer() {
-    loss_above_the_bound_is_cut_to_the_bound(None);
+    loss_above_the_bound_is_cut_to_the_bound(None, true);
 }
 
-/// The same on an authenticated job, whose collectives run on flows (docs/design.md).
+/// The same on an authenticated job: every message-layer datagram sealed.
+#[test]
+fn loss_above_the_bound_is_cut_to_the_bound_per_transfer_sealed() {
+    loss_above_the_bound_is_cut_to_the_bound(
+        Some(b"a job secret of 32 bytes or so..".to_vec()),
+        true,
+    );
+}
+
+/// The same on authenticated flows (the message layer off).
 #[test]
 fn loss_above_the_bound_is_cut_to_the_bound_per_transfer_on_flows() {
-    loss_above_the_bound_is_cut_to_the_bound(Some(b"a job secret of 32 bytes or so..".to_vec()));
+    loss_above_the_bound_is_cut_to_the_bound(
+        Some(b"a job secret of 32 bytes or so..".to_vec()),
+        false,
+    );
 }
 
-fn loss_above_the_bound_is_cut_to_the_bound(secret: Option<Vec<u8>>) {
+fn loss_above_the_bound_is_cut_to_the_bound(secret: Option<Vec<u8>>, layer: bool) {
     let bound = 0.05;
     let p = LossBound::from_fraction(bound).unwrap();
     let (n, elems, p2p_elems) = (3, 100_000, 50_000);
@@ -381,15 +393,16 @@ fn loss_above_the_bound_is_cut_to_the_bound(secret: Option<Vec<u8>>) {
             c.inject_loss = 0.10;
             c.seed = 11;
             c.secret.clone_from(&secret);
+            c.message_layer = layer;
         },
         |s| {
             let model = RingModel::of(s);
             assert_eq!(
                 model,
-                if secret.is_some() {
-                    RingModel::Flows
-                } else {
+                if layer {
                     RingModel::Layer
+                } else {
+                    RingModel::Flows
                 }
             );
             let rep = average_ones(s, elems, bound);

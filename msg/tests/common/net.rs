@@ -118,7 +118,10 @@ pub fn start_with(
                 };
                 let mut cfg = EndpointConfig::new(7, rank, world, peers[usize::from(rank)]);
                 tweak(&mut cfg);
-                let ep = Endpoint::with_io(cfg, io).start(peers).expect("start");
+                let ep = Endpoint::with_io(cfg, io)
+                    .expect("bind")
+                    .start(peers)
+                    .expect("start");
                 (ep, mon)
             })
             .unwrap();
