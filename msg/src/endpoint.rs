@@ -861,28 +861,29 @@ fn gather_sealed<'a>(
     arena.clear();
     let mut dgrams = Vec::with_capacity(batch.headers.len() + batch.ctrl.len());
     let mut spans = Vec::with_capacity(batch.bundles.len() + batch.ctrl.len());
+    // The core sends only to the job's other ranks, which all have keys; a datagram for
+    // any other rank could not be sealed and is not sent.
     let mut seal_one = |peer: u16, parts: &[&[u8]], arena: &mut Vec<u8>| {
         let at = arena.len();
-        seal.seal(peer, parts, arena);
-        dgrams.push(at..arena.len());
-        dgrams.len() - 1
+        seal.seal(peer, parts, arena).then(|| {
+            dgrams.push(at..arena.len());
+            dgrams.len() - 1
+        })
     };
     for c in &batch.ctrl {
-        let i = seal_one(c.peer, &[&c.bytes], arena);
-        spans.push((
-            c.peer,
-            c.tos,
-            c.bytes.len() + crate::seal::OVERHEAD,
-            i..i + 1,
-        ));
+        if let Some(i) = seal_one(c.peer, &[&c.bytes], arena) {
+            let size = c.bytes.len() + crate::seal::OVERHEAD;
+            spans.push((c.peer, c.tos, size, i..i + 1));
+        }
     }
     for b in &batch.bundles {
         let mut sealed: Option<std::ops::Range<usize>> = None;
         for s in b.segs.clone() {
             let (buf, range) = &batch.payloads[s];
             let payload = bufs.get(*buf, range.clone()).unwrap_or(&[]);
-            let i = seal_one(b.peer, &[&batch.headers[s], payload], arena);
-            sealed = Some(sealed.map_or(i..i + 1, |r| r.start..i + 1));
+            if let Some(i) = seal_one(b.peer, &[&batch.headers[s], payload], arena) {
+                sealed = Some(sealed.map_or(i..i + 1, |r| r.start..i + 1));
+            }
         }
         if let Some(r) = sealed {
             spans.push((b.peer, b.tos, b.segment_size + crate::seal::OVERHEAD, r));

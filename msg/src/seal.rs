@@ -170,12 +170,11 @@ impl Sealing {
     }
 
     /// Appends the sealed datagram of `parts` (an inner datagram in pieces: a header and a
-    /// payload) to `peer`, under its next packet number. `peer` must be another rank of the
-    /// job (the core only sends to those).
-    pub fn seal(&mut self, peer: u16, parts: &[&[u8]], out: &mut Vec<u8>) {
+    /// payload) to `peer`, under its next packet number; `false` (nothing appended) when
+    /// `peer` is not another rank of the job (the core only sends to those).
+    pub fn seal(&mut self, peer: u16, parts: &[&[u8]], out: &mut Vec<u8>) -> bool {
         let Some(Some(p)) = self.peers.get_mut(usize::from(peer)) else {
-            debug_assert!(false, "sealing for rank {peer}, not a peer");
-            return;
+            return false;
         };
         let h = SealedHeader {
             job: self.job,
@@ -193,6 +192,7 @@ impl Sealing {
         }
         let tag = p.keys.send.seal(h.pn, &hdr, &mut out[body..]);
         out.extend_from_slice(&tag);
+        true
     }
 
     /// Opens a datagram that arrived from `from`'s address: checks its header (this job,
@@ -258,7 +258,8 @@ mod tests {
     fn sealed_datagrams_open_once_and_only_at_their_peer() {
         let (mut a, mut b, _) = pair();
         let mut wire = Vec::new();
-        a.seal(1, &[HDR, b"payload"], &mut wire);
+        assert!(a.seal(1, &[HDR, b"payload"], &mut wire));
+        assert!(!a.seal(0, &[HDR], &mut Vec::new()), "not to itself");
         assert_eq!(wire.len(), 32 + 7 + OVERHEAD);
         let inner = [&HDR[..], b"payload"].concat();
         let mut s = Vec::new();
@@ -267,7 +268,7 @@ mod tests {
         assert_eq!(b.open(0, &wire, &mut s), Err(OpenError::Replayed));
         // From another rank's address, or with one bit changed: refused.
         let mut w2 = Vec::new();
-        a.seal(1, &[HDR, b"payload"], &mut w2);
+        assert!(a.seal(1, &[HDR, b"payload"], &mut w2));
         assert_eq!(b.open(2, &w2, &mut s), Err(OpenError::Misdirected));
         for at in [5, 20, SEALED_HEADER_LEN + 3, w2.len() - 1] {
             let mut bad = w2.clone();
@@ -298,7 +299,7 @@ mod tests {
         )
         .expect("its own keys");
         let mut wire = Vec::new();
-        forger.seal(1, &[HDR], &mut wire);
+        assert!(forger.seal(1, &[HDR], &mut wire));
         let mut s = Vec::new();
         assert_eq!(b.open(0, &wire, &mut s), Err(OpenError::BadTag));
     }
