@@ -170,9 +170,10 @@ impl PendingGroup {
         table: Vec<SocketAddr>,
         members: &[MemberEntry],
     ) -> Result<Group, CollectiveError> {
+        let members: Vec<Option<MemberEntry>> = members.iter().copied().map(Some).collect();
         let ep = self
             .bound
-            .start_sealed(table, members)
+            .start_sealed(table, &members)
             .map_err(|e| match e {
                 EndpointError::Member { rank, source } => CollectiveError::PeerSetup {
                     peer: usize::from(rank),

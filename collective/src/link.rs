@@ -15,6 +15,7 @@
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gradwire::auth::{JobKey, JobSecret, MemberEntry, MEMBER_PROOF_LEN, PUBLIC_LEN};
@@ -168,6 +169,8 @@ pub struct Links {
     msg_addrs: Vec<Option<SocketAddr>>,
     /// Each rank's message-layer member key (authenticated jobs), as published.
     msg_members: Vec<Option<MemberEntry>>,
+    /// The job key, when the links were set up with a secret.
+    key: Option<Arc<JobKey>>,
 }
 
 /// How in-memory links behave.
@@ -261,7 +264,14 @@ impl Links {
             inn: (0..world).map(|_| None).collect(),
             msg_addrs: vec![None; world],
             msg_members: vec![None; world],
+            key: None,
         }
+    }
+
+    /// The job key, when these links were set up with a job secret (authenticated): what
+    /// runs over them seals its own datagrams with it too (the parameter server's endpoint).
+    pub fn job_key(&self) -> Option<&Arc<JobKey>> {
+        self.key.as_ref()
     }
 
     /// Each rank's message-layer socket (`None` where its endpoint published none).
@@ -541,7 +551,7 @@ impl Links {
             ip,
             outgoing,
             listeners,
-            key: secret.map(JobKey::new),
+            key: secret.map(|s| Arc::new(JobKey::new(s))),
             cfg: cfg.clone(),
             endpoint,
         })
@@ -563,7 +573,7 @@ pub struct PendingLinks {
     ip: IpAddr,
     outgoing: Vec<usize>,
     listeners: Vec<(usize, CtrlListener, BoxDatapath)>,
-    key: Option<JobKey>,
+    key: Option<Arc<JobKey>>,
     cfg: NetLinkConfig,
     endpoint: Vec<u8>,
 }
@@ -700,6 +710,7 @@ impl PendingLinks {
             )));
         }
         let mut links = Links::empty(rank, world);
+        links.key.clone_from(&self.key);
         links.msg_addrs = endpoints.iter().map(|e| e.msg).collect();
         links.msg_members = endpoints.iter().map(|e| e.msg_member).collect();
         // Outgoing first: the peers' listeners run handshakes in the background, so connects
@@ -729,7 +740,7 @@ impl PendingLinks {
                 addr,
                 left(),
                 self.cfg.control_dscp,
-                self.key.as_ref(),
+                self.key.as_deref(),
                 token,
             )
             .map_err(|e| CollectiveError::Link {

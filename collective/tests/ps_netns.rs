@@ -252,3 +252,84 @@ fn a_killed_aggregator_is_routed_around_over_namespaces() {
         .iter()
         .all(|u| !u.contributors.contains(0, victim)));
 }
+
+/// An authenticated job (a job secret on the links): every node's message-layer datagrams
+/// are sealed with its pair of ranks' keys, exchanged over the authenticated links. The
+/// server's version digests go to every worker below its children (`verify_versions`),
+/// sealed too; the final model is exactly the sequential result.
+#[test]
+fn an_authenticated_parameter_server_runs_sealed_and_exact() {
+    if !require_root("an_authenticated_parameter_server_runs_sealed_and_exact") {
+        return;
+    }
+    const CLOCKS: u64 = 4;
+    let _fabric = FabricLock::acquire().unwrap();
+    let tb = Testbed::up(&TestbedConfig::with_hosts(WORLD)).unwrap();
+    let members: Vec<usize> = (0..WORLD).collect();
+    let tree = Tree::build(Strategy::BINARY, 0, &members, &[0; WORLD]).unwrap();
+    let master = SocketAddr::new(IpAddr::V4(host_ipv4(0)), 29_613);
+    let edges = fault_tolerant_edges(&tree);
+    let lr = 0.5f32;
+    let handles: Vec<_> = (0..WORLD)
+        .map(|r| {
+            let (tree, edges) = (tree.clone(), edges.clone());
+            tb.spawn_in(r, move || {
+                let timeout = Duration::from_secs(20);
+                let link_cfg = NetLinkConfig {
+                    connect_timeout: timeout,
+                    ..NetLinkConfig::default()
+                };
+                let secret =
+                    gradwire::auth::JobSecret::new(b"0123456789abcdef-ps".to_vec()).unwrap();
+                let ip = IpAddr::V4(host_ipv4(r));
+                let links =
+                    Links::connect(13, r, WORLD, ip, master, &edges, Some(&secret), &link_cfg)
+                        .unwrap();
+                let cfg = PsConfig {
+                    learning_rate: lr,
+                    op_timeout: timeout,
+                    verify_versions: true,
+                    ..PsConfig::default()
+                };
+                let initial = Tensor::zeros(DType::F32, ELEMS);
+                let mut node = PsNode::start(links, tree, 13, &initial, cfg).unwrap();
+                if r == 0 {
+                    node.wait_clock(CLOCKS, Duration::from_secs(60)).unwrap();
+                    let w = node.weights().1.as_f32().unwrap().to_vec();
+                    return (w, node.shutdown().unwrap());
+                }
+                let mut w = Tensor::zeros(DType::F32, ELEMS);
+                for c in 0..CLOCKS {
+                    node.pull(&mut w, None).unwrap();
+                    let mut g = Tensor::zeros(DType::F32, ELEMS);
+                    for (e, x) in g.as_f32_mut().unwrap().iter_mut().enumerate() {
+                        *x = grad(r, c, e);
+                    }
+                    node.push(&g).unwrap();
+                    node.clock();
+                }
+                (Vec::new(), node.shutdown().unwrap())
+            })
+        })
+        .collect();
+    let results = join_all(handles, tb);
+    for (r, (_, st)) in results.iter().enumerate() {
+        assert!(st.sealed, "rank {r} ran plain: {st:?}");
+        assert_eq!(st.claims_refused, 0, "rank {r}: {st:?}");
+    }
+    // Ranks 3..: below the server's children, every version checked against its digest.
+    assert!(
+        results[3].1.versions_verified >= CLOCKS,
+        "{:?}",
+        results[3].1
+    );
+    let w = &results[0].0;
+    for (e, &got) in w.iter().enumerate() {
+        let mut want = 0.0f32;
+        for c in 0..CLOCKS {
+            let mean = (1..WORLD).map(|r| grad(r, c, e)).sum::<f32>() / (WORLD - 1) as f32;
+            want -= lr * mean;
+        }
+        assert_eq!(got, want, "element {e}");
+    }
+}

@@ -219,6 +219,11 @@ impl Bound {
         self.io.local_addr()
     }
 
+    /// Payload bytes per data segment (what [`Endpoint::seg_payload`] will say).
+    pub fn seg_payload(&self) -> usize {
+        self.cfg.core.seg_payload
+    }
+
     /// Authenticated jobs: this rank's member entry (its public key, proven with the job
     /// key), to publish with its address. `None` in a plain job.
     pub fn member(&self) -> Option<MemberEntry> {
@@ -241,12 +246,13 @@ impl Bound {
     }
 
     /// Starts an authenticated endpoint with every rank's address and member entry
-    /// (`members[rank]` from rank `rank`, as published; this rank's own is ignored). Fails
+    /// (`members[rank]` from rank `rank`, as published; this rank's own is ignored; `None`
+    /// for a rank this one never talks to: nothing is sent to it or taken from it). Fails
     /// naming the first rank whose entry is not proven with this job's key.
     pub fn start_sealed(
         self,
         peers: Vec<SocketAddr>,
-        members: &[MemberEntry],
+        members: &[Option<MemberEntry>],
     ) -> Result<Endpoint, EndpointError> {
         let (Some(key), Some(member)) = (self.cfg.auth.as_ref(), self.member.as_ref()) else {
             return Err(EndpointError::Auth(

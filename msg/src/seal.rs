@@ -129,22 +129,24 @@ impl std::fmt::Debug for Sealing {
 
 impl Sealing {
     /// `rank`'s keys with every other rank of `job`, from its own member key and every rank's
-    /// entry (`entries[r]` for rank `r`; this rank's own is ignored). Fails naming the first
-    /// rank whose entry is not proven with `key` or whose public key is unusable.
+    /// entry (`entries[r]` for rank `r`; this rank's own is ignored; `None`: a rank this one
+    /// never talks to, to which nothing is sealed and from which nothing opens). Fails
+    /// naming the first rank whose entry is not proven with `key` or whose public key is
+    /// unusable.
     pub fn new(
         key: &JobKey,
         job: u32,
         rank: u16,
         member: &MemberKey,
-        entries: &[MemberEntry],
+        entries: &[Option<MemberEntry>],
     ) -> Result<Sealing, (u16, AuthError)> {
         let mut peers = Vec::with_capacity(entries.len());
         for (r, e) in entries.iter().enumerate() {
             let r = r as u16;
-            if r == rank {
+            let Some(e) = e.as_ref().filter(|_| r != rank) else {
                 peers.push(None);
                 continue;
-            }
+            };
             let keys = member.pair(key, job, rank, r, e).map_err(|err| (r, err))?;
             peers.push(Some(Peer {
                 keys,
@@ -165,7 +167,9 @@ impl Sealing {
         let m: Vec<MemberKey> = (0..2)
             .map(|_| MemberKey::generate(&rng).expect("the OS's random source"))
             .collect();
-        let entries: Vec<MemberEntry> = (0..2).map(|r| m[r].entry(&key, 1, r as u16)).collect();
+        let entries: Vec<Option<MemberEntry>> = (0..2)
+            .map(|r| Some(m[r].entry(&key, 1, r as u16)))
+            .collect();
         Sealing::new(&key, 1, 0, &m[0], &entries).expect("entries of the same key")
     }
 
@@ -247,7 +251,9 @@ mod tests {
         let m: Vec<MemberKey> = (0..3)
             .map(|_| MemberKey::generate(&rng).expect("key"))
             .collect();
-        let e: Vec<MemberEntry> = (0..3).map(|r| m[r].entry(&key, 4, r as u16)).collect();
+        let e: Vec<Option<MemberEntry>> = (0..3)
+            .map(|r| Some(m[r].entry(&key, 4, r as u16)))
+            .collect();
         let a = Sealing::new(&key, 4, 0, &m[0], &e).expect("rank 0");
         let b = Sealing::new(&key, 4, 1, &m[1], &e).expect("rank 1");
         let third = MemberKey::generate(&rng).expect("key");
@@ -295,7 +301,7 @@ mod tests {
             4,
             0,
             &third,
-            &[third.entry(&key, 4, 0), third.entry(&key, 4, 1)],
+            &[Some(third.entry(&key, 4, 0)), Some(third.entry(&key, 4, 1))],
         )
         .expect("its own keys");
         let mut wire = Vec::new();

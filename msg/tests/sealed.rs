@@ -43,11 +43,9 @@ fn ranks(keys: &[Option<Arc<JobKey>>]) -> Vec<Result<Endpoint, String>> {
         .into_iter()
         .map(|b| match b.member() {
             None => b.start(addrs.clone()).map_err(|e| e.to_string()),
-            Some(_) => {
-                let m: Option<Vec<MemberEntry>> = members.iter().copied().collect();
-                let m = m.ok_or("a rank published no member key")?;
-                b.start_sealed(addrs.clone(), &m).map_err(|e| e.to_string())
-            }
+            Some(_) => b
+                .start_sealed(addrs.clone(), &members)
+                .map_err(|e| e.to_string()),
         })
         .collect()
 }

@@ -9,8 +9,6 @@ use std::time::{Duration, Instant};
 use gradwire::message::LossBound;
 use gradwire::tensor::{DType, Tensor};
 
-use gradwire_msg::core::CoreConfig;
-
 use super::core::AggIn;
 use super::io::{bind, node_main};
 use super::repair::fault_tolerant_edges;
@@ -46,6 +44,8 @@ pub struct PsNode {
     empty_clocks: u64,
     pulls: u64,
     pulls_from_cache: u64,
+    /// Whether the node's message-layer datagrams are sealed (authenticated links).
+    sealed: bool,
 }
 
 impl PsNode {
@@ -170,16 +170,15 @@ impl PsNode {
                 .saturating_mul(2)
                 .max(transfer.idle_timeout),
             cfg.inject_loss,
+            links.job_key().cloned(),
         )?;
         let block_elems = match cfg.block_elems {
             Some(b) => b,
             // One block per segment of the layer, so a lost segment costs one block.
-            None => {
-                let payload = CoreConfig::seg_payload_for_mtu(transfer.mtu, toward.is_ipv6());
-                (payload / dtype.elem_size()).max(1)
-            }
+            None => (bound.seg_payload() / dtype.elem_size()).max(1),
         };
         let server = parent.is_none();
+        let sealed = bound.member().is_some();
         let ctx = Arc::new(Ctx::new(
             rank,
             world,
@@ -224,6 +223,7 @@ impl PsNode {
             empty_clocks: 0,
             pulls: 0,
             pulls_from_cache: 0,
+            sealed,
         })
     }
 
@@ -558,6 +558,7 @@ impl PsNode {
             dead: st.dead.clone(),
             tree_version: st.tree_version,
             fell_back_to_star: st.fell_back,
+            sealed: self.sealed,
         }
     }
 }

@@ -151,6 +151,9 @@ pub struct PsStats {
     pub tree_version: u64,
     /// Whether the job fell back to STAR after more than `max_reparents` failures.
     pub fell_back_to_star: bool,
+    /// Whether this node's message-layer datagrams are sealed with its pair of ranks' keys
+    /// (its links were set up with a job secret).
+    pub sealed: bool,
 }
 
 /// Why a parameter-server call failed.

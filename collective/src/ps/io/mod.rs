@@ -32,6 +32,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gradwire::auth::MemberEntry;
 use gradwire_msg::core::SendOpts;
 use gradwire_msg::endpoint::{Bound, Endpoint};
 use gradwire_msg::mem::Region;
@@ -441,25 +442,43 @@ pub(in crate::ps) fn node_main(
     agg_rx: Receiver<AggIn>,
 ) {
     let me = bound.local_addr();
-    let addrs = exchange(&mut links, me, ctx);
+    let mine = bound.member();
+    let addrs = exchange(&mut links, me, mine, ctx);
     drop(links);
     // Ranks without a link get an address nobody has (they are never sent to).
     let mut table: Vec<SocketAddr> = (0..ctx.world)
         .map(|r| SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), (r % 65_535 + 1) as u16))
         .collect();
     table[ctx.rank] = me;
+    let mut members: Vec<Option<MemberEntry>> = vec![None; ctx.world];
     let mut live = Vec::new();
     let mut lost = Vec::new();
     for (p, r) in addrs {
         match r {
-            Ok(a) => {
+            // Both authenticated or both plain: the links' handshake already refused a
+            // secret on one side only, so a mismatch here is a peer that lies.
+            Ok((_, m)) if m.is_some() != mine.is_some() => lost.push((
+                p,
+                PsError::Protocol {
+                    peer: p,
+                    what: "its message-layer member key at set-up does not match the job's \
+                           authentication"
+                        .into(),
+                },
+            )),
+            Ok((a, m)) => {
                 table[p] = a;
+                members[p] = m;
                 live.push(p);
             }
             Err(e) => lost.push((p, e)),
         }
     }
-    let ep = match bound.start(table) {
+    let started = match mine {
+        None => bound.start(table),
+        Some(_) => bound.start_sealed(table, &members),
+    };
+    let ep = match started {
         Ok(ep) => ep,
         Err(e) => {
             ctx.fail(PsError::Endpoint(format!("starting it: {e}")));

@@ -3,8 +3,10 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::sync::Arc;
 use std::time::Duration;
 
+use gradwire::auth::{JobKey, MemberEntry, MEMBER_PROOF_LEN, PUBLIC_LEN};
 use gradwire::flow::{fixed_priority, Tag};
 use gradwire::message::{LossBound, Stage};
 use gradwire::tensor::Tensor;
@@ -21,9 +23,14 @@ use crate::ps::types::PsError;
 const T_ADDR: u32 = 7 << 27;
 /// Bytes of an address in the exchange: its text, zero-padded.
 const ADDR_LEN: usize = 64;
+/// Bytes of the exchange: the address, then the node's member entry (its X25519 public key
+/// and proof; zeros in a plain job).
+const EXCHANGE_LEN: usize = ADDR_LEN + PUBLIC_LEN + MEMBER_PROOF_LEN;
 /// Binds the node's endpoint for `rank` of `world` in `job`, on the address this host sends
 /// to `toward` (a neighbour) from; the layer fails a message whose peer says nothing about
-/// it for `peer_timeout`, naming the peer.
+/// it for `peer_timeout`, naming the peer. With the job key of authenticated links, every
+/// datagram of the endpoint is sealed with its pair of ranks' key.
+#[allow(clippy::too_many_arguments)]
 pub(in crate::ps) fn bind(
     toward: IpAddr,
     job: u32,
@@ -32,6 +39,7 @@ pub(in crate::ps) fn bind(
     mtu: usize,
     peer_timeout: Duration,
     inject_loss: f64,
+    key: Option<Arc<JobKey>>,
 ) -> Result<Bound, PsError> {
     let (Ok(r), Ok(w)) = (u16::try_from(rank), u16::try_from(world)) else {
         return Err(PsError::Config(format!(
@@ -49,6 +57,7 @@ pub(in crate::ps) fn bind(
     cfg.mtu = mtu;
     cfg.inject_loss = inject_loss;
     cfg.seed = u64::from(job);
+    cfg.auth = key;
     Endpoint::bind(cfg).map_err(|e| {
         PsError::Config(format!(
             "the node's message-layer socket on {ip}: {e} (is {ip} an address of this host?)"
@@ -70,12 +79,14 @@ fn local_ip_towards(dst: IpAddr) -> std::io::Result<IpAddr> {
 
 /// Sends this node's endpoint address to every neighbour and reads theirs, over the links
 /// (every link at once: a flow waits for its receiver, and a neighbour that never comes
-/// must not hold up the others). Per peer: its address, or why there is none.
+/// must not hold up the others), with this node's member entry in an authenticated job.
+/// Per peer: its address and entry, or why there is none.
 pub(super) fn exchange(
     links: &mut Links,
     me: SocketAddr,
+    member: Option<MemberEntry>,
     ctx: &Ctx,
-) -> BTreeMap<usize, Result<SocketAddr, PsError>> {
+) -> BTreeMap<usize, Result<(SocketAddr, Option<MemberEntry>), PsError>> {
     let mut got = BTreeMap::new();
     let (outs, ins) = match links.many(&ctx.peers, &ctx.peers) {
         Ok(x) => x,
@@ -88,6 +99,11 @@ pub(super) fn exchange(
     };
     let mut text = me.to_string().into_bytes();
     text.resize(ADDR_LEN, 0);
+    if let Some(m) = member {
+        text.extend_from_slice(&m.public);
+        text.extend_from_slice(&m.proof);
+    }
+    text.resize(EXCHANGE_LEN, 0);
     let t = raw_tensor(&text);
     std::thread::scope(|s| {
         let sends: Vec<_> = outs
@@ -136,7 +152,7 @@ fn send_addr(ol: &mut OutLink, t: &Tensor, ctx: &Ctx) -> Result<(), PsError> {
     Ok(())
 }
 
-fn recv_addr(il: &mut InLink, ctx: &Ctx) -> Result<SocketAddr, PsError> {
+fn recv_addr(il: &mut InLink, ctx: &Ctx) -> Result<(SocketAddr, Option<MemberEntry>), PsError> {
     let opts = RecvOptions {
         job: ctx.job,
         tensor: T_ADDR,
@@ -146,17 +162,28 @@ fn recv_addr(il: &mut InLink, ctx: &Ctx) -> Result<SocketAddr, PsError> {
         max_bytes: None,
     };
     let peer = il.peer();
-    let mut t = raw_tensor(&[0u8; ADDR_LEN]);
+    let mut t = raw_tensor(&[0u8; EXCHANGE_LEN]);
     il.recv(&mut t, &opts, &ctx.transfer)
         .map_err(CollectiveError::link(peer))?;
-    let b = t.as_bytes();
+    let (b, entry) = t.as_bytes().split_at(ADDR_LEN);
     let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
     let addr = std::str::from_utf8(&b[..end])
         .ok()
         .and_then(|s| s.parse::<SocketAddr>().ok())
-        .filter(|a| !a.ip().is_unspecified() && a.port() != 0);
-    addr.ok_or_else(|| PsError::Protocol {
-        peer,
-        what: "its endpoint address at set-up is not an address".into(),
-    })
+        .filter(|a| !a.ip().is_unspecified() && a.port() != 0)
+        .ok_or_else(|| PsError::Protocol {
+            peer,
+            what: "its endpoint address at set-up is not an address".into(),
+        })?;
+    let (public, proof) = entry.split_at(PUBLIC_LEN);
+    let member = (entry.iter().any(|&b| b != 0)).then(|| {
+        let mut m = MemberEntry {
+            public: [0; PUBLIC_LEN],
+            proof: [0; MEMBER_PROOF_LEN],
+        };
+        m.public.copy_from_slice(public);
+        m.proof.copy_from_slice(proof);
+        m
+    });
+    Ok((addr, member))
 }
