@@ -174,6 +174,11 @@ pub struct WanNodeArgs {
     /// the nodes it blames and the timeout that fired, if one did.
     #[arg(long)]
     pub json: bool,
+    /// Authenticated job: the job secret's key file (mode 0600); or set GRADWIRE_JOB_SECRET.
+    /// Every node needs the same secret: chunks are sealed per pair of nodes, scheduler
+    /// connections authenticated, and node 0 serves the scheduler.
+    #[arg(long, value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -91,6 +91,8 @@ pub fn node(a: &WanNodeArgs) -> Res {
         rate_mode: a.rate_mode,
         period_ns: a.period_us * 1000,
         netstorm: netstorm_config(NetStormConfig::default(), &a.netstorm),
+        auth: gradwire::job_secret::load_secret(a.secret_file.as_deref())?
+            .map(|s| std::sync::Arc::new(gradwire::auth::JobKey::new(&s))),
     };
     let (rank, most) = (a.rank, a.iterations);
     let out = match run_node(&spec, |round, ms| {

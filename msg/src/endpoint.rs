@@ -106,7 +106,7 @@ pub struct Bound {
     cfg: EndpointConfig,
     io: Box<dyn DatagramIo>,
     /// This rank's member key (authenticated jobs).
-    member: Option<MemberKey>,
+    member: Option<Arc<MemberKey>>,
 }
 
 impl std::fmt::Debug for dyn DatagramIo {
@@ -194,10 +194,10 @@ impl Endpoint {
     ) -> Result<Bound, EndpointError> {
         let member = match cfg.auth {
             None => None,
-            Some(_) => Some(
+            Some(_) => Some(Arc::new(
                 MemberKey::generate(&ring::rand::SystemRandom::new())
                     .map_err(|e| EndpointError::Auth(e.to_string()))?,
-            ),
+            )),
         };
         let overhead = if member.is_some() {
             crate::seal::OVERHEAD
@@ -222,6 +222,12 @@ impl Bound {
     /// Payload bytes per data segment (what [`Endpoint::seg_payload`] will say).
     pub fn seg_payload(&self) -> usize {
         self.cfg.core.seg_payload
+    }
+
+    /// Authenticated jobs: this rank's member key, for what else the rank authenticates
+    /// with it (NetStorm's scheduler connections). `None` in a plain job.
+    pub fn member_key(&self) -> Option<Arc<MemberKey>> {
+        self.member.clone()
     }
 
     /// Authenticated jobs: this rank's member entry (its public key, proven with the job

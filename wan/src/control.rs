@@ -12,6 +12,7 @@ use gradwire_netstorm::consistency::Reply;
 use gradwire_netstorm::wire::{frame_len, Message, TopologyRequest, WireError, HEADER_LEN};
 
 use crate::error::{TimedOut, WanError};
+use crate::seal::{ControlAuth, Seal, TAG_LEN};
 
 /// Write one NetStorm frame.
 pub fn write_frame(s: &mut TcpStream, m: &Message) -> std::io::Result<()> {
@@ -24,12 +25,27 @@ pub fn write_frame(s: &mut TcpStream, m: &Message) -> std::io::Result<()> {
 /// Read one NetStorm frame: its header first, whose bounded length says how much more to
 /// read (the stream's read timeout bounds the wait).
 pub fn read_frame(s: &mut TcpStream) -> std::io::Result<Message> {
+    read_sealed(s, None)
+}
+
+/// [`read_frame`], then (authenticated) its tag, checked before the frame is parsed.
+fn read_sealed(s: &mut TcpStream, seal: Option<&mut Seal>) -> std::io::Result<Message> {
     let bad = |e: WireError| std::io::Error::new(std::io::ErrorKind::InvalidData, e);
     let mut buf = vec![0u8; HEADER_LEN];
     s.read_exact(&mut buf)?;
     let (_, total) = frame_len(&buf).map_err(bad)?;
     buf.resize(total, 0);
     s.read_exact(&mut buf[HEADER_LEN..])?;
+    if let Some(seal) = seal {
+        let mut tag = [0u8; TAG_LEN];
+        s.read_exact(&mut tag)?;
+        if !seal.check(&buf, &tag) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "a frame whose tag does not verify (altered, or not from the scheduler)",
+            ));
+        }
+    }
     Message::parse(&buf).map_err(bad)
 }
 
@@ -46,6 +62,10 @@ pub struct SchedulerClient {
     /// The read timeout: the longest wait for an answer (the node's round timeout), and for
     /// the connection.
     timeout: Duration,
+    /// Authenticated jobs: the keys, and the node this client speaks for.
+    auth: Option<(ControlAuth, u16)>,
+    /// The connection's tags (authenticated jobs), made with the connection.
+    seal: Option<Seal>,
 }
 
 impl SchedulerClient {
@@ -57,7 +77,16 @@ impl SchedulerClient {
             addr,
             from: None,
             timeout,
+            auth: None,
+            seal: None,
         }
+    }
+
+    /// Authenticates the connection as `node` of an authenticated job ([`crate::seal`]): a
+    /// hello when it connects, a tag after every frame each way.
+    pub fn authenticated(mut self, auth: ControlAuth, node: u16) -> Self {
+        self.auth = Some((auth, node));
+        self
     }
 
     /// Connects from local address `ip` (port chosen by the kernel), the address the node
@@ -78,11 +107,26 @@ impl SchedulerClient {
         Ok(c)
     }
 
-    /// The connection, made now if there is none yet.
+    /// The connection, made now if there is none yet (and, authenticated, its hello
+    /// exchanged).
     fn stream(&mut self) -> Result<&mut TcpStream, WanError> {
         let (addr, from, timeout) = (self.addr, self.from, self.timeout);
         if self.stream.is_none() {
-            self.stream = Some(open(addr, from, timeout)?);
+            let mut s = open(addr, from, timeout)?;
+            if let Some((auth, node)) = &self.auth {
+                let seal = auth
+                    .client(&mut s, *node)
+                    .map_err(|e| WanError::Scheduler {
+                        addr,
+                        error: format!(
+                            "authenticating the connection as node {node}: {e} (does the \
+                         scheduler run with the same job secret?)"
+                        ),
+                        timed_out: None,
+                    })?;
+                self.seal = Some(seal);
+            }
+            self.stream = Some(s);
         }
         self.stream
             .as_mut()
@@ -97,9 +141,17 @@ impl SchedulerClient {
         }
     }
 
-    /// Send one message.
+    /// Send one message (with its tag, authenticated).
     pub fn send(&mut self, m: &Message) -> Result<(), WanError> {
-        write_frame(self.stream()?, m).map_err(|e| self.err(format!("sending: {e}")))
+        let mut bytes = m.to_vec().map_err(|e| self.err(format!("sending: {e}")))?;
+        self.stream()?;
+        if let Some(seal) = &mut self.seal {
+            let tag = seal.tag(&bytes);
+            bytes.extend_from_slice(&tag);
+        }
+        self.stream()?
+            .write_all(&bytes)
+            .map_err(|e| self.err(format!("sending: {e}")))
     }
 
     /// TRP: send the request and block for the answer (the read timeout bounds the wait).
@@ -107,7 +159,12 @@ impl SchedulerClient {
         let round = req.round;
         self.send(&Message::TopologyRequest(req))?;
         let asked = Instant::now();
-        let answer = read_frame(self.stream()?).map_err(|e| {
+        let seal = &mut self.seal;
+        let stream = self.stream.as_mut();
+        let read = stream
+            .ok_or_else(|| std::io::Error::other("no scheduler connection"))
+            .and_then(|s| read_sealed(s, seal.as_mut()));
+        let answer = read.map_err(|e| {
             let waited = asked.elapsed();
             // The read timeout is the round timeout: say so, not "os error 11".
             if matches!(

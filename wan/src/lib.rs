@@ -10,6 +10,8 @@
 //! - [`control`]: the node-scheduler connection (TRP before each PUSH, link reports).
 //! - [`scheduler`]: the scheduler (network collector, policy formulation, and the
 //!   consistency module's versions and per-round pins).
+//! - [`seal`]: authenticated scheduler connections (jobs with a secret): a hello, keys
+//!   only that node and the scheduler can derive, a tag after every frame.
 //! - [`node`]: the node loop around the consistency module's node state machine.
 //! - [`workload`]: the synthetic model a WAN job synchronizes, with inputs whose exact
 //!   average every node checks, element by element, each round.
@@ -31,6 +33,7 @@ pub mod overlay;
 pub mod plan;
 pub mod policy;
 pub mod scheduler;
+pub mod seal;
 pub mod site;
 pub mod workload;
 

@@ -41,6 +41,8 @@ pub struct NodeConfig {
     /// hop. [`channel::budget_for_model`] of the model's bytes fits every correct run; each
     /// round raises it to that for the round's input anyway.
     pub peer_budget: usize,
+    /// Authenticated jobs: the scheduler connection's keys ([`crate::seal`]). `None`: plain.
+    pub control_auth: Option<crate::seal::ControlAuth>,
 }
 
 /// What a node measured.
@@ -135,7 +137,10 @@ impl Node {
         // past its first-frame timeout, and the first round may come later than that. From
         // the endpoint's address, the one the node published: the scheduler takes a node's
         // frames only from there.
-        let scheduler = SchedulerClient::new(scheduler, cfg.round_timeout).from_ip(local);
+        let mut scheduler = SchedulerClient::new(scheduler, cfg.round_timeout).from_ip(local);
+        if let Some(auth) = &cfg.control_auth {
+            scheduler = scheduler.authenticated(auth.clone(), cfg.rank as u16);
+        }
         let ns = &cfg.netstorm;
         let monitor = LinkMonitor::new(
             ns.probe_chunk_size,

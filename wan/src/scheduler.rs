@@ -40,6 +40,8 @@ use gradwire_netstorm::consistency::SchedulerState;
 use gradwire_netstorm::graph::Overlay;
 use gradwire_netstorm::wire::{frame_len, Kind, Message, Policy, TopologyRequest, HEADER_LEN};
 
+use crate::seal::{ControlAuth, Seal, HELLO_LEN, TAG_LEN};
+
 use crate::error::WanError;
 use crate::plan::{formulate, Planner};
 use crate::policy::parents;
@@ -148,6 +150,10 @@ pub struct SchedulerConfig {
     /// any address may claim any node (tests, and a scheduler started before the nodes'
     /// addresses are known).
     pub node_ips: Option<Vec<IpAddr>>,
+    /// Authenticated jobs: every connection opens with a node's hello and carries a tag
+    /// after every frame ([`crate::seal`]); a connection that cannot prove it is the node it
+    /// names is refused. `None`: plain frames.
+    pub auth: Option<ControlAuth>,
 }
 
 impl SchedulerConfig {
@@ -683,15 +689,31 @@ fn read_by(
     )
 }
 
-/// Write `m` within `frame_timeout` in all, looking at `stop` every [`IDLE_POLL`]: a node
-/// that does not read its answers cannot hold a connection thread, nor [`SchedulerHandle::stop`].
+/// Write `m` (and, authenticated, its tag) within `frame_timeout` in all, looking at `stop`
+/// every [`IDLE_POLL`]: a node that does not read its answers cannot hold a connection
+/// thread, nor [`SchedulerHandle::stop`].
 fn write_by(
     s: &mut TcpStream,
     m: &Message,
+    seal: Option<&mut Seal>,
     frame_timeout: Duration,
     stop: &AtomicBool,
 ) -> std::io::Result<()> {
-    let bytes = m.to_vec().map_err(ended)?;
+    let mut bytes = m.to_vec().map_err(ended)?;
+    if let Some(seal) = seal {
+        let tag = seal.tag(&bytes);
+        bytes.extend_from_slice(&tag);
+    }
+    write_bytes_by(s, &bytes, frame_timeout, stop)
+}
+
+/// Write `bytes` within `frame_timeout` in all, looking at `stop` every [`IDLE_POLL`].
+fn write_bytes_by(
+    s: &mut TcpStream,
+    bytes: &[u8],
+    frame_timeout: Duration,
+    stop: &AtomicBool,
+) -> std::io::Result<()> {
     move_by(
         bytes.len(),
         deadline_in(frame_timeout),
@@ -721,6 +743,7 @@ fn next_frame(
     frame_timeout: Duration,
     hello: Option<(Instant, Duration)>,
     place: &Place,
+    seal: Option<&mut Seal>,
 ) -> std::io::Result<Option<Message>> {
     s.set_read_timeout(Some(IDLE_POLL))?;
     match s.peek(&mut [0u8; 1]) {
@@ -763,6 +786,16 @@ fn next_frame(
     }
     buf.resize(total, 0);
     read_by(s, &mut buf[HEADER_LEN..], deadline, &limit, stop)?;
+    if let Some(seal) = seal {
+        let mut tag = [0u8; TAG_LEN];
+        read_by(s, &mut tag, deadline, &limit, stop)?;
+        if !seal.check(&buf, &tag) {
+            return Err(ended(
+                "a frame whose tag does not verify: not from the node its hello named, or \
+                 altered",
+            ));
+        }
+    }
     let m = Message::parse(&buf).map_err(ended)?;
     place.heard();
     Ok(Some(m))
@@ -806,10 +839,32 @@ fn connection(
     let hello_by = accepted
         .checked_add(opts.hello_timeout)
         .unwrap_or_else(|| deadline_in(opts.hello_timeout));
+    let auth = match state.lock() {
+        Ok(st) => st.cfg.auth.clone(),
+        Err(_) => return,
+    };
+    // Authenticated: the node's hello first, within the first-frame timeout.
+    let (mut seal, named) = match auth {
+        None => (None, None),
+        Some(auth) => match authenticate(&mut s, &auth, peer, hello_by, state, stop, &opts) {
+            Some((node, seal)) => {
+                place.heard();
+                (Some(seal), Some(node))
+            }
+            None => return,
+        },
+    };
     let mut node: Option<u16> = None;
     while !stop.load(Ordering::Acquire) {
         let hello = node.is_none().then_some((hello_by, opts.hello_timeout));
-        let msg = match next_frame(&mut s, stop, opts.frame_timeout, hello, &place) {
+        let msg = match next_frame(
+            &mut s,
+            stop,
+            opts.frame_timeout,
+            hello,
+            &place,
+            seal.as_mut(),
+        ) {
             Ok(Some(m)) => m,
             Ok(None) if node.is_none() && Instant::now() >= hello_by => {
                 log::warn!(
@@ -846,6 +901,14 @@ fn connection(
                 return;
             }
             Some(_) => {}
+            None if named.is_some_and(|n| n != claims) => {
+                log::warn!(
+                    "scheduler: dropped a connection from {peer}: its hello named node {:?}, \
+                     its frame spoke for node {claims}",
+                    named
+                );
+                return;
+            }
             None => {
                 let Ok(st) = state.lock() else { return };
                 if let Err(why) = from_its_address(&st.cfg, claims, peer.ip()) {
@@ -878,12 +941,57 @@ fn connection(
         };
         drop(st);
         if let Some(m) = reply {
-            if let Err(e) = write_by(&mut s, &m, opts.frame_timeout, stop) {
+            if let Err(e) = write_by(&mut s, &m, seal.as_mut(), opts.frame_timeout, stop) {
                 log::warn!("scheduler: dropped node {claims}'s connection from {peer}: {e}");
                 return;
             }
         }
     }
+}
+
+/// An authenticated connection's hello: reads it by `hello_by`, checks the node it names
+/// (beyond the job, another address, an entry that does not verify: refused, one log line),
+/// answers with the scheduler's nonce. `None`: the connection is over.
+fn authenticate(
+    s: &mut TcpStream,
+    auth: &ControlAuth,
+    peer: SocketAddr,
+    hello_by: Instant,
+    state: &Mutex<State>,
+    stop: &AtomicBool,
+    opts: &ConnectionOptions,
+) -> Option<(u16, Seal)> {
+    let mut hello = [0u8; HELLO_LEN];
+    let limit = format!(
+        "within {:?} of connecting, the first-frame timeout",
+        opts.hello_timeout
+    );
+    if let Err(e) = read_by(s, &mut hello, hello_by, &limit, stop) {
+        if e.kind() == std::io::ErrorKind::InvalidData {
+            log::warn!("scheduler: closed the connection from {peer}: its hello: {e}");
+        }
+        return None;
+    }
+    let (node, nonce, seal) = match auth.server(&hello) {
+        Ok(x) => x,
+        Err(why) => {
+            log::warn!("scheduler: refused a connection from {peer}: {why}");
+            return None;
+        }
+    };
+    let from = state
+        .lock()
+        .ok()
+        .map(|st| from_its_address(&st.cfg, node, peer.ip()))?;
+    if let Err(why) = from {
+        log::warn!("scheduler: refused a connection from {}: {why}", peer.ip());
+        return None;
+    }
+    if let Err(e) = write_bytes_by(s, &nonce, opts.frame_timeout, stop) {
+        log::warn!("scheduler: dropped node {node}'s connection from {peer}: {e}");
+        return None;
+    }
+    Some((node, seal))
 }
 
 #[cfg(test)]

@@ -16,11 +16,13 @@
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use gradwire_fabric::topology::Topology;
 use gradwire_msg::endpoint::{Endpoint, EndpointConfig};
 use gradwire_netstorm::config::NetStormConfig;
+use gradwire_proto::auth::{JobKey, MemberEntry, MEMBER_PROOF_LEN, PUBLIC_LEN};
 use gradwire_proto::rate::RateMode;
 use gradwire_rendezvous::{self as rendezvous, RendezvousConfig, RendezvousError};
 use serde::{Deserialize, Serialize};
@@ -29,6 +31,7 @@ use crate::error::WanError;
 use crate::node::{Node, NodeConfig};
 use crate::overlay::{overlay_from_topology, SiteError};
 use crate::scheduler::{self, SchedulerConfig, SchedulerReport, Strategy};
+use crate::seal::ControlAuth;
 use crate::workload::{check_round, Workload, WrongElement};
 
 /// The rendezvous port at rank 0 when nothing else is said; the scheduler listens on the
@@ -93,6 +96,10 @@ pub struct NodeSpec {
     pub period_ns: u64,
     /// NetStorm's options (the strategy switches awareness and auxiliary paths).
     pub netstorm: NetStormConfig,
+    /// The job key of an authenticated job (from its secret): every chunk datagram sealed
+    /// with its pair of nodes' key, every scheduler connection authenticated
+    /// ([`crate::seal`]; the scheduler is then node 0's). `None`: a plain job.
+    pub auth: Option<Arc<JobKey>>,
 }
 
 /// What `gradwire wan node --json` prints.
@@ -311,45 +318,92 @@ pub const WAN_RTO_INITIAL: Duration = Duration::from_secs(1);
 /// segment, as TCP's delayed ACK, keeps the sender's window clocked down to its floor of 2.
 pub const WAN_ACK_EVERY: u32 = 2;
 
-/// Largest rendezvous payload: one endpoint address as text (`[v6]:port` fits).
-const MAX_ADDR_PAYLOAD: usize = 64;
+/// Largest rendezvous payload: one endpoint address as text (`[v6]:port` fits), and in an
+/// authenticated job a newline and the node's member entry in hex.
+const MAX_ADDR_PAYLOAD: usize = 64 + 1 + 2 * MEMBER_ENTRY_LEN;
+/// Bytes of a member entry: public key and proof.
+const MEMBER_ENTRY_LEN: usize = PUBLIC_LEN + MEMBER_PROOF_LEN;
+
+/// A node's rendezvous payload: its address, and its member entry in hex when it has one.
+fn payload(addr: SocketAddr, member: Option<MemberEntry>) -> String {
+    let mut p = addr.to_string();
+    if let Some(m) = member {
+        p.push('\n');
+        for b in m.public.iter().chain(m.proof.iter()) {
+            p.push_str(&format!("{b:02x}"));
+        }
+    }
+    p
+}
+
+/// A member entry from its hex text.
+fn member_from_hex(hex: &str) -> Option<MemberEntry> {
+    if hex.len() != 2 * MEMBER_ENTRY_LEN {
+        return None;
+    }
+    let mut bytes = [0u8; MEMBER_ENTRY_LEN];
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    let mut m = MemberEntry {
+        public: [0; PUBLIC_LEN],
+        proof: [0; MEMBER_PROOF_LEN],
+    };
+    m.public.copy_from_slice(&bytes[..PUBLIC_LEN]);
+    m.proof.copy_from_slice(&bytes[PUBLIC_LEN..]);
+    Some(m)
+}
 
 /// Every node's endpoint address from the rendezvous table (one `ip:port` in text per node,
 /// in rank order); an entry that is not an address, is unspecified or repeats another's is
 /// refused naming its node.
 pub fn endpoint_table(table: &[Vec<u8>]) -> Result<Vec<SocketAddr>, String> {
-    let mut out: Vec<SocketAddr> = Vec::with_capacity(table.len());
+    Ok(node_table(table)?.into_iter().map(|(a, _)| a).collect())
+}
+
+/// [`endpoint_table`] with each node's member entry (authenticated jobs; `None` where a
+/// node published none).
+pub fn node_table(table: &[Vec<u8>]) -> Result<Vec<(SocketAddr, Option<MemberEntry>)>, String> {
+    let mut out: Vec<(SocketAddr, Option<MemberEntry>)> = Vec::with_capacity(table.len());
     for (rank, entry) in table.iter().enumerate() {
-        let a: SocketAddr = std::str::from_utf8(entry)
-            .ok()
-            .and_then(|t| t.parse().ok())
-            .ok_or_else(|| {
-                format!(
-                    "node {rank}'s rendezvous entry is not an ip:port address ({} bytes): is \
+        let text = std::str::from_utf8(entry).unwrap_or("");
+        let (addr, member) = match text.split_once('\n') {
+            Some((a, m)) => (
+                a,
+                Some(member_from_hex(m).ok_or_else(|| {
+                    format!("node {rank}'s rendezvous entry has a malformed member key")
+                })?),
+            ),
+            None => (text, None),
+        };
+        let a: SocketAddr = Some(addr).and_then(|t| t.parse().ok()).ok_or_else(|| {
+            format!(
+                "node {rank}'s rendezvous entry is not an ip:port address ({} bytes): is \
                      it a gradwire wan node of the same version?",
-                    entry.len()
-                )
-            })?;
+                entry.len()
+            )
+        })?;
         if a.ip().is_unspecified() || a.port() == 0 {
             return Err(format!(
                 "node {rank} published {a}, which no peer can send to: give it a concrete \
                  address (--ip)"
             ));
         }
-        if let Some(other) = out.iter().position(|b| *b == a) {
+        if let Some(other) = out.iter().position(|(b, _)| *b == a) {
             return Err(format!(
                 "nodes {other} and {rank} both published {a}: every node needs its own address"
             ));
         }
-        out.push(a);
+        out.push((a, member));
     }
     Ok(out)
 }
 
 /// This node's endpoint, started with every node's address (returned too, by node id):
 /// bound at `spec.ip`, its address published through the rendezvous at `spec.master`. A
-/// peer silent for `spec.timeout` fails the links with it.
-fn connect(spec: &NodeSpec) -> Result<(Endpoint, Vec<SocketAddr>), NodeError> {
+/// peer silent for `spec.timeout` fails the links with it. In an authenticated job the
+/// endpoint is sealed, and the scheduler connections' keys come back too.
+fn connect(spec: &NodeSpec) -> Result<(Endpoint, Vec<SocketAddr>, Option<ControlAuth>), NodeError> {
     let rank = spec.rank;
     let failed = |error: String, missing: Vec<usize>| NodeError::Connect {
         rank,
@@ -372,8 +426,9 @@ fn connect(spec: &NodeSpec) -> Result<(Endpoint, Vec<SocketAddr>), NodeError> {
     cfg.core.rto_max = WAN_RTO_MAX;
     cfg.core.rto_initial = WAN_RTO_INITIAL;
     cfg.core.ack_every = WAN_ACK_EVERY;
+    cfg.auth.clone_from(&spec.auth);
     let bound = Endpoint::bind(cfg).map_err(|e| failed(e.to_string(), vec![]))?;
-    let me = bound.local_addr().to_string();
+    let me = payload(bound.local_addr(), bound.member());
     let table = rendezvous::exchange(
         spec.master,
         spec.job,
@@ -386,11 +441,45 @@ fn connect(spec: &NodeSpec) -> Result<(Endpoint, Vec<SocketAddr>), NodeError> {
         },
     )
     .map_err(|e| failed(e.to_string(), never_joined(&e)))?;
-    let addrs = endpoint_table(&table).map_err(|e| failed(e, vec![]))?;
-    let endpoint = bound
-        .start(addrs.clone())
-        .map_err(|e| failed(e.to_string(), vec![]))?;
-    Ok((endpoint, addrs))
+    let nodes = node_table(&table).map_err(|e| failed(e, vec![]))?;
+    let addrs: Vec<SocketAddr> = nodes.iter().map(|(a, _)| *a).collect();
+    let members: Vec<Option<MemberEntry>> = nodes.iter().map(|(_, m)| *m).collect();
+    if let Some(n) = members
+        .iter()
+        .position(|m| m.is_some() != spec.auth.is_some())
+    {
+        return Err(failed(
+            format!(
+                "node {n} is {} and this node is {}: give every node the same job secret",
+                if members[n].is_some() {
+                    "authenticated"
+                } else {
+                    "not authenticated"
+                },
+                if spec.auth.is_some() {
+                    "authenticated"
+                } else {
+                    "not"
+                }
+            ),
+            vec![],
+        ));
+    }
+    let control = match (&spec.auth, bound.member_key()) {
+        (Some(key), Some(me)) => Some(ControlAuth::new(
+            key.clone(),
+            spec.job,
+            me,
+            members.iter().copied().flatten().collect(),
+        )),
+        _ => None,
+    };
+    let started = match control {
+        None => bound.start(addrs.clone()),
+        Some(_) => bound.start_sealed(addrs.clone(), &members),
+    };
+    let endpoint = started.map_err(|e| failed(e.to_string(), vec![]))?;
+    Ok((endpoint, addrs, control))
 }
 
 /// The final barrier's address: master port + 2.
@@ -416,17 +505,25 @@ pub fn run_node(
     }
     let netstorm = spec.strategy.netstorm(&spec.netstorm);
     netstorm.validate().map_err(|e| invalid(format!("{e}")))?;
+    if spec.auth.is_some() && rank != 0 && matches!(spec.scheduler, SchedulerRole::Serve(_)) {
+        return Err(invalid(
+            "in an authenticated job node 0 serves the scheduler (its member key is the \
+             scheduler's): serve it from rank 0"
+                .into(),
+        ));
+    }
     // The scheduler's port first: the other nodes connect to it once their links are up.
     let prepared = match spec.scheduler {
         SchedulerRole::Serve(addr) => Some((addr, prepare_scheduler(spec, &netstorm, addr)?)),
         SchedulerRole::At(_) => None,
     };
-    let (endpoint, addrs) = connect(spec)?;
+    let (endpoint, addrs, control) = connect(spec)?;
     // Served once every node's address is known: a connection speaks for a node only from
     // that node's address. Nodes that connect meanwhile wait in the listen backlog.
     let served = match prepared {
         Some((addr, (listener, mut cfg))) => {
             cfg.node_ips = Some(addrs.iter().map(SocketAddr::ip).collect());
+            cfg.auth.clone_from(&control);
             Some(
                 scheduler::spawn(listener, cfg).map_err(|e| NodeError::SchedulerStart {
                     rank,
@@ -444,6 +541,7 @@ pub fn run_node(
         round_timeout: spec.timeout,
         // The model's values and the control element, f32.
         peer_budget: crate::channel::budget_for_model((spec.workload.elems + 1).saturating_mul(4)),
+        control_auth: control,
     };
     // The node that serves the scheduler, when it is the master's host (rank 0): a lost
     // scheduler connection then means that node failed, and the error says so.
@@ -587,6 +685,7 @@ fn prepare_scheduler(
         round_bytes: spec.workload.elems as u64 * 4,
         // Known after the rendezvous.
         node_ips: None,
+        auth: None,
     };
     cfg.validate().map_err(|e| NodeError::SchedulerStart {
         rank,

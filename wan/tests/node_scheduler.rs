@@ -39,6 +39,7 @@ fn config(rank: usize) -> NodeConfig {
         dscp: 10,
         round_timeout: ROUND_TIMEOUT,
         peer_budget: gradwire_wan::channel::DEFAULT_PEER_BUDGET,
+        control_auth: None,
     }
 }
 
@@ -157,6 +158,7 @@ fn a_scheduler_that_stops_between_rounds_fails_every_node_naming_it() {
             overlay: o,
             round_bytes: ELEMS as u64 * 4,
             node_ips: None,
+            auth: None,
         },
     )
     .unwrap();

@@ -85,6 +85,7 @@ fn run(
             overlay: overlay(),
             round_bytes: ELEMS as u64 * 4,
             node_ips: None,
+            auth: None,
         },
     )
     .unwrap();
@@ -95,6 +96,7 @@ fn run(
         dscp: 10,
         round_timeout: ROUND_TIMEOUT,
         peer_budget: gradwire_wan::channel::DEFAULT_PEER_BUDGET,
+        control_auth: None,
     };
     let results: Vec<NodeOutcome> = std::thread::scope(|s| {
         let hs: Vec<_> = links

@@ -34,6 +34,7 @@ fn config() -> SchedulerConfig {
         overlay: o,
         round_bytes: 4_000,
         node_ips: None,
+        auth: None,
     }
 }
 
@@ -505,4 +506,62 @@ fn a_node_that_connects_again_replaces_its_older_connection() {
     // Only one connection speaks for node 0: the newer.
     assert_closed(&mut old, "node 0 connected again");
     s.stop().unwrap();
+}
+
+/// Authenticated jobs: a connection must open with a node's hello and tag every frame with
+/// keys only that node and the scheduler can derive. Against a plain scheduler, a process
+/// that is not node 1 (here: node 2, which holds the job secret) speaks for node 1 and is
+/// answered: the attack works. Against an authenticated scheduler it is dropped, and so is a
+/// plain client; the real node 1 is answered.
+#[test]
+fn only_the_node_itself_can_speak_for_it_on_an_authenticated_scheduler() {
+    use gradwire_proto::auth::{JobKey, JobSecret, MemberEntry, MemberKey};
+    use gradwire_wan::control::SchedulerClient;
+    use gradwire_wan::seal::ControlAuth;
+    use std::sync::Arc;
+
+    // Plain: anyone may say it is node 1.
+    let plain = scheduler();
+    let mut c = connect(&plain);
+    c.write_all(&trp(1)).unwrap();
+    assert!(
+        read_frame(&mut c).is_ok(),
+        "the plain scheduler took the forger as node 1"
+    );
+
+    let key = Arc::new(JobKey::new(&JobSecret::new(vec![5; 32]).unwrap()));
+    let rng = ring::rand::SystemRandom::new();
+    let members: Vec<Arc<MemberKey>> = (0..3)
+        .map(|_| Arc::new(MemberKey::generate(&rng).unwrap()))
+        .collect();
+    let entries: Vec<MemberEntry> = (0..3)
+        .map(|r| members[r].entry(&key, 9, r as u16))
+        .collect();
+    let auth = |r: usize| ControlAuth::new(key.clone(), 9, members[r].clone(), entries.clone());
+    let mut cfg = config();
+    cfg.auth = Some(auth(0));
+    let s = scheduler::spawn(TcpListener::bind("127.0.0.1:0").unwrap(), cfg).unwrap();
+
+    // A plain client: its frame is no hello of a node it can prove.
+    let mut c = connect(&s);
+    c.write_all(&trp(1)).unwrap();
+    assert_closed(&mut c, "a plain client sent a request");
+
+    // Node 2 says hello as node 1, with its own key: its first tag does not verify.
+    let mut c = connect(&s);
+    let mut seal = auth(2).client(&mut c, 1).unwrap();
+    let frame = trp(1);
+    let tag = seal.tag(&frame);
+    c.write_all(&[&frame[..], &tag[..]].concat()).unwrap();
+    assert_closed(&mut c, "node 2 spoke as node 1");
+
+    // The real node 1.
+    let mut node1 = SchedulerClient::new(s.addr(), READ_TIMEOUT).authenticated(auth(1), 1);
+    node1
+        .request(TopologyRequest {
+            node: 1,
+            version: NO_VERSION,
+            round: 0,
+        })
+        .unwrap();
 }

@@ -10,6 +10,7 @@ mod common;
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::bounded;
@@ -37,6 +38,56 @@ fn free_master() -> SocketAddr {
 
 #[test]
 fn three_sites_on_loopback_run_verified_rounds_with_the_scheduler_served_by_node_0() {
+    three_sites_plain();
+}
+
+/// The same job with a secret: every chunk sealed per pair of nodes, every scheduler
+/// connection authenticated (node 0's member key is the scheduler's).
+#[test]
+fn an_authenticated_job_runs_the_same_rounds_sealed() {
+    let secret = gradwire_proto::auth::JobSecret::new(b"a netstorm job secret".to_vec()).unwrap();
+    let key = Some(Arc::new(gradwire_proto::auth::JobKey::new(&secret)));
+    for (rank, out) in three_sites([key.clone(), key.clone(), key])
+        .into_iter()
+        .enumerate()
+    {
+        let out = out.unwrap_or_else(|e| panic!("node {rank}: {e}"));
+        assert!(out.verified && out.rounds == 3, "node {rank}: {out:?}");
+    }
+}
+
+/// A node without the secret in an authenticated job: every node fails its set-up, naming
+/// a node whose authentication differs, and none runs a round.
+#[test]
+fn a_node_without_the_secret_fails_every_nodes_set_up() {
+    let secret = gradwire_proto::auth::JobSecret::new(b"a netstorm job secret".to_vec()).unwrap();
+    let key = Some(Arc::new(gradwire_proto::auth::JobKey::new(&secret)));
+    for (rank, out) in three_sites([key.clone(), key, None])
+        .into_iter()
+        .enumerate()
+    {
+        let e = out.expect_err("a mixed job ran").to_string();
+        assert!(e.contains("same job secret"), "node {rank}: {e}");
+    }
+}
+
+type Key = Option<Arc<gradwire_proto::auth::JobKey>>;
+
+fn three_sites_plain() {
+    for (rank, out) in three_sites([None, None, None]).into_iter().enumerate() {
+        let out = out.unwrap_or_else(|e| panic!("node {rank}: {e}"));
+        assert!(out.verified && out.rounds == 3, "node {rank}: {out:?}");
+        if rank == 0 {
+            let s = out.scheduler.expect("node 0 served the scheduler");
+            assert_eq!(s.requests, 9, "three rounds of three nodes' requests");
+        }
+    }
+}
+
+/// Every node's outcome.
+fn three_sites(
+    auth: [Key; 3],
+) -> Vec<Result<gradwire_wan::site::NodeOutput, gradwire_wan::site::NodeError>> {
     let master = free_master();
     let world = 3;
     let workload = Workload {
@@ -73,17 +124,13 @@ fn three_sites_on_loopback_run_verified_rounds_with_the_scheduler_served_by_node
                     chunk_size: 500,
                     ..NetStormConfig::default()
                 },
+                auth: auth[rank].clone(),
             };
             std::thread::spawn(move || run_node(&spec, |_, _| {}))
         })
         .collect();
-    for (rank, h) in nodes.into_iter().enumerate() {
-        let out = bounded(Duration::from_secs(120), move || h.join().unwrap())
-            .unwrap_or_else(|e| panic!("node {rank}: {e}"));
-        assert!(out.verified && out.rounds == 3, "node {rank}: {out:?}");
-        if rank == 0 {
-            let s = out.scheduler.expect("node 0 served the scheduler");
-            assert_eq!(s.requests, 9, "three rounds of three nodes' requests");
-        }
-    }
+    nodes
+        .into_iter()
+        .map(|h| bounded(Duration::from_secs(120), move || h.join().unwrap()))
+        .collect()
 }

@@ -93,6 +93,29 @@ impl MemberKey {
         }
     }
 
+    /// The X25519 agreement of this key with `peer`'s, whose entry `theirs` is checked first:
+    /// its proof must verify for `peer` of `job`, and the result must be contributory (no
+    /// low-order public key). For keys of another kind than packets' between the two (the
+    /// NetStorm scheduler's connections: [`JobKey::session`] over it).
+    pub fn agree(
+        &self,
+        key: &JobKey,
+        job: u32,
+        peer: u16,
+        theirs: &MemberEntry,
+    ) -> Result<Zeroizing<[u8; 32]>, AuthError> {
+        if !key.verify_member_proof(job, peer, &theirs.public, &theirs.proof) {
+            return Err(AuthError::BadMemberProof);
+        }
+        let shared = self
+            .secret
+            .diffie_hellman(&x25519_dalek::PublicKey::from(theirs.public));
+        if !shared.was_contributory() {
+            return Err(AuthError::BadPublicKey);
+        }
+        Ok(Zeroizing::new(*shared.as_bytes()))
+    }
+
     /// The keys between this rank (`me`) and `peer`, whose entry `theirs` is checked first:
     /// its proof must verify for `peer` of `job`, and the agreement must be contributory (no
     /// low-order public key). `send` seals what this rank sends to `peer`, `recv` opens what
@@ -105,15 +128,7 @@ impl MemberKey {
         peer: u16,
         theirs: &MemberEntry,
     ) -> Result<PairKeys, AuthError> {
-        if !key.verify_member_proof(job, peer, &theirs.public, &theirs.proof) {
-            return Err(AuthError::BadMemberProof);
-        }
-        let shared = self
-            .secret
-            .diffie_hellman(&x25519_dalek::PublicKey::from(theirs.public));
-        if !shared.was_contributory() {
-            return Err(AuthError::BadPublicKey);
-        }
+        let shared = self.agree(key, job, peer, theirs)?;
         let ((lo, p_lo), (hi, p_hi)) = if me < peer {
             ((me, &self.public), (peer, &theirs.public))
         } else {
@@ -128,7 +143,7 @@ impl MemberKey {
         salt.extend_from_slice(p_hi);
         let mut ikm = Zeroizing::new([0u8; 64]);
         expand_bytes(&key.job, &[label::PAIR_IKM], &mut ikm[..32]);
-        ikm[32..].copy_from_slice(shared.as_bytes());
+        ikm[32..].copy_from_slice(&shared[..]);
         let prk = extract(&salt, &ikm[..]);
         let direction = |from: u16, to: u16| {
             let (from, to) = (from.to_be_bytes(), to.to_be_bytes());
