@@ -454,8 +454,10 @@ impl Links {
         let deadline = Instant::now() + cfg.connect_timeout;
         let pending = Links::bind(job, rank, world, ip, edges, secret, cfg)?;
         let left = deadline.saturating_duration_since(Instant::now());
+        // An authenticated job's rendezvous proves the secret both ways before the table.
         let rcfg = RendezvousConfig {
             timeout: cfg.rendezvous.timeout.min(left),
+            key: pending.key.clone().or_else(|| cfg.rendezvous.key.clone()),
             ..cfg.rendezvous.clone()
         };
         let table = rendezvous::exchange(master, job, rank, world, pending.endpoint(), &rcfg)?;

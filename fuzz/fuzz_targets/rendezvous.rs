@@ -8,13 +8,16 @@
 //! - an accepted frame is canonical: re-encoding gives the input bytes exactly, within the
 //!   bounds (payloads <= max_payload, world <= MAX_RANKS, reason <= MAX_REASON);
 //! - an accepted frame's strict prefixes are rejected as truncated, one more byte as
-//!   trailing.
+//!   trailing;
+//! - the authenticated job's frames (Hello, Challenge, Sealed) alike; a Sealed frame's inner
+//!   frame is one whole Join or Table within the bounds.
 #![no_main]
 
 use gradwire_collective::job::MAX_RANKS;
 use gradwire_collective::rendezvous::wire::{
-    decode, decode_header, decode_join, decode_refuse, decode_table, encode_join, encode_refuse,
-    encode_table, Frame, Kind, WireError, HEADER_LEN, MAX_REASON,
+    decode, decode_greeting, decode_header, decode_join, decode_refuse, decode_sealed,
+    decode_table, encode_greeting, encode_join, encode_refuse, encode_sealed, encode_table, Frame,
+    Kind, WireError, HEADER_LEN, MAX_REASON,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -64,6 +67,18 @@ fuzz_target!(|data: &[u8]| {
             wrong(join.map(drop), Kind::Join);
             wrong(table.map(drop), Kind::Table);
         }
+        k @ (Kind::Hello | Kind::Challenge) => {
+            let g = decode_greeting(frame, k);
+            assert_eq!(any.clone().ok(), g.ok().map(|g| Frame::Greeting(k, g)));
+            wrong(join.map(drop), Kind::Join);
+            wrong(refuse.map(drop), Kind::Refuse);
+        }
+        Kind::Sealed => {
+            let x = decode_sealed(frame, max_payload);
+            assert_eq!(any.clone().ok(), x.ok().map(Frame::Sealed));
+            wrong(join.map(drop), Kind::Join);
+            wrong(table.map(drop), Kind::Table);
+        }
     }
     let Ok(msg) = any else {
         return;
@@ -84,6 +99,14 @@ fuzz_target!(|data: &[u8]| {
         Frame::Refuse(r) => {
             assert!(r.reason.len() <= MAX_REASON);
             encode_refuse(r)
+        }
+        Frame::Greeting(k, g) => encode_greeting(*k, g).expect("encode of a decoded greeting"),
+        Frame::Sealed(x) => {
+            // The inner frame is a whole Join or Table within the bounds.
+            let h = decode_header(&x.inner, max_payload).expect("a checked inner frame");
+            assert!(matches!(h.kind, Kind::Join | Kind::Table));
+            assert_eq!(x.inner.len(), HEADER_LEN + h.body_len);
+            encode_sealed(x).expect("encode of a decoded sealed frame")
         }
     };
     assert_eq!(again, frame, "encode(decode(f)) != f for {msg:?}");

@@ -10,12 +10,13 @@
 //!
 //! # Trust and bounds
 //!
-//! The rendezvous is **not authenticated**: anyone who can reach the master port can join
-//! as a missing rank or answer as a fake rank 0. That is acceptable because it only
-//! distributes addresses: the links set up from the table are authenticated when the job
-//! has a secret, so in such a job a forged entry can make the job fail to connect, never
-//! inject data. In a plain job, whoever joins first as rank k takes rank k's place (the real
-//! rank k is refused as a duplicate): use a secret where that matters.
+//! **With a job secret** ([`RendezvousConfig::key`]) both ends prove it before the table
+//! moves ([`auth`]): a joiner before rank 0 reads its Join, rank 0 with the table, each frame
+//! tagged; a stranger gets only "not authenticated", and a fake rank 0 is not believed.
+//! **Without one** the rendezvous is not authenticated: anyone who can reach the master port
+//! can join as a missing rank (and read the table) or answer as a fake rank 0. It only
+//! distributes addresses, and in a plain job whoever joins first as rank k takes rank k's
+//! place (the real rank k is refused as a duplicate): use a secret where that matters.
 //! Rank 0 refuses joins for another job id or world size, out-of-range and duplicate ranks
 //! (the right rank can still join afterwards). A refusal names only what the joiner sent,
 //! never rank 0's job id or world size, so probing the port tells a stranger nothing of the
@@ -42,9 +43,13 @@
 
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gradwire_proto::auth::JobKey;
 use wire::{Join, Kind, Refuse, Table, WireError, HEADER_LEN};
+
+pub mod auth;
 
 /// Largest number of ranks in a job (bounds every per-rank table, on the wire too); the
 /// collectives' job files use the same bound (`gradwire_collective::job::MAX_RANKS`).
@@ -82,12 +87,16 @@ pub const SEND_WAIT: Duration = Duration::from_secs(5);
 const IDLE: Duration = Duration::from_millis(2);
 
 /// Limits of an exchange; every rank of a job must use the same `max_payload`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct RendezvousConfig {
     /// Overall deadline, from the call of [`exchange`].
     pub timeout: Duration,
     /// Largest payload per rank, in bytes.
     pub max_payload: usize,
+    /// The job key of an authenticated job (from its secret): every rank proves the secret
+    /// before rank 0 says anything about the job, and rank 0 proves it with the table, each
+    /// frame tagged ([`auth`]). Every rank must give a key of the same secret, or none.
+    pub key: Option<Arc<JobKey>>,
 }
 
 impl Default for RendezvousConfig {
@@ -95,6 +104,7 @@ impl Default for RendezvousConfig {
         RendezvousConfig {
             timeout: DEFAULT_TIMEOUT,
             max_payload: DEFAULT_MAX_PAYLOAD,
+            key: None,
         }
     }
 }
@@ -119,13 +129,24 @@ pub enum RendezvousError {
     /// Rank 0: not every rank joined before the deadline.
     #[error(
         "rendezvous timed out after {waited:?}: rank(s) {missing:?} never joined; check that \
-         they were started with the same job id, world size and MASTER_ADDR/MASTER_PORT"
+         they were started with the same job id, world size and MASTER_ADDR/MASTER_PORT{}",
+        if *unauthenticated > 0 {
+            format!(
+                " ({unauthenticated} join(s) were refused as not authenticated: give every \
+                 rank the same job secret)"
+            )
+        } else {
+            String::new()
+        }
     )]
     Timeout {
         /// The configured timeout.
         waited: Duration,
         /// The ranks that never joined, ascending.
         missing: Vec<usize>,
+        /// Joins refused because they did not prove the job's secret (or proved it to a
+        /// plain rendezvous).
+        unauthenticated: usize,
     },
     /// Other ranks: rank 0 could not be reached before the deadline.
     #[error(
@@ -180,6 +201,16 @@ pub enum RendezvousError {
         master: SocketAddr,
         /// What is wrong with it.
         source: WireError,
+    },
+    /// Authenticated jobs: what came back as rank 0's table is not proven with the job's
+    /// secret (a fake rank 0, or a plain one in an authenticated job).
+    #[error(
+        "the table from {master} is not proven with this job's secret: it is not this job's \
+         rank 0, or rank 0 runs without the secret (give every rank the same)"
+    )]
+    NotAuthenticated {
+        /// The master address.
+        master: SocketAddr,
     },
     /// A well-formed table that does not fit this rank's exchange.
     #[error("the table from rank 0 at {master} {problem}; another job may be using MASTER_PORT")]
@@ -358,6 +389,28 @@ struct Pending {
     buf: Vec<u8>,
     /// Bytes of the frame, once the header says.
     need: Option<usize>,
+    /// Where an authenticated connection's handshake stands (`None`: a plain job's).
+    stage: Option<Stage>,
+}
+
+/// An authenticated connection's handshake at rank 0.
+#[derive(Debug)]
+enum Stage {
+    /// Waiting for the joiner's Hello.
+    Hello,
+    /// Challenge sent; waiting for the sealed Join.
+    Sealed(Box<auth::ServerChallenged>),
+}
+
+impl Pending {
+    /// The frame kind this connection may send next.
+    fn expects(&self) -> Kind {
+        match self.stage {
+            None => Kind::Join,
+            Some(Stage::Hello) => Kind::Hello,
+            Some(Stage::Sealed(_)) => Kind::Sealed,
+        }
+    }
 }
 
 /// What reading a pending connection gave.
@@ -371,8 +424,8 @@ enum Read1 {
     Garbage(WireError),
     /// Our magic but not a join we can decode: answer with a `Refuse`.
     BadJoin(WireError),
-    /// A complete join.
-    Join(Join),
+    /// A complete frame of the kind expected ([`Pending::expects`]).
+    Frame(Vec<u8>),
 }
 
 impl Pending {
@@ -395,11 +448,12 @@ impl Pending {
                 continue;
             }
             if self.need.is_none() {
+                let expected = self.expects();
                 match wire::decode_header(&self.buf, max_payload) {
-                    Ok(h) if h.kind == Kind::Join => self.need = Some(HEADER_LEN + h.body_len),
+                    Ok(h) if h.kind == expected => self.need = Some(HEADER_LEN + h.body_len),
                     Ok(h) => {
                         return Read1::BadJoin(WireError::WrongKind {
-                            expected: Kind::Join,
+                            expected,
                             got: h.kind,
                         })
                     }
@@ -410,10 +464,8 @@ impl Pending {
                     continue;
                 }
             }
-            return match wire::decode_join(&self.buf, max_payload) {
-                Ok(j) => Read1::Join(j),
-                Err(e) => Read1::BadJoin(e),
-            };
+            self.need = None;
+            return Read1::Frame(std::mem::take(&mut self.buf));
         }
     }
 }
@@ -456,7 +508,8 @@ fn serve(
     log::info!("rendezvous: rank 0 of job {job} waiting for {world} ranks on {master}");
     let mut roster = Roster::new(job, world, payload);
     let mut pending: Vec<Pending> = Vec::new();
-    let mut joined: Vec<(usize, SocketAddr, TcpStream)> = Vec::new();
+    let mut joined: Vec<Joined> = Vec::new();
+    let mut unauthenticated = 0;
 
     while !roster.complete() {
         if left(deadline).is_none() {
@@ -465,13 +518,14 @@ fn serve(
                 "rendezvous timed out after {:?}: rank(s) {missing:?} never joined",
                 cfg.timeout
             );
-            for (_, peer, mut s) in joined {
-                send_refuse(&mut s, peer, &reason);
+            for mut j in joined {
+                send_refuse(&mut j.stream, j.peer, &reason);
             }
             log::warn!("rendezvous: {reason}");
             return Err(RendezvousError::Timeout {
                 waited: cfg.timeout,
                 missing,
+                unauthenticated,
             });
         }
         let mut busy = false;
@@ -509,6 +563,7 @@ fn serve(
                         heard: now,
                         buf: Vec::new(),
                         need: None,
+                        stage: cfg.key.as_ref().map(|_| Stage::Hello),
                     });
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -562,18 +617,52 @@ fn serve(
                 }
                 Read1::BadJoin(e) => {
                     let mut p = pending.swap_remove(i);
-                    log::warn!("rendezvous: refusing {}: invalid join: {e}", p.peer);
-                    send_refuse(&mut p.stream, p.peer, &format!("invalid join: {e}"));
-                }
-                Read1::Join(j) => {
-                    let mut p = pending.swap_remove(i);
-                    match roster.admit(j) {
-                        Ok(rank) => {
-                            log::debug!("rendezvous: rank {rank} joined from {}", p.peer);
-                            joined.push((rank, p.peer, p.stream));
+                    let reason = match (&cfg.key, e) {
+                        (
+                            Some(_),
+                            WireError::WrongKind {
+                                got: Kind::Join, ..
+                            },
+                        ) => {
+                            unauthenticated += 1;
+                            NOT_AUTHENTICATED.to_owned()
                         }
-                        Err((reason, detail)) => {
-                            log::warn!("rendezvous: refusing {}: {detail}", p.peer);
+                        (
+                            None,
+                            WireError::WrongKind {
+                                got: Kind::Hello, ..
+                            },
+                        ) => {
+                            unauthenticated += 1;
+                            NOT_PLAIN.to_owned()
+                        }
+                        (_, e) => format!("invalid join: {e}"),
+                    };
+                    log::warn!("rendezvous: refusing {}: {reason}", p.peer);
+                    send_refuse(&mut p.stream, p.peer, &reason);
+                }
+                Read1::Frame(frame) => {
+                    let mut p = pending.swap_remove(i);
+                    match step(&mut p, frame, cfg) {
+                        Ok(None) => pending.push(p),
+                        Ok(Some((j, session))) => match roster.admit(j) {
+                            Ok(rank) => {
+                                log::debug!("rendezvous: rank {rank} joined from {}", p.peer);
+                                joined.push(Joined {
+                                    rank,
+                                    peer: p.peer,
+                                    stream: p.stream,
+                                    session,
+                                });
+                            }
+                            Err((reason, detail)) => {
+                                log::warn!("rendezvous: refusing {}: {detail}", p.peer);
+                                send_refuse(&mut p.stream, p.peer, &reason);
+                            }
+                        },
+                        Err(reason) => {
+                            unauthenticated += usize::from(reason == NOT_AUTHENTICATED);
+                            log::warn!("rendezvous: refusing {}: {reason}", p.peer);
                             send_refuse(&mut p.stream, p.peer, &reason);
                         }
                     }
@@ -595,45 +684,115 @@ fn serve(
     };
     let frame = wire::encode_table(&table)
         .map_err(|e| RendezvousError::Invalid(format!("cannot encode the table: {e}")))?;
-    send_table(joined, &frame);
+    let mut out = Vec::with_capacity(joined.len());
+    for j in joined {
+        let f = match j.session {
+            None => frame.clone(),
+            Some(s) => s
+                .seal(&frame)
+                .map_err(|e| RendezvousError::Invalid(format!("cannot seal the table: {e}")))?,
+        };
+        out.push((j.rank, j.peer, j.stream, f));
+    }
+    send_table(out);
     log::info!("rendezvous: all {world} ranks of job {job} joined");
     Ok(table.payloads)
 }
 
-/// Writes `frame` to every joined rank at once (the sockets are nonblocking), within
-/// [`SEND_WAIT`] in all. A rank whose connection fails, or that has not taken the whole
-/// table by then, is dropped with a warning: its process reports its own failure, and the
-/// table is complete here.
-fn send_table(joined: Vec<(usize, SocketAddr, TcpStream)>, frame: &[u8]) {
+/// Refusal of a plain join (or an unproven one) by an authenticated rendezvous: it says no
+/// more than that.
+const NOT_AUTHENTICATED: &str =
+    "not authenticated: this rendezvous needs the job's secret (give every rank the same)";
+/// Refusal of an authenticated join by a plain rendezvous.
+const NOT_PLAIN: &str =
+    "this rendezvous runs without a job secret: give every rank the same secret, or none";
+
+/// A rank that joined: where its table goes, and (authenticated) how it is sealed.
+struct Joined {
+    rank: usize,
+    peer: SocketAddr,
+    stream: TcpStream,
+    session: Option<auth::ServerJoined>,
+}
+
+/// One complete frame of a pending connection, by its stage: a plain Join; a Hello, which
+/// is answered with the Challenge (`Ok(None)`: the connection waits for its sealed Join);
+/// a sealed Join, opened. `Err`: the refusal to send.
+#[allow(clippy::type_complexity)]
+fn step(
+    p: &mut Pending,
+    frame: Vec<u8>,
+    cfg: &RendezvousConfig,
+) -> Result<Option<(Join, Option<auth::ServerJoined>)>, String> {
+    let bad = |e: WireError| format!("invalid join: {e}");
+    match (p.stage.take(), &cfg.key) {
+        (None, _) => Ok(Some((
+            wire::decode_join(&frame, cfg.max_payload).map_err(bad)?,
+            None,
+        ))),
+        (Some(Stage::Hello), Some(key)) => {
+            let hello = wire::decode_greeting(&frame, Kind::Hello).map_err(bad)?;
+            let (hs, challenge) =
+                auth::ServerChallenged::new(key.clone(), &hello).map_err(|e| e.to_string())?;
+            // 74 bytes on a fresh socket: they fit its send buffer, or the peer is not
+            // worth waiting for.
+            p.stream
+                .write_all(&challenge)
+                .map_err(|e| format!("could not send the challenge: {e}"))?;
+            p.stage = Some(Stage::Sealed(Box::new(hs)));
+            p.heard = Instant::now();
+            Ok(None)
+        }
+        (Some(Stage::Sealed(hs)), Some(_)) => {
+            let sealed = wire::decode_sealed(&frame, cfg.max_payload).map_err(bad)?;
+            let (session, inner) = hs.open(sealed).map_err(|_| NOT_AUTHENTICATED.to_owned())?;
+            let j = wire::decode_join(&inner, cfg.max_payload).map_err(bad)?;
+            Ok(Some((j, Some(session))))
+        }
+        (Some(_), None) => Err("internal: a handshake stage without a key".into()),
+    }
+}
+
+/// Writes each joined rank's table frame to it, all at once (the sockets are nonblocking),
+/// within [`SEND_WAIT`] in all. A rank whose connection fails, or that has not taken the
+/// whole table by then, is dropped with a warning: its process reports its own failure, and
+/// the table is complete here.
+fn send_table(joined: Vec<(usize, SocketAddr, TcpStream, Vec<u8>)>) {
     let until = Instant::now() + SEND_WAIT;
-    let mut left: Vec<(usize, SocketAddr, TcpStream, usize)> =
-        joined.into_iter().map(|(r, p, s)| (r, p, s, 0)).collect();
+    let mut left: Vec<(usize, SocketAddr, TcpStream, Vec<u8>, usize)> = joined
+        .into_iter()
+        .map(|(r, p, s, f)| (r, p, s, f, 0))
+        .collect();
     while !left.is_empty() {
         let mut progress = false;
-        left.retain_mut(|(rank, peer, s, off)| match s.write(&frame[*off..]) {
-            Ok(n) => {
-                *off += n;
-                progress |= n > 0;
-                *off < frame.len()
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                ) =>
-            {
-                true
-            }
-            Err(e) => {
-                log::warn!("rendezvous: could not send the table to rank {rank} at {peer}: {e}");
-                false
-            }
-        });
+        left.retain_mut(
+            |(rank, peer, s, frame, off)| match s.write(&frame[*off..]) {
+                Ok(n) => {
+                    *off += n;
+                    progress |= n > 0;
+                    *off < frame.len()
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) =>
+                {
+                    true
+                }
+                Err(e) => {
+                    log::warn!(
+                        "rendezvous: could not send the table to rank {rank} at {peer}: {e}"
+                    );
+                    false
+                }
+            },
+        );
         if left.is_empty() {
             break;
         }
         if Instant::now() >= until {
-            for (rank, peer, _, off) in &left {
+            for (rank, peer, _, frame, off) in &left {
                 log::warn!(
                     "rendezvous: rank {rank} at {peer} took {off} of the table's {} bytes in \
                      {SEND_WAIT:?}; dropping it",
@@ -769,6 +928,87 @@ fn join(
     }
 }
 
+/// Why an attempt's read of one frame from rank 0 stopped: a result to give, or "connect
+/// again" (nothing came back at all on the attempt's first read).
+fn read_answer(
+    s: &mut TcpStream,
+    master: SocketAddr,
+    world: usize,
+    cfg: &RendezvousConfig,
+    deadline: Option<Instant>,
+    first: bool,
+) -> Result<Vec<u8>, Attempt> {
+    let no_table = || {
+        Attempt::Done(Err(RendezvousError::NoTable {
+            master,
+            waited: cfg.timeout,
+        }))
+    };
+    let io_err = |source| {
+        Attempt::Done(Err(RendezvousError::Io {
+            master,
+            doing: "reading the answer",
+            source,
+        }))
+    };
+    let mid_frame = || {
+        io_err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "connection closed mid-frame",
+        ))
+    };
+    let mut buf = Vec::new();
+    match read_to(s, &mut buf, HEADER_LEN, deadline) {
+        Ok(()) => {}
+        Err(ReadStop::Deadline) => return Err(no_table()),
+        // Nothing came back at all: rank 0 went away (or was an earlier listener closing).
+        Err(ReadStop::Closed) if buf.is_empty() && first => {
+            return Err(Attempt::Again(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "closed without an answer",
+            )))
+        }
+        Err(ReadStop::Io(e)) if buf.is_empty() && first => return Err(Attempt::Again(e)),
+        Err(ReadStop::Closed) => return Err(mid_frame()),
+        Err(ReadStop::Io(e)) => return Err(io_err(e)),
+    }
+    let protocol = |source| Attempt::Done(Err(RendezvousError::Protocol { master, source }));
+    let header = wire::decode_header(&buf, cfg.max_payload).map_err(protocol)?;
+    // A table for this world is smaller than the general bound.
+    let table = wire::table_body_limit(world, cfg.max_payload);
+    let limit = match header.kind {
+        Kind::Table => table,
+        Kind::Sealed => table.saturating_add((HEADER_LEN + wire::PROOF_LEN + wire::TAG_LEN) as u64),
+        Kind::Refuse | Kind::Challenge => header.body_len as u64,
+        got @ (Kind::Join | Kind::Hello) => {
+            return Err(protocol(WireError::WrongKind {
+                expected: Kind::Table,
+                got,
+            }))
+        }
+    };
+    if header.body_len as u64 > limit {
+        return Err(protocol(WireError::TooLarge {
+            what: "table",
+            len: header.body_len as u64,
+            max: limit,
+        }));
+    }
+    match read_to(s, &mut buf, HEADER_LEN + header.body_len, deadline) {
+        Ok(()) => Ok(buf),
+        Err(ReadStop::Deadline) => Err(no_table()),
+        Err(ReadStop::Closed) => Err(mid_frame()),
+        Err(ReadStop::Io(e)) => Err(io_err(e)),
+    }
+}
+
+/// Writes `frame` to rank 0 by the deadline.
+fn send(s: &mut TcpStream, frame: &[u8], deadline: Option<Instant>) -> Result<(), io::Error> {
+    let l = left(deadline).ok_or_else(|| io::Error::from(io::ErrorKind::TimedOut))?;
+    s.set_write_timeout(Some(l))
+        .and_then(|()| s.write_all(frame))
+}
+
 #[allow(clippy::too_many_arguments)]
 fn attempt(
     s: &mut TcpStream,
@@ -785,88 +1025,93 @@ fn attempt(
         master,
         waited: cfg.timeout,
     };
-    let io_err = |doing, source| RendezvousError::Io {
-        master,
-        doing,
-        source,
-    };
-    let _ = s.set_nodelay(true);
-    let Some(l) = left(deadline) else {
-        return Attempt::Done(Err(no_table()));
-    };
-    if let Err(e) = s
-        .set_write_timeout(Some(l))
-        .and_then(|()| s.write_all(frame))
-    {
-        return match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Attempt::Done(Err(no_table())),
-            _ => Attempt::Again(e),
-        };
-    }
-
-    let mut buf = Vec::new();
-    match read_to(s, &mut buf, HEADER_LEN, deadline) {
-        Ok(()) => {}
-        Err(ReadStop::Deadline) => return Attempt::Done(Err(no_table())),
-        // Nothing came back at all: rank 0 went away (or was an earlier listener closing).
-        Err(ReadStop::Closed) if buf.is_empty() => {
-            return Attempt::Again(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "closed without an answer",
-            ))
-        }
-        Err(ReadStop::Io(e)) if buf.is_empty() => return Attempt::Again(e),
-        Err(ReadStop::Closed) => {
-            return Attempt::Done(Err(io_err(
-                "reading the answer",
-                io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed mid-frame"),
-            )))
-        }
-        Err(ReadStop::Io(e)) => return Attempt::Done(Err(io_err("reading the answer", e))),
-    }
     let protocol = |source| Attempt::Done(Err(RendezvousError::Protocol { master, source }));
-    let header = match wire::decode_header(&buf, cfg.max_payload) {
-        Ok(h) => h,
-        Err(e) => return protocol(e),
+    let _ = s.set_nodelay(true);
+    let sent = |r: Result<(), io::Error>| match r {
+        Ok(()) => None,
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            Some(Attempt::Done(Err(no_table())))
+        }
+        Err(e) => Some(Attempt::Again(e)),
     };
-    // A table for this world is smaller than the general bound.
-    let limit = match header.kind {
-        Kind::Table => wire::table_body_limit(world, cfg.max_payload),
-        Kind::Refuse => header.body_len as u64,
-        Kind::Join => {
-            return protocol(WireError::WrongKind {
-                expected: Kind::Table,
-                got: Kind::Join,
-            })
+    // Authenticated: Hello and Challenge first, then the Join sealed with this rank's proof.
+    let mut wait = None;
+    let mut first = true;
+    let join = match &cfg.key {
+        None => frame.to_vec(),
+        Some(key) => {
+            let (hs, hello) = match auth::ClientHello::start(key.clone()) {
+                Ok(x) => x,
+                Err(e) => return Attempt::Done(Err(RendezvousError::Invalid(e.to_string()))),
+            };
+            if let Some(a) = sent(send(s, &hello, deadline)) {
+                return a;
+            }
+            let answer = match read_answer(s, master, world, cfg, deadline, true) {
+                Ok(f) => f,
+                Err(a) => return a,
+            };
+            first = false;
+            let challenge = match wire::decode(&answer, cfg.max_payload) {
+                Ok(wire::Frame::Greeting(Kind::Challenge, g)) => g,
+                Ok(wire::Frame::Refuse(r)) => {
+                    return Attempt::Done(Err(RendezvousError::Refused { reason: r.reason }))
+                }
+                Ok(_) => {
+                    return protocol(WireError::WrongKind {
+                        expected: Kind::Challenge,
+                        got: wire::decode_header(&answer, cfg.max_payload)
+                            .map_or(Kind::Join, |h| h.kind),
+                    })
+                }
+                Err(e) => return protocol(e),
+            };
+            match hs.answer(&challenge, frame) {
+                Ok((w, sealed)) => {
+                    wait = Some(w);
+                    sealed
+                }
+                Err(e) => {
+                    return Attempt::Done(Err(RendezvousError::Refused {
+                        reason: format!("rank 0's challenge: {e}"),
+                    }))
+                }
+            }
         }
     };
-    if header.body_len as u64 > limit {
-        return protocol(WireError::TooLarge {
-            what: "table",
-            len: header.body_len as u64,
-            max: limit,
-        });
+    if let Some(a) = sent(send(s, &join, deadline)) {
+        return a;
     }
-    match read_to(s, &mut buf, HEADER_LEN + header.body_len, deadline) {
-        Ok(()) => {}
-        Err(ReadStop::Deadline) => return Attempt::Done(Err(no_table())),
-        Err(ReadStop::Closed) => {
-            return Attempt::Done(Err(io_err(
-                "reading the answer",
-                io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed mid-frame"),
-            )))
+    let buf = match read_answer(s, master, world, cfg, deadline, first) {
+        Ok(f) => f,
+        Err(a) => return a,
+    };
+    let decoded = match (wire::decode(&buf, cfg.max_payload), wait) {
+        (Ok(wire::Frame::Sealed(sealed)), Some(w)) => match w.open(sealed) {
+            Ok(inner) => wire::decode(&inner, cfg.max_payload),
+            Err(_) => {
+                return Attempt::Done(Err(RendezvousError::NotAuthenticated { master }));
+            }
+        },
+        (Ok(wire::Frame::Table(_)), Some(_)) => {
+            return Attempt::Done(Err(RendezvousError::NotAuthenticated { master }));
         }
-        Err(ReadStop::Io(e)) => return Attempt::Done(Err(io_err("reading the answer", e))),
-    }
-    let table = match wire::decode(&buf, cfg.max_payload) {
+        (other, _) => other,
+    };
+    let table = match decoded {
         Ok(wire::Frame::Table(t)) => t,
         Ok(wire::Frame::Refuse(r)) => {
             return Attempt::Done(Err(RendezvousError::Refused { reason: r.reason }))
         }
-        Ok(wire::Frame::Join(_)) => {
+        Ok(_) => {
             return protocol(WireError::WrongKind {
                 expected: Kind::Table,
-                got: Kind::Join,
+                got: wire::decode_header(&buf, cfg.max_payload).map_or(Kind::Join, |h| h.kind),
             })
         }
         Err(e) => return protocol(e),
@@ -1101,6 +1346,8 @@ mod tests {
                     Frame::Join(j) => encode_join(j).unwrap(),
                     Frame::Table(t) => encode_table(t).unwrap(),
                     Frame::Refuse(r) => encode_refuse(r),
+                    Frame::Greeting(k, g) => encode_greeting(*k, g).unwrap(),
+                    Frame::Sealed(x) => encode_sealed(x).unwrap(),
                 };
                 prop_assert_eq!(again, f);
             }
@@ -1113,6 +1360,8 @@ mod tests {
                 Frame::Join(j) => encode_join(j).unwrap(),
                 Frame::Table(t) => encode_table(t).unwrap(),
                 Frame::Refuse(r) => encode_refuse(r),
+                Frame::Greeting(k, g) => encode_greeting(*k, g).unwrap(),
+                Frame::Sealed(x) => encode_sealed(x).unwrap(),
             };
             prop_assert_eq!(&again, &f);
             for cut in 0..f.len() {
@@ -1183,6 +1432,20 @@ mod tests {
         RendezvousConfig {
             timeout: Duration::from_secs(secs),
             max_payload: MAXP,
+            key: None,
+        }
+    }
+
+    fn key(fill: u8) -> Arc<JobKey> {
+        Arc::new(JobKey::new(
+            &gradwire_proto::auth::JobSecret::new(vec![fill; 32]).unwrap(),
+        ))
+    }
+
+    fn sealed_cfg(secs: u64, fill: u8) -> RendezvousConfig {
+        RendezvousConfig {
+            key: Some(key(fill)),
+            ..cfg(secs)
         }
     }
 
@@ -1243,6 +1506,7 @@ mod tests {
         let huge = RendezvousConfig {
             timeout: Duration::from_secs(1),
             max_payload: 1 << 20,
+            key: None,
         };
         match exchange(master, 1, 1, MAX_RANKS, b"", &huge) {
             Err(RendezvousError::Invalid(m)) => assert!(m.contains("lower max_payload"), "{m}"),
@@ -1286,7 +1550,9 @@ mod tests {
         // Rank 1 waits longer than rank 0, so it hears rank 0's verdict.
         let r1 = spawn_rank(master, 42, 1, 3, payload_of(1), cfg(30));
         match r0.join().unwrap() {
-            Err(RendezvousError::Timeout { waited, missing }) => {
+            Err(RendezvousError::Timeout {
+                waited, missing, ..
+            }) => {
                 assert_eq!(missing, vec![2]);
                 assert_eq!(waited, Duration::from_secs(1));
             }
@@ -1306,6 +1572,7 @@ mod tests {
         let c = RendezvousConfig {
             timeout: Duration::from_millis(300),
             max_payload: MAXP,
+            key: None,
         };
         match exchange(master, 1, 1, 2, b"x", &c) {
             Err(e @ RendezvousError::Unreachable { .. }) => {
@@ -1409,6 +1676,7 @@ mod tests {
         let big = RendezvousConfig {
             timeout: Duration::from_secs(30),
             max_payload: 16 << 20,
+            key: None,
         };
         let started = Instant::now();
         let r0 = spawn_rank(master, 42, 0, 2, payload_of(0), big.clone());
@@ -1482,5 +1750,93 @@ mod tests {
             other => panic!("{other:?}"),
         }
         fake.join().unwrap();
+    }
+
+    /// A stranger who knows the job id and world size (or guesses them) joins as a missing
+    /// rank. Against a plain rendezvous it gets every rank's payload (the attack works, and
+    /// it has taken rank 2's place). Against an authenticated one it is refused with
+    /// nothing but "not authenticated", and the real rank 2 joins; every rank gets the table.
+    #[test]
+    fn a_stranger_gets_the_table_of_a_plain_rendezvous_but_nothing_of_an_authenticated_one() {
+        let master = own_master(20);
+        let r1 = spawn_rank(master, 42, 1, 3, payload_of(1), cfg(30));
+        let r0 = spawn_rank(master, 42, 0, 3, payload_of(0), cfg(30));
+        let stolen = exchange(master, 42, 2, 3, b"stranger", &cfg(30)).unwrap();
+        assert_eq!(
+            stolen[0],
+            payload_of(0),
+            "the stranger read rank 0's payload"
+        );
+        r0.join().unwrap().unwrap();
+        r1.join().unwrap().unwrap();
+
+        let master = own_master(21);
+        let r1 = spawn_rank(master, 42, 1, 3, payload_of(1), sealed_cfg(30, 1));
+        let r0 = spawn_rank(master, 42, 0, 3, payload_of(0), sealed_cfg(30, 1));
+        for c in [cfg(30), sealed_cfg(30, 2)] {
+            match exchange(master, 42, 2, 3, b"stranger", &c) {
+                Err(RendezvousError::Refused { reason }) => {
+                    assert!(reason.contains("not authenticated"), "{reason}");
+                    assert!(!reason.contains("42") && !reason.contains('3'), "{reason}");
+                }
+                other => panic!("a stranger got {other:?}"),
+            }
+        }
+        let r2 = spawn_rank(master, 42, 2, 3, payload_of(2), sealed_cfg(30, 1));
+        let want: Vec<Vec<u8>> = (0..3).map(payload_of).collect();
+        for h in [r0, r1, r2] {
+            assert_eq!(h.join().unwrap().unwrap(), want);
+        }
+    }
+
+    /// A fake rank 0 that has no secret answers an authenticated rank's Hello and sends a
+    /// table: the rank refuses it as not proven. A plain rank 0 refuses an authenticated
+    /// join and says why.
+    #[test]
+    fn an_authenticated_rank_believes_no_rank_0_without_the_secret() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let master = l.local_addr().unwrap();
+        let fake = thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let read = |s: &mut TcpStream| {
+                let mut f = vec![0; HEADER_LEN];
+                s.read_exact(&mut f).unwrap();
+                let h = decode_header(&f, MAXP).unwrap();
+                let mut body = vec![0; h.body_len];
+                s.read_exact(&mut body).unwrap();
+                [f, body].concat()
+            };
+            let hello = decode_greeting(&read(&mut s), Kind::Hello).unwrap();
+            let (_, challenge) = auth::ServerChallenged::new(key(9), &hello).unwrap();
+            s.write_all(&challenge).unwrap();
+            let _join = read(&mut s);
+            let table = encode_table(&Table {
+                job: 42,
+                payloads: vec![b"evil".to_vec(), b"me".to_vec()],
+            })
+            .unwrap();
+            let forged = encode_sealed(&Sealed {
+                proof: [7; PROOF_LEN],
+                inner: table,
+                tag: [7; TAG_LEN],
+            })
+            .unwrap();
+            s.write_all(&forged).unwrap();
+        });
+        match exchange(master, 42, 1, 2, b"me", &sealed_cfg(30, 1)) {
+            Err(RendezvousError::NotAuthenticated { .. }) => {}
+            other => panic!("{other:?}"),
+        }
+        fake.join().unwrap();
+
+        let master = own_master(22);
+        let r0 = spawn_rank(master, 42, 0, 2, payload_of(0), cfg(5));
+        match exchange(master, 42, 1, 2, b"me", &sealed_cfg(30, 1)) {
+            Err(RendezvousError::Refused { reason }) => {
+                assert!(reason.contains("without a job secret"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(r0.join().unwrap().is_err(), "rank 1 never joined");
     }
 }

@@ -8,6 +8,14 @@
 //! | 1    | Join   | job u32, rank u32, world u32, payload (u32 length + bytes)         |
 //! | 2    | Table  | job u32, world u32, `world` times a payload (u32 length + bytes)   |
 //! | 3    | Refuse | reason (u16 length + at most 256 bytes of UTF-8)                  |
+//! | 4    | Hello  | nonce (32 bytes), X25519 public key (32 bytes): an authenticated join's opening |
+//! | 5    | Challenge | nonce (32 bytes), X25519 public key (32 bytes): rank 0's answer to a Hello |
+//! | 6    | Sealed | proof (32 bytes), one Join or Table frame, tag (16 bytes)          |
+//!
+//! An authenticated job (a job secret) opens with Hello and Challenge; the joining rank's
+//! `Sealed` carries its Join with its proof of the secret over both nonces and keys, rank
+//! 0's carries the Table with its own proof, and each inner frame is tagged with the
+//! connection's key of its direction (`crate::auth`).
 //!
 //! The body length lets a reader take exactly one frame off a stream, bounded before
 //! anything is read; the decoders check it against the fields, so a frame has exactly one
@@ -33,7 +41,20 @@ pub enum Kind {
     Table = 2,
     /// Rank 0's refusal of a join.
     Refuse = 3,
+    /// An authenticated join's opening: the joiner's nonce and ephemeral key.
+    Hello = 4,
+    /// Rank 0's answer to a Hello: its nonce and ephemeral key.
+    Challenge = 5,
+    /// A proof of the job secret, one Join or Table frame, and its tag.
+    Sealed = 6,
 }
+
+/// Bytes of a Hello's or a Challenge's body: a nonce and an X25519 public key.
+pub const GREETING_LEN: usize = 64;
+/// Bytes of a proof of the job secret.
+pub const PROOF_LEN: usize = 32;
+/// Bytes of a Sealed frame's tag.
+pub const TAG_LEN: usize = 16;
 
 impl Kind {
     fn from_u8(b: u8) -> Option<Kind> {
@@ -41,6 +62,9 @@ impl Kind {
             1 => Some(Kind::Join),
             2 => Some(Kind::Table),
             3 => Some(Kind::Refuse),
+            4 => Some(Kind::Hello),
+            5 => Some(Kind::Challenge),
+            6 => Some(Kind::Sealed),
             _ => None,
         }
     }
@@ -93,6 +117,30 @@ pub enum Frame {
     Table(Table),
     /// See [`Refuse`].
     Refuse(Refuse),
+    /// A nonce and an X25519 public key ([`Kind::Hello`] or [`Kind::Challenge`]).
+    Greeting(Kind, Greeting),
+    /// See [`Sealed`].
+    Sealed(Sealed),
+}
+
+/// A Hello's or a Challenge's body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Greeting {
+    /// A fresh random nonce.
+    pub nonce: [u8; 32],
+    /// A fresh ephemeral X25519 public key.
+    pub public: [u8; 32],
+}
+
+/// A frame of an authenticated job: a proof, an inner frame, its tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sealed {
+    /// The sender's proof of the job secret over the connection's transcript.
+    pub proof: [u8; PROOF_LEN],
+    /// One whole Join or Table frame.
+    pub inner: Vec<u8>,
+    /// The inner frame's tag under the connection's key of the sender's direction.
+    pub tag: [u8; TAG_LEN],
 }
 
 /// What is wrong with a frame.
@@ -169,6 +217,9 @@ fn body_limit(kind: Kind, max_payload: usize) -> u64 {
         Kind::Join => (max_payload as u64).saturating_add(16),
         Kind::Table => table_body_limit(MAX_RANKS, max_payload),
         Kind::Refuse => 2 + MAX_REASON as u64,
+        Kind::Hello | Kind::Challenge => GREETING_LEN as u64,
+        Kind::Sealed => body_limit(Kind::Table, max_payload)
+            .saturating_add((HEADER_LEN + PROOF_LEN + TAG_LEN) as u64),
     }
 }
 
@@ -448,11 +499,81 @@ pub fn decode_refuse(frame: &[u8]) -> Result<Refuse, WireError> {
     })
 }
 
+/// Encodes a Hello or a Challenge.
+pub fn encode_greeting(kind: Kind, g: &Greeting) -> Result<Vec<u8>, WireError> {
+    if !matches!(kind, Kind::Hello | Kind::Challenge) {
+        return Err(WireError::WrongKind {
+            expected: Kind::Hello,
+            got: kind,
+        });
+    }
+    frame(kind, [g.nonce, g.public].concat())
+}
+
+/// Decodes one whole Hello or Challenge frame of kind `kind`.
+pub fn decode_greeting(frame: &[u8], kind: Kind) -> Result<Greeting, WireError> {
+    let body = split(frame, kind, 0)?;
+    let mut b = Body::new(body);
+    let mut g = Greeting {
+        nonce: [0; 32],
+        public: [0; 32],
+    };
+    g.nonce.copy_from_slice(b.bytes(32)?);
+    g.public.copy_from_slice(b.bytes(32)?);
+    b.end()?;
+    Ok(g)
+}
+
+/// Encodes a Sealed frame.
+pub fn encode_sealed(s: &Sealed) -> Result<Vec<u8>, WireError> {
+    frame(
+        Kind::Sealed,
+        [&s.proof[..], &s.inner[..], &s.tag[..]].concat(),
+    )
+}
+
+/// Decodes one whole Sealed frame whose inner frame is a Join or a Table (checked as a
+/// frame, not decoded: it is decoded once its tag verified).
+pub fn decode_sealed(frame: &[u8], max_payload: usize) -> Result<Sealed, WireError> {
+    let body = split(frame, Kind::Sealed, max_payload)?;
+    let body_len = body.len();
+    let short = || WireError::BodyLength { body_len };
+    let inner_len = body_len
+        .checked_sub(PROOF_LEN + TAG_LEN)
+        .ok_or_else(short)?;
+    let mut b = Body::new(body);
+    let mut s = Sealed {
+        proof: [0; PROOF_LEN],
+        inner: Vec::new(),
+        tag: [0; TAG_LEN],
+    };
+    s.proof.copy_from_slice(b.bytes(PROOF_LEN)?);
+    let inner = b.bytes(inner_len)?;
+    let h = decode_header(inner, max_payload)?;
+    if !matches!(h.kind, Kind::Join | Kind::Table) {
+        return Err(WireError::WrongKind {
+            expected: Kind::Join,
+            got: h.kind,
+        });
+    }
+    if HEADER_LEN + h.body_len != inner.len() {
+        return Err(short());
+    }
+    s.inner = inner.to_vec();
+    s.tag.copy_from_slice(b.bytes(TAG_LEN)?);
+    b.end()?;
+    Ok(s)
+}
+
 /// Decodes one whole frame of any kind.
 pub fn decode(frame: &[u8], max_payload: usize) -> Result<Frame, WireError> {
     match raw_header(frame)?.0 {
         Kind::Join => decode_join(frame, max_payload).map(Frame::Join),
         Kind::Table => decode_table(frame, max_payload).map(Frame::Table),
         Kind::Refuse => decode_refuse(frame).map(Frame::Refuse),
+        k @ (Kind::Hello | Kind::Challenge) => {
+            decode_greeting(frame, k).map(|g| Frame::Greeting(k, g))
+        }
+        Kind::Sealed => decode_sealed(frame, max_payload).map(Frame::Sealed),
     }
 }

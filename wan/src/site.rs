@@ -438,6 +438,7 @@ fn connect(spec: &NodeSpec) -> Result<(Endpoint, Vec<SocketAddr>, Option<Control
         &RendezvousConfig {
             timeout: spec.timeout,
             max_payload: MAX_ADDR_PAYLOAD,
+            key: spec.auth.clone(),
         },
     )
     .map_err(|e| failed(e.to_string(), never_joined(&e)))?;
@@ -604,6 +605,7 @@ pub fn run_node(
         b"done",
         &RendezvousConfig {
             timeout: spec.timeout,
+            key: spec.auth.clone(),
             ..RendezvousConfig::default()
         },
     )
