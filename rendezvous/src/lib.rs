@@ -83,6 +83,9 @@ pub fn stalest<T>(items: &[T], heard: impl Fn(&T) -> Option<Instant>) -> Option<
 /// reads it slower is left to fail on its own side (a client draining a few kilobytes every
 /// few seconds would otherwise hold rank 0 for as long as it likes).
 pub const SEND_WAIT: Duration = Duration::from_secs(5);
+/// Bytes a waiting connection must send, short of a whole frame, to count as heard from
+/// (rather than as a slow loris) for eviction.
+const PROGRESS_BYTES: usize = 512;
 /// Rank 0's pause when nothing happened in a round of its accept/read loop.
 const IDLE: Duration = Duration::from_millis(2);
 
@@ -384,8 +387,12 @@ struct Pending {
     stream: TcpStream,
     peer: SocketAddr,
     since: Instant,
-    /// When its last bytes arrived (or it was accepted).
+    /// When it last made progress: it was accepted, completed a frame, or sent
+    /// [`PROGRESS_BYTES`] more of one. A slow loris trickling bytes counts as silent, so it
+    /// can be evicted like an idle connection.
     heard: Instant,
+    /// Bytes arrived since `heard`.
+    unheard: usize,
     buf: Vec<u8>,
     /// Bytes of the frame, once the header says.
     need: Option<usize>,
@@ -438,7 +445,11 @@ impl Pending {
                 Ok(0) => return Read1::Gone(None),
                 Ok(n) => {
                     self.buf.extend_from_slice(&chunk[..n]);
-                    self.heard = Instant::now();
+                    self.unheard += n;
+                    if self.unheard >= PROGRESS_BYTES {
+                        self.heard = Instant::now();
+                        self.unheard = 0;
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Read1::More,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -465,6 +476,8 @@ impl Pending {
                 }
             }
             self.need = None;
+            self.heard = Instant::now();
+            self.unheard = 0;
             return Read1::Frame(std::mem::take(&mut self.buf));
         }
     }
@@ -561,6 +574,7 @@ fn serve(
                         peer,
                         since: now,
                         heard: now,
+                        unheard: 0,
                         buf: Vec::new(),
                         need: None,
                         stage: cfg.key.as_ref().map(|_| Stage::Hello),
@@ -1664,6 +1678,44 @@ mod tests {
             "rank 1 took {took:?} behind idle connections"
         );
         drop(idle);
+    }
+
+    #[test]
+    fn slow_loris_connections_filling_every_slot_do_not_keep_a_rank_out() {
+        // MAX_PENDING connections each trickle a byte of a join header every 50 ms: never
+        // silent for EVICT_IDLE by the clock, but no progress either. A real rank joining
+        // after them gets in by evicting them, not after they time out at JOIN_WAIT.
+        let master = own_master(23);
+        let r0 = spawn_rank(master, 42, 0, 2, payload_of(0), cfg(30));
+        let mut loris: Vec<TcpStream> = (0..MAX_PENDING).map(|_| connect_raw(master)).collect();
+        let header = b"GWRV\x01\x01\x00\x00\x01\x00";
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let trickle = {
+            let stop = stop.clone();
+            thread::spawn(move || {
+                let mut i = 0;
+                while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                    for s in &mut loris {
+                        let _ = s.write(&header[i % header.len()..][..1]);
+                    }
+                    i += 1;
+                    thread::sleep(Duration::from_millis(50));
+                }
+            })
+        };
+        thread::sleep(EVICT_IDLE + Duration::from_millis(100));
+        let started = Instant::now();
+        let r1 = spawn_rank(master, 42, 1, 2, payload_of(1), cfg(30));
+        let expect: Vec<Vec<u8>> = (0..2).map(payload_of).collect();
+        assert_eq!(r1.join().unwrap().unwrap(), expect);
+        let took = started.elapsed();
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        trickle.join().unwrap();
+        assert_eq!(r0.join().unwrap().unwrap(), expect);
+        assert!(
+            took < JOIN_WAIT / 2,
+            "rank 1 took {took:?} behind slow-loris connections"
+        );
     }
 
     #[test]

@@ -403,9 +403,9 @@ pub fn spawn_with(
 /// Most node connections served at once, per node of the job: a node keeps one (at most one
 /// speaks for each node), the rest is room for reconnections. When every place is taken, a
 /// new connection takes the place of the one silent longest (for at least [`EVICT_IDLE`])
-/// among those that have not spoken yet, so idle connections cannot keep a node out; only
-/// when none has been silent that long (every one of them sends, or has just come) is the
-/// new one closed.
+/// among those that have not spoken yet, so idle connections cannot keep a node out; while
+/// none has been silent that long (every one of them sends, or has just come), new ones
+/// wait in the listen backlog, in order, and are accepted as places free.
 pub const CONNECTIONS_PER_NODE: usize = 4;
 /// How long a new connection has, from its accept, to complete its first frame. A node sends
 /// its topology request (or a link report) as soon as it has connected
@@ -537,17 +537,26 @@ fn serve(
     let registry: Registry = Arc::new(Mutex::new(Vec::new()));
     let mut next_id = 0u64;
     let mut conns: Vec<std::thread::JoinHandle<()>> = Vec::new();
+    let mut full = false;
     while !stop.load(Ordering::Acquire) {
         // Finished connections leave the list: it holds the live ones only.
         conns.retain(|c| !c.is_finished());
-        match listener.accept() {
-            Ok((s, peer)) if !make_room(&registry, cap) => {
+        // Every place taken and none to free: newcomers wait in the listen backlog (in
+        // order) until one is, rather than being closed, so a node that connects while a
+        // flood holds every place gets in as the flood's connections go stale.
+        if !make_room(&registry, cap) {
+            if !full {
                 log::warn!(
-                    "scheduler: refused a connection from {peer}: {cap} node connections are \
-                     open already, none silent for {EVICT_IDLE:?} without a frame"
+                    "scheduler: {cap} node connections are open, none silent for \
+                     {EVICT_IDLE:?} without a frame: new ones wait"
                 );
-                drop(s);
             }
+            full = true;
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
+        }
+        full = false;
+        match listener.accept() {
             Ok((s, peer)) => {
                 let socket = match s.try_clone() {
                     Ok(c) => c,

@@ -8,33 +8,7 @@
 
 mod common;
 
-use std::net::{SocketAddr, TcpListener};
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
-
-use common::bounded;
-use gradwire_netstorm::config::NetStormConfig;
-use gradwire_proto::rate::RateMode;
-use gradwire_wan::scheduler::Strategy;
-use gradwire_wan::site::{run_node, NodeSpec, SchedulerRole};
-use gradwire_wan::workload::Workload;
-
-/// A master port whose next two (the scheduler's, the barrier's) are free too, as far as a
-/// bind can tell.
-fn free_master() -> SocketAddr {
-    loop {
-        let l = TcpListener::bind("127.0.0.3:0").unwrap();
-        let a = l.local_addr().unwrap();
-        let (Some(p1), Some(p2)) = (a.port().checked_add(1), a.port().checked_add(2)) else {
-            continue;
-        };
-        let next = [p1, p2].map(|p| TcpListener::bind(("127.0.0.3", p)));
-        if next.iter().all(Result::is_ok) {
-            return a;
-        }
-    }
-}
 
 #[test]
 fn three_sites_on_loopback_run_verified_rounds_with_the_scheduler_served_by_node_0() {
@@ -47,7 +21,7 @@ fn three_sites_on_loopback_run_verified_rounds_with_the_scheduler_served_by_node
 fn an_authenticated_job_runs_the_same_rounds_sealed() {
     let secret = gradwire_proto::auth::JobSecret::new(b"a netstorm job secret".to_vec()).unwrap();
     let key = Some(Arc::new(gradwire_proto::auth::JobKey::new(&secret)));
-    for (rank, out) in three_sites([key.clone(), key.clone(), key])
+    for (rank, out) in common::three_sites([key.clone(), key.clone(), key], 3)
         .into_iter()
         .enumerate()
     {
@@ -63,7 +37,7 @@ fn an_authenticated_job_runs_the_same_rounds_sealed() {
 fn a_node_without_the_secret_fails_every_nodes_set_up() {
     let secret = gradwire_proto::auth::JobSecret::new(b"a netstorm job secret".to_vec()).unwrap();
     let key = Some(Arc::new(gradwire_proto::auth::JobKey::new(&secret)));
-    let outs: Vec<String> = three_sites([key.clone(), key, None])
+    let outs: Vec<String> = common::three_sites([key.clone(), key, None], 3)
         .into_iter()
         .map(|out| out.expect_err("a mixed job ran").to_string())
         .collect();
@@ -75,10 +49,11 @@ fn a_node_without_the_secret_fails_every_nodes_set_up() {
     );
 }
 
-type Key = Option<Arc<gradwire_proto::auth::JobKey>>;
-
 fn three_sites_plain() {
-    for (rank, out) in three_sites([None, None, None]).into_iter().enumerate() {
+    for (rank, out) in common::three_sites([None, None, None], 3)
+        .into_iter()
+        .enumerate()
+    {
         let out = out.unwrap_or_else(|e| panic!("node {rank}: {e}"));
         assert!(out.verified && out.rounds == 3, "node {rank}: {out:?}");
         if rank == 0 {
@@ -86,55 +61,4 @@ fn three_sites_plain() {
             assert_eq!(s.requests, 9, "three rounds of three nodes' requests");
         }
     }
-}
-
-/// Every node's outcome.
-fn three_sites(
-    auth: [Key; 3],
-) -> Vec<Result<gradwire_wan::site::NodeOutput, gradwire_wan::site::NodeError>> {
-    let master = free_master();
-    let world = 3;
-    let workload = Workload {
-        model: "synthetic".into(),
-        scale: 1.0,
-        layers: vec![("a".into(), 3000), ("b".into(), 1000)],
-        elems: 4000,
-    };
-    let topology =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/three_sites.toml");
-    let nodes: Vec<_> = (0..world)
-        .map(|rank| {
-            let spec = NodeSpec {
-                rank,
-                world,
-                job: 77,
-                ip: "127.0.0.3".parse().unwrap(),
-                master,
-                scheduler: if rank == 0 {
-                    SchedulerRole::Serve(SocketAddr::new(master.ip(), master.port() + 1))
-                } else {
-                    SchedulerRole::At(SocketAddr::new(master.ip(), master.port() + 1))
-                },
-                strategy: Strategy::MrFaptAware,
-                topology: (rank == 0).then(|| topology.clone()),
-                workload: workload.clone(),
-                iterations: 3,
-                duration: None,
-                timeout: Duration::from_secs(10),
-                rate_bps: 1_000_000_000,
-                rate_mode: RateMode::default(),
-                period_ns: 1_000_000,
-                netstorm: NetStormConfig {
-                    chunk_size: 500,
-                    ..NetStormConfig::default()
-                },
-                auth: auth[rank].clone(),
-            };
-            std::thread::spawn(move || run_node(&spec, |_, _| {}))
-        })
-        .collect();
-    nodes
-        .into_iter()
-        .map(|h| bounded(Duration::from_secs(120), move || h.join().unwrap()))
-        .collect()
 }
