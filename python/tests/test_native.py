@@ -279,7 +279,7 @@ def test_init_with_the_callers_allgather() -> None:
         [
             lambda r=r: gradwire.Session.init(
                 lambda a, r=r: allgather(r, a), r, world, IP, timeout=TIMEOUT,
-                secret=b"a job secret of 24 bytes",  # authenticated links
+                secret=b"a job secret of 24 bytes",  # every datagram sealed per pair
             )
             for r in range(world)
         ]
@@ -288,6 +288,9 @@ def test_init_with_the_callers_allgather() -> None:
         arrays = [np.full(5000, 1.0, dtype=np.float16) for _ in range(world)]
         run_ranks([lambda s=s, a=a: s.all_reduce(a) for s, a in zip(sessions, arrays)])
         assert all((a == 3.0).all() for a in arrays)
+        for s in sessions:
+            st = s.message_stats()
+            assert s.message_layer and st["unauthenticated"] == 0 and st["replayed"] == 0
     finally:
         close_all(sessions)
     with pytest.raises(ZeroDivisionError):  # the all-gather's own error comes through
