@@ -13,6 +13,7 @@
 //! | [`privilege`] | [`is_root`], [`require_root`] and partial skips, `GRADWIRE_REQUIRE_PRIV` |
 //! | [`connect`] | [`connect_retry`] |
 //! | [`exclusive`] | [`FabricLock`]: one fabric run at a time across tests and processes |
+//! | [`census`] | [`census::Census`]: this process's descriptors and threads, for leak checks |
 //!
 //! # Names
 //!
@@ -61,6 +62,7 @@
 //! stderr ends up in the error.
 #![forbid(unsafe_code)]
 
+pub mod census;
 pub mod cmd;
 pub mod connect;
 mod error;

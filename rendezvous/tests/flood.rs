@@ -11,28 +11,12 @@ use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use gradwire_netns::census::Census;
 
 use gradwire_proto::auth::{JobKey, JobSecret};
 use gradwire_rendezvous::{exchange, RendezvousConfig, MAX_PENDING};
-
-fn count(dir: &str) -> usize {
-    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
-}
-
-/// Descriptors and threads of this process, once they have settled (a thread that was
-/// told to stop may take a moment to be gone).
-fn settled(want: Option<(usize, usize)>) -> (usize, usize) {
-    let now = || (count("/proc/self/fd"), count("/proc/self/task"));
-    let until = Instant::now() + Duration::from_secs(5);
-    loop {
-        let c = now();
-        if want.is_none_or(|w| w == c) || Instant::now() >= until {
-            return c;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 /// The flood: more slow-loris connections than rank 0 has places (a byte every 50 ms each),
 /// and, every 50 ms, one connection that sends garbage and one that announces a frame of
@@ -77,7 +61,7 @@ fn flood(master: SocketAddr, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<u
 }
 
 fn job(key: Option<Arc<JobKey>>, port: u16) {
-    let before = settled(None);
+    let before = Census::now();
     let pid = std::process::id() & 0x3f_ffff;
     let master = SocketAddr::from((std::net::Ipv4Addr::from(0x7f40_0000 | pid), port));
     let cfg = RendezvousConfig {
@@ -121,7 +105,7 @@ fn job(key: Option<Arc<JobKey>>, port: u16) {
         "the flood opened only {opened} connections"
     );
     assert_eq!(
-        settled(Some(before)),
+        before.settled_back(Duration::from_secs(5)),
         before,
         "descriptors and threads before and after"
     );

@@ -15,31 +15,15 @@ use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use gradwire_netns::census::Census;
 
 use gradwire_proto::auth::{JobKey, JobSecret};
 
 /// Rounds of the job: long enough for the flood to be in place at set-up and to go on
 /// through the rounds.
 const ROUNDS: u32 = 100;
-
-fn count(dir: &str) -> usize {
-    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
-}
-
-/// Descriptors and threads of this process, once they have settled at `want` (or after
-/// 5 s).
-fn settled(want: Option<(usize, usize)>) -> (usize, usize) {
-    let now = || (count("/proc/self/fd"), count("/proc/self/task"));
-    let until = Instant::now() + Duration::from_secs(5);
-    loop {
-        let c = now();
-        if want.is_none_or(|w| w == c) || Instant::now() >= until {
-            return c;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 /// Connects from 127.0.0.3, the nodes' address.
 fn connect_from_nodes(to: SocketAddr) -> Option<TcpStream> {
@@ -88,7 +72,7 @@ fn flood(targets: Vec<SocketAddr>, stop: Arc<AtomicBool>) -> std::thread::JoinHa
 }
 
 fn flooded_job(auth: common::Key) {
-    let before = settled(None);
+    let before = Census::now();
     let master = common::free_master();
     let scheduler = SocketAddr::new(master.ip(), master.port() + 1);
     let stop = Arc::new(AtomicBool::new(false));
@@ -110,7 +94,7 @@ fn flooded_job(auth: common::Key) {
         "the flood opened only {opened:?} connections (rendezvous, scheduler)"
     );
     assert_eq!(
-        settled(Some(before)),
+        before.settled_back(Duration::from_secs(5)),
         before,
         "descriptors and threads before and after"
     );
