@@ -112,7 +112,8 @@ typedef struct gw_config {
   uint64_t seed;
   // Sender's starting/paced rate cap in bits per second; 0 = the transport default.
   uint64_t rate_bps;
-  // The job secret (at least 16 bytes, the same on every rank): authenticated links.
+  // The job secret (at least 16 bytes, the same on every rank): every datagram sealed
+  // with its pair of ranks' key.
   // NULL (default): no authentication.
   const uint8_t *secret;
   // Length of secret in bytes.

@@ -115,7 +115,8 @@ pub struct gw_config {
     pub seed: u64,
     /// Sender's starting/paced rate cap in bits per second; 0 = the transport default.
     pub rate_bps: u64,
-    /// The job secret (at least 16 bytes, the same on every rank): authenticated links.
+    /// The job secret (at least 16 bytes, the same on every rank): every datagram sealed
+    /// with its pair of ranks' key.
     /// NULL (default): no authentication.
     pub secret: *const u8,
     /// Length of secret in bytes.

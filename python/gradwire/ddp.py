@@ -198,7 +198,7 @@ class GradwireState:
         ip: this rank's address (default: ``GRADWIRE_IP``, or the one routing to MASTER_ADDR).
         rate_bps: the senders' line rate (default: gradwire's).
         inject_loss, seed: testing: drop this fraction of arriving data packets.
-        secret: job secret (16+ bytes): authenticated links.
+        secret: job secret (16+ bytes): every datagram sealed with its pair of ranks' key.
         coalesce: all-reduce consecutive parameters of a bucket with the same bound and
             priority class as one slice (False: one all-reduce per parameter).
         priority_classes: how many classes the layers spread over for coalescing, 1..7
