@@ -53,22 +53,7 @@ fn a_slow_worker_never_makes_a_pull_staler_than_allowed() {
             let (tree, pace) = (tree.clone(), pace.clone());
             tb.spawn_in(r, move || {
                 let timeout = Duration::from_secs(20);
-                let link_cfg = NetLinkConfig {
-                    connect_timeout: timeout,
-                    ..NetLinkConfig::default()
-                };
-                let ip = IpAddr::V4(host_ipv4(r));
-                let links = Links::connect(
-                    11,
-                    r,
-                    WORLD,
-                    ip,
-                    master,
-                    &tree_edges(&tree),
-                    None,
-                    &link_cfg,
-                )
-                .unwrap();
+                let links = host_links(11, r, WORLD, master, &tree_edges(&tree), None, timeout);
                 let cfg = PsConfig {
                     staleness: STALENESS,
                     learning_rate: lr,
@@ -139,6 +124,24 @@ fn a_slow_worker_never_makes_a_pull_staler_than_allowed() {
     }
 }
 
+/// Rank `r`'s links of job `job` from testbed host `r`, through the rendezvous at `master`.
+fn host_links(
+    job: u32,
+    r: usize,
+    world: usize,
+    master: SocketAddr,
+    edges: &[(usize, usize)],
+    secret: Option<&gradwire::auth::JobSecret>,
+    timeout: Duration,
+) -> Links {
+    let link_cfg = NetLinkConfig {
+        connect_timeout: timeout,
+        ..NetLinkConfig::default()
+    };
+    let ip = IpAddr::V4(host_ipv4(r));
+    Links::connect(job, r, world, ip, master, edges, secret, &link_cfg).unwrap()
+}
+
 /// Joins every rank's thread, takes the testbed down, and only then reports the first
 /// failure: no thread is left running in a namespace that is being deleted.
 fn join_all<T>(
@@ -193,12 +196,7 @@ fn a_killed_aggregator_is_routed_around_over_namespaces() {
             let (tree, edges) = (tree.clone(), edges.clone());
             tb.spawn_in(r, move || {
                 let timeout = Duration::from_secs(20);
-                let link_cfg = NetLinkConfig {
-                    connect_timeout: timeout,
-                    ..NetLinkConfig::default()
-                };
-                let ip = IpAddr::V4(host_ipv4(r));
-                let links = Links::connect(12, r, N, ip, master, &edges, None, &link_cfg).unwrap();
+                let links = host_links(12, r, N, master, &edges, None, timeout);
                 let cfg = PsConfig {
                     learning_rate: common::LR,
                     op_timeout: timeout,
@@ -275,16 +273,9 @@ fn an_authenticated_parameter_server_runs_sealed_and_exact() {
             let (tree, edges) = (tree.clone(), edges.clone());
             tb.spawn_in(r, move || {
                 let timeout = Duration::from_secs(20);
-                let link_cfg = NetLinkConfig {
-                    connect_timeout: timeout,
-                    ..NetLinkConfig::default()
-                };
                 let secret =
                     gradwire::auth::JobSecret::new(b"0123456789abcdef-ps".to_vec()).unwrap();
-                let ip = IpAddr::V4(host_ipv4(r));
-                let links =
-                    Links::connect(13, r, WORLD, ip, master, &edges, Some(&secret), &link_cfg)
-                        .unwrap();
+                let links = host_links(13, r, WORLD, master, &edges, Some(&secret), timeout);
                 let cfg = PsConfig {
                     learning_rate: lr,
                     op_timeout: timeout,
