@@ -611,6 +611,10 @@ pub struct StatsArgs {
     /// One JSON array.
     #[arg(long)]
     pub json: bool,
+    /// Serve the counters in Prometheus's text format at http://ADDR/metrics until stopped
+    /// (e.g. 127.0.0.1:9464; port 0: any, the address is printed).
+    #[arg(long, value_name = "ADDR", conflicts_with_all = ["json", "watch"])]
+    pub prometheus: Option<std::net::SocketAddr>,
 }
 
 /// Which datapath carries the data packets.

@@ -11,6 +11,7 @@ mod job_cmd;
 mod loopio;
 mod mlnet_cmd;
 mod p2p;
+mod prometheus;
 mod report;
 mod run;
 mod stats;

@@ -360,6 +360,9 @@ pub fn collect(dir: &Path) -> Result<Vec<ProcessStats>, ProcessStatsError> {
 /// `gradwire stats`.
 pub fn run(a: &StatsArgs) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let dir = a.dir.clone().unwrap_or_else(stats_dir);
+    if let Some(addr) = a.prometheus {
+        return crate::prometheus::serve(addr, &dir);
+    }
     loop {
         let all = collect(&dir)?;
         if a.json {

@@ -632,3 +632,110 @@ fn a_sender_that_dies_mid_transfer_is_named_within_the_timeout() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rank 1"), "{err}");
 }
+
+/// One scrape of `gradwire stats --prometheus` at `addr`: the body of `GET /metrics`.
+fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+    body.to_owned()
+}
+
+/// The value of `metric` for process `pid` in an exposition, if there is a sample.
+fn sample(body: &str, metric: &str, pid: u32) -> Option<f64> {
+    let want = format!("{metric}{{pid=\"{pid}\",");
+    body.lines()
+        .find(|l| l.starts_with(&want))
+        .and_then(|l| l.rsplit_once(' '))
+        .and_then(|(_, v)| v.parse().ok())
+}
+
+/// `gradwire stats --prometheus` scraped while a send/recv pair runs (200 transfers of 4 MiB):
+/// the receiver's endpoint counters appear with its pid, role, datapath and protocol, and
+/// grow from one scrape to a later one while the transfers go on; the sender's transfers
+/// counter too. A request for anything but /metrics is a 404.
+#[test]
+fn prometheus_scrapes_see_the_counters_grow_while_transfers_run() {
+    use std::io::BufRead;
+    let addr = own_addr(7_111);
+    let listen = addr.to_string();
+    let common = ["--size", "4MiB", "--count", "200", "--timeout", "30"];
+    let mut recv = ChildGuard::spawn(
+        Command::new(env!("CARGO_BIN_EXE_gradwire"))
+            .args(["recv", "--listen", &listen, "--accept-timeout", "30"])
+            .args(common)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    wait_listening(&mut recv, addr);
+    let mut stats = ChildGuard::spawn(
+        Command::new(env!("CARGO_BIN_EXE_gradwire"))
+            .args(["stats", "--prometheus", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
+    let mut first = String::new();
+    std::io::BufReader::new(stats.child().stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let server = first
+        .trim()
+        .strip_prefix("serving Prometheus metrics on http://")
+        .and_then(|s| s.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("stats printed {first:?}"))
+        .to_owned();
+    let mut send = ChildGuard::spawn(
+        Command::new(env!("CARGO_BIN_EXE_gradwire"))
+            .args(["send", "--to", &listen])
+            .args(common)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped()),
+    );
+    let (recv_pid, send_pid) = (recv.child().id(), send.child().id());
+    let mut seen = Vec::new();
+    let mut sender_transfers = 0.0f64;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while send.child().try_wait().unwrap().is_none() && Instant::now() < deadline {
+        let body = scrape(&server);
+        if let Some(v) = sample(&body, "gradwire_endpoint_datagrams_in_total", recv_pid) {
+            assert!(
+                body.contains(&format!(
+                    "gradwire_endpoint_datagrams_in_total{{pid=\"{recv_pid}\",role=\"recv\",datapath=\"udp\",protocol=\"msg\"}}"
+                )),
+                "{body}"
+            );
+            seen.push(v);
+        }
+        if let Some(t) = sample(&body, "gradwire_transfers_total", send_pid) {
+            sender_transfers = sender_transfers.max(t);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(send.wait_with_output().status.success());
+    assert!(recv.wait_with_output().status.success());
+    assert!(
+        seen.windows(2).all(|w| w[0] <= w[1]),
+        "a counter went down: {seen:?}"
+    );
+    assert!(
+        seen.first() < seen.last(),
+        "the receiver's counter did not grow between scrapes during the run: {seen:?}"
+    );
+    assert!(
+        sender_transfers >= 1.0,
+        "the sender's transfers were never scraped"
+    );
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(&server).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    assert!(text.starts_with("HTTP/1.1 404"), "{text}");
+}
