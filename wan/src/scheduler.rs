@@ -538,12 +538,32 @@ fn serve(
     let mut next_id = 0u64;
     let mut conns: Vec<std::thread::JoinHandle<()>> = Vec::new();
     let mut full = false;
+    // A newcomer accepted while every place was taken, first in line for the next place
+    // (the ones after it wait in the listen backlog, in order).
+    let mut waiting: Option<(TcpStream, SocketAddr)> = None;
     while !stop.load(Ordering::Acquire) {
         // Finished connections leave the list: it holds the live ones only.
         conns.retain(|c| !c.is_finished());
-        // Every place taken and none to free: newcomers wait in the listen backlog (in
-        // order) until one is, rather than being closed, so a node that connects while a
-        // flood holds every place gets in as the flood's connections go stale.
+        let (s, peer) = match waiting.take() {
+            Some(w) => w,
+            None => match listener.accept() {
+                Ok(w) => w,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+                // E.g. out of file descriptors: keep serving the connections there are, and
+                // try again shortly.
+                Err(e) => {
+                    log::warn!("scheduler: accept failed: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            },
+        };
+        // Every place taken and none to free: the newcomer waits rather than being closed,
+        // so a node that connects while a flood holds every place gets in as the flood's
+        // connections go stale.
         if !make_room(&registry, cap) {
             if !full {
                 log::warn!(
@@ -552,56 +572,44 @@ fn serve(
                 );
             }
             full = true;
+            waiting = Some((s, peer));
             std::thread::sleep(Duration::from_millis(20));
             continue;
         }
         full = false;
-        match listener.accept() {
-            Ok((s, peer)) => {
-                let socket = match s.try_clone() {
-                    Ok(c) => c,
-                    Err(e) => {
-                        log::warn!("scheduler: could not serve a connection from {peer}: {e}");
-                        continue;
-                    }
-                };
-                let id = next_id;
-                next_id += 1;
-                let accepted = Instant::now();
-                if let Ok(mut r) = registry.lock() {
-                    r.push(Live {
-                        id,
-                        peer,
-                        socket,
-                        heard: accepted,
-                        node: None,
-                    });
-                }
-                let place = Place {
-                    id,
-                    registry: Arc::clone(&registry),
-                };
-                let state = Arc::clone(&state);
-                let stop = Arc::clone(&stop);
-                match std::thread::Builder::new()
-                    .name("netstorm-node-conn".into())
-                    .spawn(move || connection(s, peer, accepted, place, &state, &stop, opts))
-                {
-                    Ok(c) => conns.push(c),
-                    // Out of threads for now: this connection is closed (its place freed
-                    // with the closure), the next is tried.
-                    Err(e) => log::warn!("scheduler: could not serve a connection: {e}"),
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            // E.g. out of file descriptors: keep serving the connections there are, and try
-            // again shortly.
+        let socket = match s.try_clone() {
+            Ok(c) => c,
             Err(e) => {
-                log::warn!("scheduler: accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(100));
+                log::warn!("scheduler: could not serve a connection from {peer}: {e}");
+                continue;
             }
+        };
+        let id = next_id;
+        next_id += 1;
+        let accepted = Instant::now();
+        if let Ok(mut r) = registry.lock() {
+            r.push(Live {
+                id,
+                peer,
+                socket,
+                heard: accepted,
+                node: None,
+            });
+        }
+        let place = Place {
+            id,
+            registry: Arc::clone(&registry),
+        };
+        let state = Arc::clone(&state);
+        let stop = Arc::clone(&stop);
+        match std::thread::Builder::new()
+            .name("netstorm-node-conn".into())
+            .spawn(move || connection(s, peer, accepted, place, &state, &stop, opts))
+        {
+            Ok(c) => conns.push(c),
+            // Out of threads for now: this connection is closed (its place freed
+            // with the closure), the next is tried.
+            Err(e) => log::warn!("scheduler: could not serve a connection: {e}"),
         }
     }
     for c in conns {
