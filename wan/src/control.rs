@@ -14,14 +14,6 @@ use gradwire_netstorm::wire::{frame_len, Message, TopologyRequest, WireError, HE
 use crate::error::{TimedOut, WanError};
 use crate::seal::{ControlAuth, Seal, TAG_LEN};
 
-/// Write one NetStorm frame.
-pub fn write_frame(s: &mut TcpStream, m: &Message) -> std::io::Result<()> {
-    let bytes = m
-        .to_vec()
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    s.write_all(&bytes)
-}
-
 /// Read one NetStorm frame: its header first, whose bounded length says how much more to
 /// read (the stream's read timeout bounds the wait).
 pub fn read_frame(s: &mut TcpStream) -> std::io::Result<Message> {
@@ -103,13 +95,13 @@ impl SchedulerClient {
     /// frame must follow within the scheduler's first-frame timeout.
     pub fn connect(addr: SocketAddr, timeout: Duration) -> Result<Self, WanError> {
         let mut c = Self::new(addr, timeout);
-        c.stream()?;
+        c.conn()?;
         Ok(c)
     }
 
-    /// The connection, made now if there is none yet (and, authenticated, its hello
-    /// exchanged).
-    fn stream(&mut self) -> Result<&mut TcpStream, WanError> {
+    /// The connection and (authenticated) its tags, made now if there is none yet (the
+    /// hello exchanged).
+    fn conn(&mut self) -> Result<(&mut TcpStream, Option<&mut Seal>), WanError> {
         let (addr, from, timeout) = (self.addr, self.from, self.timeout);
         if self.stream.is_none() {
             let mut s = open(addr, from, timeout)?;
@@ -128,30 +120,28 @@ impl SchedulerClient {
             }
             self.stream = Some(s);
         }
-        self.stream
+        let s = self
+            .stream
             .as_mut()
-            .ok_or_else(|| WanError::Internal("no scheduler connection".into()))
+            .ok_or_else(|| WanError::Internal("no scheduler connection".into()))?;
+        Ok((s, self.seal.as_mut()))
     }
 
     fn err(&self, error: String) -> WanError {
-        WanError::Scheduler {
-            addr: self.addr,
-            error,
-            timed_out: None,
-        }
+        scheduler_error(self.addr, error)
     }
 
     /// Send one message (with its tag, authenticated).
     pub fn send(&mut self, m: &Message) -> Result<(), WanError> {
+        let addr = self.addr;
         let mut bytes = m.to_vec().map_err(|e| self.err(format!("sending: {e}")))?;
-        self.stream()?;
-        if let Some(seal) = &mut self.seal {
+        let (s, seal) = self.conn()?;
+        if let Some(seal) = seal {
             let tag = seal.tag(&bytes);
             bytes.extend_from_slice(&tag);
         }
-        self.stream()?
-            .write_all(&bytes)
-            .map_err(|e| self.err(format!("sending: {e}")))
+        s.write_all(&bytes)
+            .map_err(|e| scheduler_error(addr, format!("sending: {e}")))
     }
 
     /// TRP: send the request and block for the answer (the read timeout bounds the wait).
@@ -159,12 +149,8 @@ impl SchedulerClient {
         let round = req.round;
         self.send(&Message::TopologyRequest(req))?;
         let asked = Instant::now();
-        let seal = &mut self.seal;
-        let stream = self.stream.as_mut();
-        let read = stream
-            .ok_or_else(|| std::io::Error::other("no scheduler connection"))
-            .and_then(|s| read_sealed(s, seal.as_mut()));
-        let answer = read.map_err(|e| {
+        let (s, seal) = self.conn()?;
+        let answer = read_sealed(s, seal).map_err(|e| {
             let waited = asked.elapsed();
             // The read timeout is the round timeout: say so, not "os error 11".
             if matches!(
@@ -195,6 +181,14 @@ impl SchedulerClient {
                 other.kind()
             ))),
         }
+    }
+}
+
+fn scheduler_error(addr: SocketAddr, error: String) -> WanError {
+    WanError::Scheduler {
+        addr,
+        error,
+        timed_out: None,
     }
 }
 
