@@ -81,7 +81,9 @@ use zeroize::Zeroizing;
 use crate::wire::{self, header};
 
 mod members;
-pub use members::{MemberEntry, MemberKey, PacketKey, PairKeys, MEMBER_PROOF_LEN, PACKET_TAG_LEN};
+pub use members::{
+    MemberEntry, MemberKey, PacketKey, PairKeys, MEMBER_ENTRY_LEN, MEMBER_PROOF_LEN, PACKET_TAG_LEN,
+};
 
 pub use crate::wire::header::TAG_LEN as DATA_TAG_LEN;
 

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime};
 use gradwire_fabric::topology::Topology;
 use gradwire_msg::endpoint::{Endpoint, EndpointConfig};
 use gradwire_netstorm::config::NetStormConfig;
-use gradwire_proto::auth::{JobKey, MemberEntry, MEMBER_PROOF_LEN, PUBLIC_LEN};
+use gradwire_proto::auth::{JobKey, MemberEntry, MEMBER_ENTRY_LEN};
 use gradwire_proto::rate::RateMode;
 use gradwire_rendezvous::{self as rendezvous, RendezvousConfig, RendezvousError};
 use serde::{Deserialize, Serialize};
@@ -321,15 +321,13 @@ pub const WAN_ACK_EVERY: u32 = 2;
 /// Largest rendezvous payload: one endpoint address as text (`[v6]:port` fits), and in an
 /// authenticated job a newline and the node's member entry in hex.
 const MAX_ADDR_PAYLOAD: usize = 64 + 1 + 2 * MEMBER_ENTRY_LEN;
-/// Bytes of a member entry: public key and proof.
-const MEMBER_ENTRY_LEN: usize = PUBLIC_LEN + MEMBER_PROOF_LEN;
 
 /// A node's rendezvous payload: its address, and its member entry in hex when it has one.
 fn payload(addr: SocketAddr, member: Option<MemberEntry>) -> String {
     let mut p = addr.to_string();
     if let Some(m) = member {
         p.push('\n');
-        for b in m.public.iter().chain(m.proof.iter()) {
+        for b in m.to_bytes() {
             p.push_str(&format!("{b:02x}"));
         }
     }
@@ -345,13 +343,7 @@ fn member_from_hex(hex: &str) -> Option<MemberEntry> {
     for (i, b) in bytes.iter_mut().enumerate() {
         *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
     }
-    let mut m = MemberEntry {
-        public: [0; PUBLIC_LEN],
-        proof: [0; MEMBER_PROOF_LEN],
-    };
-    m.public.copy_from_slice(&bytes[..PUBLIC_LEN]);
-    m.proof.copy_from_slice(&bytes[PUBLIC_LEN..]);
-    Some(m)
+    MemberEntry::from_bytes(&bytes)
 }
 
 /// Every node's endpoint address from the rendezvous table (one `ip:port` in text per node,
@@ -376,10 +368,10 @@ pub fn node_table(table: &[Vec<u8>]) -> Result<Vec<(SocketAddr, Option<MemberEnt
             ),
             None => (text, None),
         };
-        let a: SocketAddr = Some(addr).and_then(|t| t.parse().ok()).ok_or_else(|| {
+        let a: SocketAddr = addr.parse().map_err(|_| {
             format!(
                 "node {rank}'s rendezvous entry is not an ip:port address ({} bytes): is \
-                     it a gradwire wan node of the same version?",
+                 it a gradwire wan node of the same version?",
                 entry.len()
             )
         })?;

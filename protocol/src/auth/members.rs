@@ -34,6 +34,8 @@ use super::{expand_bytes, expand_key, extract, AuthError, JobKey, PUBLIC_LEN};
 
 /// Bytes of a member proof (a full HMAC-SHA256 tag).
 pub const MEMBER_PROOF_LEN: usize = 32;
+/// Bytes of a [`MemberEntry`] as bytes ([`MemberEntry::to_bytes`]): public key, then proof.
+pub const MEMBER_ENTRY_LEN: usize = PUBLIC_LEN + MEMBER_PROOF_LEN;
 /// Bytes of a packet's authentication tag (AES-128-GCM).
 pub const PACKET_TAG_LEN: usize = 16;
 
@@ -67,6 +69,25 @@ pub struct MemberEntry {
     pub public: [u8; PUBLIC_LEN],
     /// HMAC-SHA256 with the job's member key over job, rank and `public`.
     pub proof: [u8; MEMBER_PROOF_LEN],
+}
+
+impl MemberEntry {
+    /// The public key, then the proof.
+    pub fn to_bytes(&self) -> [u8; MEMBER_ENTRY_LEN] {
+        let mut b = [0u8; MEMBER_ENTRY_LEN];
+        b[..PUBLIC_LEN].copy_from_slice(&self.public);
+        b[PUBLIC_LEN..].copy_from_slice(&self.proof);
+        b
+    }
+
+    /// [`MemberEntry::to_bytes`] read back; `None` unless exactly [`MEMBER_ENTRY_LEN`] bytes.
+    pub fn from_bytes(b: &[u8]) -> Option<MemberEntry> {
+        let (public, proof) = b.split_first_chunk::<PUBLIC_LEN>()?;
+        Some(MemberEntry {
+            public: *public,
+            proof: proof.try_into().ok()?,
+        })
+    }
 }
 
 impl MemberKey {
@@ -334,6 +355,8 @@ mod tests {
         let m = members(2);
         let e1 = m[1].entry(&k, 7, 1);
         assert!(m[0].pair(&k, 7, 0, 1, &e1).is_ok());
+        assert_eq!(MemberEntry::from_bytes(&e1.to_bytes()), Some(e1));
+        assert_eq!(MemberEntry::from_bytes(&e1.to_bytes()[1..]), None);
         let wrong = [
             (job_key(2), 7, 1, e1),
             (job_key(1), 8, 1, e1),

@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;
 
-use gradwire::auth::{JobKey, MemberEntry, MEMBER_PROOF_LEN, PUBLIC_LEN};
+use gradwire::auth::{JobKey, MemberEntry, MEMBER_ENTRY_LEN};
 use gradwire::flow::{fixed_priority, Tag};
 use gradwire::message::{LossBound, Stage};
 use gradwire::tensor::Tensor;
@@ -25,7 +25,7 @@ const T_ADDR: u32 = 7 << 27;
 const ADDR_LEN: usize = 64;
 /// Bytes of the exchange: the address, then the node's member entry (its X25519 public key
 /// and proof; zeros in a plain job).
-const EXCHANGE_LEN: usize = ADDR_LEN + PUBLIC_LEN + MEMBER_PROOF_LEN;
+const EXCHANGE_LEN: usize = ADDR_LEN + MEMBER_ENTRY_LEN;
 /// Binds the node's endpoint for `rank` of `world` in `job`, on the address this host sends
 /// to `toward` (a neighbour) from; the layer fails a message whose peer says nothing about
 /// it for `peer_timeout`, naming the peer. With the job key of authenticated links, every
@@ -100,8 +100,7 @@ pub(super) fn exchange(
     let mut text = me.to_string().into_bytes();
     text.resize(ADDR_LEN, 0);
     if let Some(m) = member {
-        text.extend_from_slice(&m.public);
-        text.extend_from_slice(&m.proof);
+        text.extend_from_slice(&m.to_bytes());
     }
     text.resize(EXCHANGE_LEN, 0);
     let t = raw_tensor(&text);
@@ -175,15 +174,11 @@ fn recv_addr(il: &mut InLink, ctx: &Ctx) -> Result<(SocketAddr, Option<MemberEnt
             peer,
             what: "its endpoint address at set-up is not an address".into(),
         })?;
-    let (public, proof) = entry.split_at(PUBLIC_LEN);
-    let member = (entry.iter().any(|&b| b != 0)).then(|| {
-        let mut m = MemberEntry {
-            public: [0; PUBLIC_LEN],
-            proof: [0; MEMBER_PROOF_LEN],
-        };
-        m.public.copy_from_slice(public);
-        m.proof.copy_from_slice(proof);
-        m
-    });
+    // All zeros: a plain job's node.
+    let member = entry
+        .iter()
+        .any(|&b| b != 0)
+        .then(|| MemberEntry::from_bytes(entry))
+        .flatten();
     Ok((addr, member))
 }
