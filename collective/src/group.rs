@@ -671,7 +671,7 @@ impl Group {
 
     /// The byte range of chunk `c` of a `len`-byte tensor in reduce-scatter and all-gather.
     pub fn chunk(&self, len: usize, c: usize) -> std::ops::Range<usize> {
-        let seg = self.cfg_seg_payload();
+        let seg = self.ep.seg_payload();
         crate::algo::Chunks::new(len, seg, self.world()).bytes(c)
     }
 
@@ -686,10 +686,6 @@ impl Group {
 
     /// Bytes per block of a reduction (one segment's payload).
     pub fn block_bytes(&self) -> usize {
-        self.cfg_seg_payload()
-    }
-
-    fn cfg_seg_payload(&self) -> usize {
         self.ep.seg_payload()
     }
 

@@ -21,10 +21,10 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-
-use gradwire_proto::auth::{JobKey, MemberEntry, MemberKey};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use gradwire_proto::auth::{JobKey, MemberEntry, MemberKey};
 
 use crate::core::{Core, CoreConfig, Event, Stats, TxBatch};
 use crate::io::udp::{IoError, UdpConfig, UdpIo};
