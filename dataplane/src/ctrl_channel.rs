@@ -201,11 +201,8 @@ fn wait_fd(fd: BorrowedFd<'_>, flags: PollFlags, timeout: Duration) -> std::io::
 
 /// `N` fresh bytes from the OS's random source: the handshake's and the flows' nonces (they
 /// key authenticated sessions and flows, so they must neither be predictable nor repeat).
-pub(crate) fn random_bytes<const N: usize>() -> Result<[u8; N], ring::error::Unspecified> {
-    use ring::rand::SecureRandom;
-    let mut b = [0u8; N];
-    ring::rand::SystemRandom::new().fill(&mut b)?;
-    Ok(b)
+pub(crate) fn random_bytes<const N: usize>() -> Result<[u8; N], gradwire_proto::auth::AuthError> {
+    gradwire_proto::auth::random(&ring::rand::SystemRandom::new())
 }
 
 /// A fresh random link token for [`TcpCtrl::connect_link`] and

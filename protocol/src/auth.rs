@@ -176,6 +176,14 @@ pub enum AuthError {
     BadMemberProof,
 }
 
+/// `N` bytes from `rng` (the drivers pass the OS's random source,
+/// `ring::rand::SystemRandom`): handshake nonces, link tokens, flow nonces.
+pub fn random<const N: usize>(rng: &dyn ring::rand::SecureRandom) -> Result<[u8; N], AuthError> {
+    let mut b = [0u8; N];
+    rng.fill(&mut b).map_err(|_| AuthError::Random)?;
+    Ok(b)
+}
+
 /// A [`hkdf::KeyType`] for HKDF output of any length (only [`expand_bytes`] uses it).
 struct OutLen(usize);
 

@@ -16,10 +16,7 @@
 
 use std::sync::Arc;
 
-use gradwire_proto::auth::{
-    CtrlOpener, CtrlSealer, Ephemeral, JobKey, Role, Transcript, NONCE_LEN,
-};
-use ring::rand::SecureRandom;
+use gradwire_proto::auth::{random, CtrlOpener, CtrlSealer, Ephemeral, JobKey, Role, Transcript};
 
 use crate::wire::{self, Greeting, Kind, Sealed, WireError};
 
@@ -42,8 +39,7 @@ pub enum HandshakeError {
 
 fn greeting() -> Result<(Ephemeral, Greeting), HandshakeError> {
     let rng = ring::rand::SystemRandom::new();
-    let mut nonce = [0u8; NONCE_LEN];
-    rng.fill(&mut nonce).map_err(|_| HandshakeError::Random)?;
+    let nonce = random(&rng).map_err(|_| HandshakeError::Random)?;
     let eph = Ephemeral::generate(&rng).map_err(|_| HandshakeError::Random)?;
     let public = *eph.public();
     Ok((eph, Greeting { nonce, public }))

@@ -40,11 +40,10 @@ use gradwire_netstorm::consistency::SchedulerState;
 use gradwire_netstorm::graph::Overlay;
 use gradwire_netstorm::wire::{frame_len, Kind, Message, Policy, TopologyRequest, HEADER_LEN};
 
-use crate::seal::{ControlAuth, Seal, HELLO_LEN, TAG_LEN};
-
 use crate::error::WanError;
 use crate::plan::{formulate, Planner};
 use crate::policy::parents;
+use crate::seal::{ControlAuth, Seal, HELLO_LEN, TAG_LEN};
 
 /// How the scheduler builds policies: NetStorm's, and the baselines, in one code path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

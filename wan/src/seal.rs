@@ -25,7 +25,6 @@ use gradwire_proto::auth::{
     CtrlOpener, CtrlSealer, JobKey, MemberEntry, MemberKey, Role, Transcript, CTRL_TAG_LEN,
     NONCE_LEN,
 };
-use ring::rand::SecureRandom;
 
 /// Bytes of the node's hello.
 pub const HELLO_LEN: usize = 2 + NONCE_LEN;
@@ -81,11 +80,7 @@ impl Seal {
 }
 
 fn nonce() -> std::io::Result<[u8; NONCE_LEN]> {
-    let mut n = [0u8; NONCE_LEN];
-    ring::rand::SystemRandom::new()
-        .fill(&mut n)
-        .map_err(|_| std::io::Error::other("the system random number generator failed"))?;
-    Ok(n)
+    gradwire_proto::auth::random(&ring::rand::SystemRandom::new()).map_err(std::io::Error::other)
 }
 
 impl ControlAuth {
