@@ -307,6 +307,18 @@ fn answered(s: &SchedulerHandle, node: u16) -> Result<Duration, String> {
 /// soon as the scheduler's accept loop has made room (milliseconds), far within this.
 const ROOM_WITHIN: Duration = Duration::from_secs(5);
 
+/// Panics unless `node`'s request on a fresh connection is answered within
+/// [`ROOM_WITHIN`], behind `behind` (what holds the scheduler's places).
+fn assert_answered_behind(s: &SchedulerHandle, node: u16, behind: &str) {
+    match answered(s, node) {
+        Ok(took) => {
+            eprintln!("node {node} answered in {took:?} behind {behind}");
+            assert!(took < ROOM_WITHIN, "node {node} waited {took:?} for room");
+        }
+        Err(why) => panic!("{behind} locked node {node} out: {why}"),
+    }
+}
+
 #[test]
 fn silent_connections_filling_every_slot_do_not_lock_a_node_out() {
     let s = scheduler();
@@ -315,13 +327,7 @@ fn silent_connections_filling_every_slot_do_not_lock_a_node_out() {
     let silent: Vec<TcpStream> = (0..cap).map(|_| connect(&s)).collect();
     // Longer than the eviction's least silence.
     std::thread::sleep(Duration::from_millis(400));
-    match answered(&s, 1) {
-        Ok(took) => {
-            eprintln!("node 1 answered in {took:?} behind {cap} silent connections");
-            assert!(took < ROOM_WITHIN, "node 1 waited {took:?} for room");
-        }
-        Err(why) => panic!("{cap} silent connections locked node 1 out: {why}"),
-    }
+    assert_answered_behind(&s, 1, &format!("{cap} silent connections"));
     drop(silent);
     s.stop().unwrap();
 }
@@ -341,13 +347,7 @@ fn connections_that_spoke_once_then_idle_do_not_lock_a_node_out() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(400));
-    match answered(&s, 2) {
-        Ok(took) => {
-            eprintln!("node 2 answered in {took:?} behind {cap} idle connections");
-            assert!(took < ROOM_WITHIN, "node 2 waited {took:?} for room");
-        }
-        Err(why) => panic!("{cap} idle connections locked node 2 out: {why}"),
-    }
+    assert_answered_behind(&s, 2, &format!("{cap} idle connections"));
     drop(idle);
     s.stop().unwrap();
 }
